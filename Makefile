@@ -1,0 +1,41 @@
+# The two set-up commands (README): `make demo` and `make test`.  Each creates .venv
+# with the pinned stack if it is missing; torch is installed first, alone, so that no
+# dependency pulls a CUDA build.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export HF_HUB_DISABLE_TELEMETRY := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: demo test test-quick bench install lint clean
+
+$(STAMP): pyproject.toml requirements/constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -c requirements/constraints.txt -e '.[test,bench]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m transformdsl demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -n 2 --dist loadfile
+
+test-quick: $(STAMP)
+	$(PY) -m pytest -q -x -m "not slow"
+
+bench: $(STAMP)
+	$(PY) benchmarks/run.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check transformdsl tests benchmarks
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

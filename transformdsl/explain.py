@@ -1,0 +1,57 @@
+"""Human-readable rendering of a :class:`~transformdsl.planner.Plan` (``transformdsl explain``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .planner import Plan
+
+SAMPLE = 4
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"  # pragma: no cover
+
+
+def render_plan(plan: Plan) -> str:
+    source = plan.script.source
+    lines = []
+    what = plan.model_name
+    if len(plan.components) > 1 or "" not in plan.components:
+        parts = ", ".join(f"{k}={v}" for k, v in plan.components.items())
+        what += f" ({parts})"
+    lines.append(f"model: {what}: {plan.module_count} modules, {human_bytes(plan.total_bytes)} of parameters")
+    if not plan.steps:
+        lines.append("plan: nothing to do")
+        return "\n".join(lines)
+    lines.append(f"plan: {len(plan.steps)} statement(s), in execution order")
+    for index, step in enumerate(plan.steps, 1):
+        where = f" [{step.component}]" if step.component else ""
+        lines.append("")
+        lines.append(f"{index}. line {step.statement.line}: {step.text(source)}{where}")
+        lines.append(f"   {step.transform.summary}")
+        count = len(step.targets)
+        lines.append(f"   matched {count} module(s), {human_bytes(step.bytes)} of parameters")
+        for path in step.targets[:SAMPLE]:
+            lines.append(f"     {path or '<root>'}")
+        if count > SAMPLE:
+            lines.append(f"     ... and {count - SAMPLE} more")
+        if step.excluded:
+            parts = ", ".join(f"{n} by {label}" for label, n in step.excluded.items())
+            lines.append(f"   excluded: {parts}")
+        if step.skipped:
+            lines.append(f"   not transformed ({len(step.skipped)}):")
+            reasons: dict[str, list[str]] = {}
+            for path, reason in step.skipped:
+                reasons.setdefault(reason, []).append(path)
+            for reason, paths in reasons.items():
+                shown = ", ".join(p or "<root>" for p in paths[:2]) + (f" (+{len(paths) - 2})" if len(paths) > 2 else "")
+                lines.append(f"     {shown}: {reason}")
+        for note in step.notes:
+            lines.append(f"   note: {note}")
+    return "\n".join(lines)

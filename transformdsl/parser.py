@@ -1,0 +1,276 @@
+"""Text → :class:`~transformdsl.ir.Script`, with positions on every node.
+
+The grammar lives in ``grammar/transformdsl.lark`` (shipped inside the package as
+``transformdsl/transformdsl.lark``).  Parsing is registry-independent: it only decides
+the shape of each statement.  Whether a verb, mode or option exists is the
+validator's business (:mod:`transformdsl.validate`).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from importlib import resources
+from pathlib import Path
+
+import lark
+from lark import Lark, Token, Tree
+
+from .errors import Problem, ScriptError
+from .ir import Option, Script, Selector, Span, Statement
+
+#: Scripts longer than this are refused before parsing (no unbounded work on hostile input).
+MAX_SCRIPT_CHARS = 256 * 1024
+
+_MODE_RE = re.compile(r"[a-z][a-z0-9_]*\Z")
+_IDENT_RE = re.compile(r"[a-z0-9_]+\Z")
+_GLOB_CHARS = set("*?[")
+
+
+def _grammar_text() -> str:
+    # Development checkouts read grammar/ at the repository root; installed
+    # packages carry a copy (see pyproject.toml's package data).
+    repo = Path(__file__).resolve().parent.parent / "grammar" / "transformdsl.lark"
+    if repo.is_file():
+        return repo.read_text()
+    return resources.files(__package__).joinpath("transformdsl.lark").read_text()
+
+
+@functools.lru_cache(maxsize=1)
+def _parser() -> Lark:
+    return Lark(_grammar_text(), parser="lalr", propagate_positions=True, maybe_placeholders=False)
+
+
+def parse(text: str, filename: str | None = None) -> Script:
+    """Parse script text into a :class:`Script`.
+
+    Raises :class:`ScriptError` (with ``line``/``column``) for syntax errors and for
+    malformed selectors or values.  Nothing about verbs, modes or options is checked
+    here: :func:`transformdsl.validate.validate` does that.
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"parse() takes script text (str), not {type(text).__name__}")
+    if len(text) > MAX_SCRIPT_CHARS:
+        span = Span(filename, 1, 1, 1, 2)
+        raise ScriptError([Problem(f"script is {len(text)} characters; the limit is {MAX_SCRIPT_CHARS}", [span])], text)
+    try:
+        tree = _parser().parse(text)
+    except lark.exceptions.UnexpectedInput as exc:
+        raise ScriptError([_syntax_problem(exc, text, filename)], text) from None
+    builder = _Builder(filename, text)
+    statements = tuple(builder.statement(node) for node in tree.children if isinstance(node, Tree))
+    if builder.problems:
+        raise ScriptError(builder.problems, text)
+    return Script(statements, source=text, filename=filename)
+
+
+def parse_file(path: str | Path) -> Script:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ScriptError([Problem(f"cannot read script: {exc}", [Span(str(path), 1, 1, 1, 2)])]) from None
+    return parse(text, filename=str(path))
+
+
+# --------------------------------------------------------------------------- syntax errors
+
+_TOKEN_NAMES = {
+    "WORD": "a selector or word",
+    "OPTION_KEY": "an option (name=value)",
+    "VALUE": "a value",
+    "STRING": "a quoted string",
+    "COMMA": "','",
+    "IN": "'in'",
+    "EXCEPT": "'except'",
+    "_SEP": "end of statement",
+    "$END": "end of script",
+}
+
+
+def _syntax_problem(exc: lark.exceptions.UnexpectedInput, text: str, filename: str | None) -> Problem:
+    line, column = max(exc.line, 1), max(exc.column, 1)
+    if isinstance(exc, lark.exceptions.UnexpectedCharacters):
+        char = text[exc.pos_in_stream] if exc.pos_in_stream < len(text) else ""
+        if char in "\"'":
+            message = "unterminated string"
+        elif char == "=":
+            message = "'=' must directly follow an option name (name=value)"
+        else:
+            message = f"unexpected character {char!r}"
+        return Problem(message, [Span(filename, line, column, line, column + 1)])
+
+    token = getattr(exc, "token", None)
+    expected = set(getattr(exc, "expected", ()) or ())
+    if token is None or token.type == "$END":
+        # End of input: point just past the last character.
+        lines = text.splitlines() or [""]
+        line, column = len(lines), len(lines[-1]) + 1
+        span = Span(filename, line, column, line, column + 1)
+        found = "end of script"
+    else:
+        span = Span(filename, line, column, token.end_line or line, token.end_column or column + 1)
+        found = "end of statement" if token.type == "_SEP" else repr(str(token))
+    previous = _previous_word(text, token)
+    if expected == {"VALUE", "STRING"}:
+        message = f"expected a value after '{previous}'"
+    elif "WORD" in expected and previous in {"in", "except", ","}:
+        message = f"expected a selector after '{previous}', found {found}"
+    elif token is not None and token.type in {"IN", "EXCEPT"}:
+        message = f"expected a selector after '{previous}', found {found}"
+    elif token is not None and token.type in {"VALUE", "STRING"}:
+        message = f"unexpected {found}; options are written name=value"
+    else:
+        names = sorted(_TOKEN_NAMES.get(e, e) for e in expected)
+        message = f"unexpected {found}; expected {', '.join(names)}" if names else f"unexpected {found}"
+    return Problem(message, [span])
+
+
+def _previous_word(text: str, token: Token | None) -> str:
+    at_end = token is None or token.type == "$END" or token.start_pos is None
+    end = len(text) if at_end else token.start_pos
+    head = text[:end].rstrip(" \t")
+    if head.endswith(","):
+        return ","
+    match = re.search(r"([^\s;,]+)$", head)
+    return match.group(1) if match else ""
+
+
+# --------------------------------------------------------------------------- tree → IR
+
+
+class _Builder:
+    def __init__(self, filename: str | None, text: str):
+        self.filename = filename
+        self.text = text
+        self.problems: list[Problem] = []
+
+    def span(self, item) -> Span:
+        if isinstance(item, Token):
+            return Span(self.filename, item.line, item.column, item.end_line, item.end_column)
+        meta = item.meta
+        return Span(self.filename, meta.line, meta.column, meta.end_line, meta.end_column)
+
+    def statement(self, node: Tree) -> Statement:
+        verb_token, *rest = node.children
+        mode = mode_span = None
+        target: list[Selector] = []
+        scope: list[Selector] = []
+        exclude: list[Selector] = []
+        options: list[Option] = []
+        for child in rest:
+            if child.data == "words":
+                tokens = list(child.children)
+                if _MODE_RE.match(tokens[0]):
+                    mode, mode_span = str(tokens[0]), self.span(tokens[0])
+                    tokens = tokens[1:]
+                target.extend(self.selector(t) for t in tokens)
+                self._check_commas(child, mode is not None)
+            elif child.data == "scope":
+                scope.extend(self.selectors(child))
+            elif child.data == "exclusion":
+                exclude.extend(self.selectors(child))
+            elif child.data == "option":
+                options.append(self.option(child))
+        return Statement(
+            verb=str(verb_token),
+            mode=mode,
+            target=tuple(target),
+            scope=tuple(scope),
+            exclude=tuple(exclude),
+            options=tuple(options),
+            span=self.span(node),
+            verb_span=self.span(verb_token),
+            mode_span=mode_span,
+        )
+
+    def _check_commas(self, words: Tree, has_mode: bool) -> None:
+        # `fp8 native Linear Conv2d` (two targets without a comma) is almost
+        # certainly a missing comma, not a mode plus a target.
+        tokens = list(words.children)
+        head = tokens[1:] if has_mode else tokens
+        for first, second in zip(head, head[1:]):
+            if "," not in self.text[first.end_pos : second.start_pos]:
+                self.problems.append(
+                    Problem(
+                        f"two target selectors without a comma: '{first}' '{second}'",
+                        [self.span(second)],
+                        hint=f"write '{first}, {second}'",
+                    )
+                )
+                return
+
+    def selectors(self, node: Tree) -> list[Selector]:
+        (group,) = node.children
+        return [self.selector(t) for t in group.children]
+
+    def selector(self, token: Token) -> Selector:
+        text = str(token)
+        span = self.span(token)
+        try:
+            return make_selector(text, span)
+        except ValueError as exc:
+            self.problems.append(Problem(str(exc), [span]))
+            return Selector(text, "regex", "(?!)", span)
+
+    def option(self, node: Tree) -> Option:
+        key_token, value_node = node.children
+        name = str(key_token).rstrip(" \t=")
+        (value_token,) = value_node.children
+        span = Span(self.filename, key_token.line, key_token.column, value_token.end_line, value_token.end_column)
+        value_span = self.span(value_token)
+        if value_token.type == "STRING":
+            value = _unquote(str(value_token))
+        else:
+            value = typed_value(str(value_token))
+        return Option(name, value, span, value_span)
+
+
+def make_selector(text: str, span: Span | None = None) -> Selector:
+    """Classify a selector word (see spec.md "Selectors").  Raises ValueError if malformed."""
+    if text.startswith("re:"):
+        pattern = text[3:]
+        if pattern.startswith(("'", '"')):
+            pattern = _unquote(pattern)
+        if not pattern:
+            raise ValueError("empty regular expression after 're:'")
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ValueError(f"invalid regular expression {pattern!r}: {exc}") from None
+        return Selector(text, "regex", pattern, span)
+    if "." in text:
+        segments = text.split(".")
+        if any(not s for s in segments):
+            raise ValueError(f"empty path segment in {text!r}")
+        return Selector(text, "path", text, span)
+    first_letter = next((c for c in text if c.isalpha()), "")
+    if first_letter.isupper():
+        return Selector(text, "class", text, span)
+    if _IDENT_RE.match(text):
+        return Selector(text, "word", text, span)
+    if _GLOB_CHARS & set(text) or text:
+        return Selector(text, "name", text, span)
+    raise ValueError("empty selector")  # pragma: no cover - grammar forbids it
+
+
+def typed_value(text: str):
+    """``true``/``false`` → bool, integers → int, decimals → float, anything else → str."""
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    try:
+        return int(text, 10)
+    except ValueError:
+        pass
+    try:
+        if re.fullmatch(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?", text):
+            return float(text)
+    except ValueError:  # pragma: no cover
+        pass
+    return text
+
+
+def _unquote(text: str) -> str:
+    quote, body = text[0], text[1:-1]
+    return re.sub(r"\\(.)", r"\1", body) if "\\" in body else body if quote else text

@@ -1,0 +1,123 @@
+"""The contract every transform implements.
+
+A transform is one subclass of :class:`Transform` in one file under ``passes/``,
+registered with :func:`transformdsl.registry.register`.  It declares:
+
+- its ``verb`` and ``mode`` (the registry key is ``"verb mode"``), a one-line ``summary``;
+- ``Options``: a frozen dataclass of typed options (:func:`transformdsl.options.option`);
+- ``default_target`` / ``default_except``: selector text used when a statement gives none
+  (``default_target = None`` means "the modules the ``in`` clause names, or the root");
+- ordering rules: ``runs_after`` / ``runs_before`` (registry keys, globs allowed);
+- ``exclusive``: a group name; two statements of the same group may not touch the same
+  module (e.g. two quantizations), unless one ``overrides`` the other, in which case the
+  overridden statement gives the shared modules up;
+- and behaviour, all optional except :meth:`apply`:
+  :meth:`candidate` (can this module be transformed? else the reason, shown in the plan),
+  :meth:`check` (options valid for this module? else an error naming it),
+  :meth:`incompatible` (a rule against another statement of the script),
+  :meth:`plan_effect` (the structural change, on the planning snapshot),
+  :meth:`apply` (do it, through an :class:`~transformdsl.edit.Edit`),
+  :meth:`rebuild` (replay the structure on a skeleton when loading a saved model) and
+  :meth:`finalize` (after the saved tensors are loaded, e.g. compile again).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from torch import nn
+
+from ..edit import Edit
+from ..ir import Statement
+from ..options import CommonOptions, NoOptions
+from ..tree import ModuleInfo, ModuleTree
+
+
+@dataclass
+class ApplyContext:
+    """What :meth:`Transform.apply` gets besides its targets."""
+
+    root: nn.Module
+    edit: Edit
+    #: ``progress(iterable, total=None, desc=None)``: wraps long loops in a progress bar (or not).
+    progress: Any
+    #: Free space for a transform to leave facts for later statements of the same run.
+    notes: dict = field(default_factory=dict)
+
+
+class Transform:
+    verb: ClassVar[str]
+    mode: ClassVar[str | None] = None
+    summary: ClassVar[str] = ""
+    Options: ClassVar[type] = NoOptions
+    default_target: ClassVar[tuple[str, ...] | None] = ("Linear",)
+    default_except: ClassVar[tuple[str, ...]] = ()
+    runs_after: ClassVar[tuple[str, ...]] = ()
+    runs_before: ClassVar[tuple[str, ...]] = ()
+    exclusive: ClassVar[str | None] = None
+    overrides: ClassVar[tuple[str, ...]] = ()
+    #: Whether ``apply`` changes tensors (so the result must be saved) or only structure/runtime.
+    changes_weights: ClassVar[bool] = True
+    #: Whether a plan with this transform needs a statement ``in`` clause.
+    requires_scope: ClassVar[bool] = False
+
+    def __init__(self, statement: Statement, options: Any, common: CommonOptions | None = None):
+        self.statement = statement
+        self.options = options
+        self.common = common or CommonOptions()
+
+    @classmethod
+    def key(cls) -> str:
+        return f"{cls.verb} {cls.mode}" if cls.mode else cls.verb
+
+    # ------------------------------------------------------------------ planning
+
+    def candidate(self, info: ModuleInfo, tree: ModuleTree) -> str | None:
+        """``None`` if the selected module can be transformed, else the reason it cannot.
+
+        Modules with a reason are listed in the plan as near misses, never silently dropped.
+        """
+        return None
+
+    def check(self, info: ModuleInfo, tree: ModuleTree) -> str | None:
+        """``None`` if the options suit this module, else an error message (the plan fails)."""
+        return None
+
+    def incompatible(self, other: Transform) -> str | None:
+        """A rule against another statement of the same script: the reason and fix, or ``None``.
+
+        Called for every ordered pair; the validator reports it naming both lines.
+        """
+        return None
+
+    def plan_effect(self, tree: ModuleTree, targets: list[str]) -> None:
+        """Update the planning snapshot as :meth:`apply` will change the real tree."""
+
+    def notes(self, tree: ModuleTree, targets: list[str]) -> list[str]:
+        """Extra lines for the plan (e.g. a hardware fallback), after targets are known."""
+        return []
+
+    # ------------------------------------------------------------------ execution
+
+    def apply(self, ctx: ApplyContext, targets: list[str]) -> dict:
+        """Transform the modules at ``targets`` (paths below ``ctx.root``).
+
+        Every change to an existing module goes through ``ctx.edit``; tensors are never
+        modified in place.  Returns a JSON-serialisable record with everything
+        :meth:`rebuild` needs to recreate the structure when loading (no tensors).
+        """
+        raise NotImplementedError(f"'{self.key()}' is declared but cannot be executed yet")
+
+    # ------------------------------------------------------------------ loading
+
+    @classmethod
+    def rebuild(cls, root: nn.Module, record: dict, options: Any) -> None:
+        """Recreate on ``root`` (a skeleton, usually on the meta device) the structure that
+        :meth:`apply` produced, from its record, without computing anything.  The saved
+        tensors are loaded afterwards by the loader, by state_dict key."""
+        raise NotImplementedError(f"'{cls.key()}' cannot be reloaded")
+
+    @classmethod
+    def finalize(cls, root: nn.Module, record: dict, options: Any) -> None:
+        """Runs after the saved tensors are in place (e.g. to compile again)."""

@@ -1,0 +1,336 @@
+"""Planning: resolve every statement's selectors against a real module tree.
+
+:func:`plan` walks the model once (``named_modules()``), then resolves statements in
+execution order against that snapshot, letting each transform describe its structural
+effect so that later statements see the tree as it will be when they run.  The result is
+a :class:`Plan`: data you can print (``explain``), compare and save.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from .errors import Problem, ScriptError
+from .ir import Script, Selector
+from .parser import make_selector, parse, parse_file
+from .passes.base import Transform
+from .registry import key_matches
+from .selectors import matches, select, suggestions, topmost
+from .tree import ModuleTree, is_below, parameter_bytes
+from .validate import ValidatedScript, validate
+
+#: Pipeline components that hold the denoiser, in the order they are looked for.
+DENOISERS = ("transformer", "unet", "prior", "decoder")
+
+
+def load_script(script: str | Path | Script | ValidatedScript) -> Script:
+    """A :class:`Script` from text, a ``.tfm`` path, or an already parsed script."""
+    if isinstance(script, ValidatedScript):
+        return script.script
+    if isinstance(script, Script):
+        return script
+    if isinstance(script, Path) or (isinstance(script, str) and script.endswith(".tfm") and "\n" not in script):
+        return parse_file(script)
+    if isinstance(script, str):
+        return parse(script)
+    raise TypeError(f"a script is text, a .tfm path or a parsed Script, not {type(script).__name__}")
+
+
+# --------------------------------------------------------------------------- models and pipelines
+
+
+def is_pipeline(model: Any) -> bool:
+    """A diffusers pipeline (duck-typed: a ``components`` dict, not an ``nn.Module``)."""
+    return not isinstance(model, nn.Module) and isinstance(getattr(model, "components", None), dict)
+
+
+def module_components(model: Any) -> dict[str, nn.Module]:
+    """Name → module for what a script can target: ``{"": model}`` for a plain module."""
+    if isinstance(model, nn.Module):
+        return {"": model}
+    if is_pipeline(model):
+        return {k: v for k, v in model.components.items() if isinstance(v, nn.Module)}
+    raise TypeError(f"expected a torch.nn.Module or a diffusers pipeline, got {type(model).__name__}")
+
+
+def denoiser_name(model: Any) -> str:
+    if isinstance(model, nn.Module):
+        return ""
+    components = module_components(model)
+    for name in DENOISERS:
+        if name in components:
+            return name
+    raise ValueError(f"this pipeline has no denoiser ({', '.join(DENOISERS)}); name one with component=")
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+@dataclass
+class Step:
+    """One statement as it will run."""
+
+    transform: Transform
+    component: str
+    targets: list[str]
+    #: (path, reason): selected modules the transform cannot change, shown in the plan.
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    #: selector text → number of selected modules it excluded.
+    excluded: dict[str, int] = field(default_factory=dict)
+    #: modules given up to a statement that takes precedence (path, line).
+    overridden: list[tuple[str, int]] = field(default_factory=list)
+    bytes: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def statement(self):
+        return self.transform.statement
+
+    def text(self, source: str) -> str:
+        """The statement as written in the script."""
+        span = self.statement.span
+        if span is None or not source:
+            return self.statement.key
+        lines = source.splitlines()
+        if span.line == span.end_line:
+            return lines[span.line - 1][span.column - 1 : span.end_column - 1].strip()
+        return lines[span.line - 1][span.column - 1 :].strip()
+
+    def to_json(self, source: str = "") -> dict:
+        return {
+            "line": self.statement.line,
+            "statement": self.text(source),
+            "key": self.transform.key(),
+            "options": dataclasses.asdict(self.transform.options),
+            "component": self.component,
+            "targets": list(self.targets),
+            "skipped": [list(s) for s in self.skipped],
+            "excluded": dict(self.excluded),
+            "bytes": self.bytes,
+            "notes": list(self.notes),
+        }
+
+
+@dataclass
+class Plan:
+    """What a script will do to a model: the steps in execution order."""
+
+    script: Script
+    steps: list[Step]
+    model_name: str
+    components: dict[str, str]
+    module_count: int
+    total_bytes: int
+
+    def __iter__(self):
+        return iter(self.steps)
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def to_json(self) -> dict:
+        return {
+            "model": self.model_name,
+            "components": self.components,
+            "modules": self.module_count,
+            "bytes": self.total_bytes,
+            "steps": [s.to_json(self.script.source) for s in self.steps],
+        }
+
+    def __str__(self) -> str:
+        from .explain import render_plan
+
+        return render_plan(self)
+
+
+def plan(model: Any, script: str | Path | Script | ValidatedScript) -> Plan:
+    """Validate ``script`` and resolve it against ``model`` (an ``nn.Module`` or a pipeline).
+
+    Raises :class:`ScriptError` for any problem: invalid script, a selector that matches
+    nothing (with the nearest names), two statements changing the same module in ways
+    that exclude each other, options that do not suit a selected module.
+    """
+    validated = script if isinstance(script, ValidatedScript) else validate(load_script(script))
+    return Planner(model, validated).run()
+
+
+class Planner:
+    def __init__(self, model: Any, validated: ValidatedScript):
+        self.model = model
+        self.validated = validated
+        self.script = validated.script
+        self.components = module_components(model)
+        self.trees: dict[str, ModuleTree] = {}
+        self.problems: list[Problem] = []
+        #: (component, exclusive group) → path → the step that claimed it.
+        self.claims: dict[tuple[str, str], dict[str, Step]] = {}
+
+    def tree(self, component: str) -> ModuleTree:
+        if component not in self.trees:
+            self.trees[component] = ModuleTree.of(self.components[component])
+        return self.trees[component]
+
+    def run(self) -> Plan:
+        default = denoiser_name(self.model)
+        steps = []
+        for transform in self.validated.steps:
+            component = transform.common.component or default
+            if component not in self.components:
+                self._component_problem(transform, component)
+                continue
+            step = self.resolve(transform, component, self.tree(component))
+            if step is not None:
+                steps.append(step)
+        if self.problems:
+            raise ScriptError(self.problems, self.script.source)
+        module_count = sum(sum(1 for _ in m.modules()) for m in self.components.values())
+        total = sum(parameter_bytes(m) for m in self.components.values())
+        return Plan(self.script, steps, type(self.model).__name__,
+                    {name: type(m).__name__ for name, m in self.components.items()}, module_count, total)
+
+    def _component_problem(self, transform: Transform, component: str) -> None:
+        statement = transform.statement
+        span = next((o.span for o in statement.options if o.name == "component"), statement.span)
+        if isinstance(self.model, nn.Module):
+            self.problems.append(Problem("component= applies to pipelines; this model is a single module",
+                                         [span]))
+        else:
+            names = ", ".join(sorted(self.components))
+            self.problems.append(Problem(f"the pipeline has no component '{component}'", [span],
+                                         hint=f"components: {names}"))
+
+    def _selectors_or_problem(self, selectors: tuple[Selector, ...], tree: ModuleTree,
+                              within: list[str] | None) -> list[list[str]]:
+        found = []
+        for selector in selectors:
+            paths = select(selector, tree, within)
+            if not paths:
+                close = suggestions(selector, tree)
+                hint = ("nearest names: " + ", ".join(close)) if close else None
+                self.problems.append(Problem(f"selector '{selector.text}' matches no module", [selector.span],
+                                             hint=hint))
+            found.append(paths)
+        return found
+
+    def resolve(self, transform: Transform, component: str, tree: ModuleTree) -> Step | None:
+        statement = transform.statement
+        before = len(self.problems)
+        # 1. scope: modules at or below what `in` names (the whole component by default).
+        if statement.scope:
+            roots = topmost([p for paths in self._selectors_or_problem(statement.scope, tree, None) for p in paths])
+        else:
+            roots = [""]
+        # 2. targets: what the statement (or the transform, by default) names, within scope.
+        if statement.target:
+            selected = self._selectors_or_problem(statement.target, tree, roots)
+            candidates = _union(selected)
+        elif transform.default_target is None:
+            candidates = list(roots)
+        else:
+            defaults = [make_selector(text) for text in transform.default_target]
+            candidates = _union([select(s, tree, roots) for s in defaults])
+        # 3. exclusions: what `except` names, and the transform's defaults, with their subtrees.
+        exclusions: list[tuple[Selector, list[str]]] = []
+        if statement.exclude:
+            found = self._selectors_or_problem(statement.exclude, tree, None)
+            exclusions.extend(zip(statement.exclude, found))
+        if transform.common.default_except:
+            for text in transform.default_except:
+                selector = make_selector(text)
+                exclusions.append((selector, select(selector, tree, None)))
+        if len(self.problems) > before:
+            return None
+        step = Step(transform, component, [])
+        kept = []
+        for path in candidates:
+            hit = next((s for s, roots_ in exclusions if any(is_below(path, r) for r in roots_)), None)
+            if hit is not None:
+                label = f"except {hit.text}" if hit in statement.exclude else f"default: {hit.text}"
+                step.excluded[label] = step.excluded.get(label, 0) + 1
+            else:
+                kept.append(path)
+        # 4. can the transform change each one?  Near misses are kept with their reason.
+        errors = []
+        for path in kept:
+            info = tree[path]
+            reason = transform.candidate(info, tree)
+            if reason:
+                step.skipped.append((path, reason))
+                continue
+            error = transform.check(info, tree)
+            if error:
+                errors.append((path, error))
+                continue
+            step.targets.append(path)
+        if errors:
+            shown = "; ".join(f"{p or '<root>'}: {e}" for p, e in errors[:5])
+            more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
+            self.problems.append(Problem(f"'{statement.key}' cannot transform {len(errors)} selected "
+                                         f"module(s): {shown}{more}", [statement.span],
+                                         hint="exclude them with 'except' or change the options"))
+            return None
+        self._claim(step)
+        step.bytes = _bytes(tree, step.targets)
+        step.notes.extend(transform.notes(tree, step.targets))
+        if not step.targets:
+            step.notes.append("selects no module: this statement does nothing on this model")
+        transform.plan_effect(tree, list(step.targets))
+        return step
+
+    def _claim(self, step: Step) -> None:
+        group = step.transform.exclusive
+        if group is None:
+            return
+        claims = self.claims.setdefault((step.component, group), {})
+        conflicts: dict[int, tuple[Step, list[str]]] = {}
+        kept = []
+        for path in step.targets:
+            owner = claims.get(path)
+            if owner is None:
+                kept.append(path)
+                continue
+            if key_matches(step.transform.key(), owner.transform.overrides):
+                step.overridden.append((path, owner.statement.line))
+                continue
+            conflicts.setdefault(id(owner), (owner, []))[1].append(path)
+        for owner, paths in conflicts.values():
+            a, b = owner.statement, step.statement
+            sample = ", ".join(p or "<root>" for p in paths[:3]) + (" ..." if len(paths) > 3 else "")
+            self.problems.append(Problem(
+                f"'{a.key}' (line {a.line}) and '{b.key}' (line {b.line}) both change {len(paths)} module(s) "
+                f"({sample}); a module takes one of them", [a.span, b.span],
+                hint=f"narrow one statement, e.g. add 'except {_common_selector(paths)}' to line {b.line}"))
+        step.targets = kept
+        for path in kept:
+            claims[path] = step
+        if step.overridden:
+            lines = sorted({line for _, line in step.overridden})
+            step.notes.append(f"{len(step.overridden)} module(s) left to line(s) "
+                              f"{', '.join(map(str, lines))}, which take precedence")
+
+
+def _union(lists: list[list[str]]) -> list[str]:
+    seen: dict[str, None] = {}
+    for paths in lists:
+        for p in paths:
+            seen.setdefault(p, None)
+    return list(seen)
+
+
+def _bytes(tree: ModuleTree, paths: list[str]) -> int:
+    roots = topmost(paths)
+    return sum(tree.subtree_bytes(p) for p in roots)
+
+
+def _common_selector(paths: list[str]) -> str:
+    names = sorted({p.rsplit(".", 1)[-1] for p in paths})
+    return ", ".join(names[:3])
+
+
+__all__ = ["Plan", "Step", "plan", "load_script", "is_pipeline", "module_components", "denoiser_name",
+           "matches"]
