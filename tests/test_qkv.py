@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import io
 import json
 import os
 
@@ -12,12 +13,12 @@ import pytest
 import torch
 from torch import nn
 
-from transformdsl.edit import Edit
-from transformdsl.errors import LoadError
+import transformdsl
+from transformdsl.errors import LoadError, TransformError
+from transformdsl.executor import history_of
 from transformdsl.passes import qkv
-from transformdsl.passes.base import ApplyContext
 from transformdsl.planner import plan
-from transformdsl.tree import parameter_bytes
+from transformdsl.tree import ModuleTree, parameter_bytes
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -78,11 +79,10 @@ def tiny_gpt2():
 
 
 BUILDERS = {"unet": tiny_unet, "sd3": tiny_sd3, "flux": tiny_flux, "llama": tiny_llama}
-DIFFUSERS = ("unet", "sd3", "flux")
 
 
-def build(arch: str, seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
+def build(arch: str) -> nn.Module:
+    torch.manual_seed(0)
     return BUILDERS[arch]().eval()
 
 
@@ -110,36 +110,18 @@ def run(model: nn.Module, arch: str) -> torch.Tensor:
     return out.logits if hasattr(out, "logits") else out.sample
 
 
-# --------------------------------------------------------------------------- harness (mirrors transform/save/load)
+# --------------------------------------------------------------------------- helpers
 
 
 def fuse(model: nn.Module, script: str = "fuse qkv"):
-    """Plan and apply the first statement of ``script``; returns (plan, step, record)."""
-    p = plan(model, script)
-    step = p.steps[0]
-    edit = Edit()
-    record = step.transform.apply(ApplyContext(model, edit, progress=lambda it, **k: it), step.targets)
-    edit.commit()
-    return p, step, record
-
-
-def reload(arch: str, model: nn.Module, step, record) -> nn.Module:
-    """A meta skeleton, rebuilt from ``record``, loaded with ``model``'s tensors."""
-    with torch.device("meta"):
-        torch.manual_seed(0)
-        skeleton = BUILDERS[arch]().eval()
-    type(step.transform).rebuild(skeleton, record, step.transform.options)
-    skeleton.load_state_dict(model.state_dict(), strict=True, assign=True)
-    saved = model.state_dict()
-    for name, buffer in model.named_buffers():   # non-persistent buffers (rotary inv_freq): the loader's job
-        if name not in saved:
-            owner, _, leaf = name.rpartition(".")
-            skeleton.get_submodule(owner)._buffers[leaf] = buffer.clone()
-    return skeleton
+    """``transformdsl.transform``; returns (the planned step, the record ``apply`` returned)."""
+    step = plan(model, script).steps[0]
+    transformdsl.transform(model, script)
+    return step, history_of(model).steps[0].record
 
 
 def structure(model: nn.Module) -> list:
-    """Everything rollback must restore besides tensors: module types, processors, flags."""
+    """What rollback and reload must reproduce besides tensors: module types, processors, flags."""
     return [(name, type(m), type(getattr(m, "processor", None)), m.__dict__.get("fused_projections"),
              m.__dict__.get("qkv_split")) for name, m in model.named_modules()]
 
@@ -148,11 +130,15 @@ def attention_paths(model: nn.Module) -> list[str]:
     return [n for n, m in model.named_modules() if type(m).__name__.endswith("Attention")]
 
 
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
 # --------------------------------------------------------------------------- outputs, bytes, layout
 
 
+#: arch → attention name → (attributes that must be plain Linears, attributes that must be gone)
 EXPECTED = {
-    # arch: {attention module suffix: (fused names, names that must be gone)}
     "unet": {"attn1": (["to_qkv"], ["to_q", "to_k", "to_v"]), "attn2": (["to_q", "to_kv"], ["to_k", "to_v"])},
     "sd3": {"attn": (["to_qkv", "to_added_qkv"], ["to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"])},
     "flux": {"attn": (["to_qkv"], ["to_q", "to_k", "to_v"])},
@@ -164,10 +150,10 @@ EXPECTED = {
 def test_fused_outputs_match_and_bytes_do_not_grow(arch):
     model = build(arch)
     before, bytes_before = run(model, arch), parameter_bytes(model)
-    p, step, record = fuse(model)
+    step, record = fuse(model)
     assert step.targets == attention_paths(model) and not step.skipped
-    assert len(record["modules"]) == len(step.targets)
-    assert (run(model, arch) - before).abs().max().item() <= 1e-5
+    assert [m["path"] for m in record["modules"]] == step.targets
+    assert max_diff(run(model, arch), before) <= 1e-5
     assert parameter_bytes(model) == bytes_before        # old projections deleted, not kept beside
     for path in step.targets:
         attention = model.get_submodule(path)
@@ -180,7 +166,7 @@ def test_flux_double_and_single_blocks():
     model = build("flux")
     fuse(model)
     double, single = model.transformer_blocks[0].attn, model.single_transformer_blocks[0].attn
-    assert double.fused_projections and single.fused_projections
+    assert double.fused_projections and single.fused_projections   # FluxAttnProcessor's fused path
     assert double.to_added_qkv.weight.shape == (48, 16) and not hasattr(single, "to_added_qkv")
     assert single.pre_only and not hasattr(single, "to_out")
 
@@ -190,22 +176,32 @@ def test_sd3_last_block_is_context_pre_only():
     fuse(model)
     last = model.transformer_blocks[-1].attn
     assert last.context_pre_only and last.to_add_out is None and hasattr(last, "to_added_qkv")
+    assert type(last.processor).__name__ == "FusedJointAttnProcessor2_0"
 
 
-def test_llama_grouped_query_split_and_cache():
+def test_llama_grouped_query_attention_and_cache():
     model = build("llama")
     reference = copy.deepcopy(model)
     fuse(model)
     attention = model.model.layers[0].self_attn
     assert attention.qkv_split == (32, 16, 16) and attention.qkv_proj.weight.shape == (64, 32)
-    assert isinstance(attention, type(reference.model.layers[0].self_attn))
-    # Prefill and decoding through the key/value cache.
-    ids = inputs("llama")["input_ids"]
+    assert isinstance(attention, type(reference.model.layers[0].self_attn))   # still a LlamaAttention
+    # Prefill, then decoding through the key/value cache.
     kwargs = dict(max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True,
                   pad_token_id=0)
+    ids = inputs("llama")["input_ids"]
     got, expected = model.generate(ids, **kwargs), reference.generate(ids, **kwargs)
     assert torch.equal(got.sequences, expected.sequences)
-    assert max((a - b).abs().max().item() for a, b in zip(got.logits, expected.logits)) <= 1e-5
+    assert max(max_diff(a, b) for a, b in zip(got.logits, expected.logits)) <= 1e-5
+
+
+def test_fused_llama_pickles():
+    model = build("llama")
+    fuse(model)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    assert torch.equal(run(torch.load(buffer, weights_only=False), "llama"), run(model, "llama"))
 
 
 def test_llama_eager_attention():
@@ -213,19 +209,19 @@ def test_llama_eager_attention():
     model = tiny_llama("eager").eval()
     before = run(model, "llama")
     fuse(model)
-    assert (run(model, "llama") - before).abs().max().item() <= 1e-5
+    assert max_diff(run(model, "llama"), before) <= 1e-5
 
 
-@pytest.mark.parametrize("arch", DIFFUSERS)
+@pytest.mark.parametrize("arch", ["unet", "sd3", "flux"])
 def test_matches_diffusers_fuse_qkv_projections(arch):
     model = build(arch)
     theirs = copy.deepcopy(model)
     theirs.fuse_qkv_projections()
     fuse(model)
-    assert (run(model, arch) - run(theirs, arch)).abs().max().item() <= 1e-5
-    # Same fused tensors, but diffusers keeps the old projections too (more bytes).
-    ours_sd, theirs_sd = model.state_dict(), theirs.state_dict()
-    assert all(torch.equal(t, theirs_sd[k]) for k, t in ours_sd.items())
+    assert max_diff(run(model, arch), run(theirs, arch)) <= 1e-5
+    # The same fused tensors under the same names; diffusers also keeps the old projections.
+    ours_state, theirs_state = model.state_dict(), theirs.state_dict()
+    assert all(torch.equal(t, theirs_state[k]) for k, t in ours_state.items())
     assert parameter_bytes(model) < parameter_bytes(theirs)
 
 
@@ -235,32 +231,29 @@ def test_matches_diffusers_fuse_qkv_projections(arch):
 def test_cross_attention_kv_and_skip():
     kv, skip = build("unet"), build("unet")
     before = run(kv, "unet")
-    _, step_kv, _ = fuse(kv, "fuse qkv cross=kv")
-    _, step_skip, _ = fuse(skip, "fuse qkv cross=skip")
+    step_kv, _ = fuse(kv, "fuse qkv cross=kv")
+    step_skip, _ = fuse(skip, "fuse qkv cross=skip")
     cross = [p for p in attention_paths(kv) if p.endswith("attn2")]
-    assert set(cross) <= set(step_kv.targets)
-    assert not set(cross) & set(step_skip.targets)
+    assert set(cross) <= set(step_kv.targets) and not set(cross) & set(step_skip.targets)
     assert sorted(p for p, _ in step_skip.skipped) == sorted(cross)
-    assert all("cross-attention" in reason and "cross=skip" in reason for _, reason in step_skip.skipped)
+    assert {r for _, r in step_skip.skipped} == {qkv.CROSS_SKIPPED}
     for model in (kv, skip):
-        assert (run(model, "unet") - before).abs().max().item() <= 1e-5
-    attn2_kv, attn2_skip = kv.get_submodule(cross[0]), skip.get_submodule(cross[0])
+        assert max_diff(run(model, "unet"), before) <= 1e-5
+    fused, left = kv.get_submodule(cross[0]), skip.get_submodule(cross[0])
     # k/v read the encoder states (24 features), q the hidden states (32): q is never fused with them.
-    assert attn2_kv.to_kv.in_features == 24 and attn2_kv.to_q.in_features == 32
-    assert all(hasattr(attn2_skip, n) for n in ("to_q", "to_k", "to_v")) and not hasattr(attn2_skip, "to_kv")
-    assert type(attn2_skip.processor).__name__ == "AttnProcessor2_0"
+    assert fused.to_kv.in_features == 24 and fused.to_q.in_features == 32
+    assert all(hasattr(left, n) for n in ("to_q", "to_k", "to_v")) and not hasattr(left, "to_kv")
+    assert type(left.processor).__name__ == "AttnProcessor2_0"
 
 
 # --------------------------------------------------------------------------- near misses
 
 
 def test_gpt2_is_a_near_miss():
-    model = tiny_gpt2()
-    p = plan(model, "fuse qkv")
+    p = plan(tiny_gpt2(), "fuse qkv")
     [(path, reason)] = p.steps[0].skipped
-    assert path == "transformer.h.0.attn" and reason.startswith("already fused: c_attn (Conv1D)")
-    assert p.steps[0].targets == []
-    assert "already fused: c_attn" in str(p)
+    assert path == "transformer.h.0.attn" and reason == "already fused: c_attn (Conv1D) projects q, k and v together"
+    assert p.steps[0].targets == [] and reason in str(p)
 
 
 def test_near_miss_reasons():
@@ -275,20 +268,21 @@ def test_near_miss_reasons():
     llama.model.layers[0].self_attn.k_proj = nn.Linear(24, 16, bias=False)     # reads another input
     llama.model.layers[1].self_attn.v_proj = nn.Sequential(nn.Linear(32, 16))   # not a plain Linear
     reasons = dict(plan(llama, "fuse qkv").steps[0].skipped)
-    assert reasons["model.layers.0.self_attn"].startswith("projections read different inputs: k_proj")
+    assert reasons["model.layers.0.self_attn"] == "projections read different inputs: k_proj has in_features 24, q_proj 32"
     assert reasons["model.layers.1.self_attn"] == "v_proj is a Sequential, not a plain nn.Linear (fuse qkv runs first)"
 
     unet = build("unet")
-    unet.fuse_qkv_projections()          # diffusers' own: to_qkv beside to_q
-    assert all(r.startswith("already fused: to_") for _, r in plan(unet, "fuse qkv").steps[0].skipped)
+    unet.fuse_qkv_projections()          # diffusers' own: to_qkv / to_kv beside to_q, to_k, to_v
+    assert {r.split(" (")[0] for _, r in plan(unet, "fuse qkv").steps[0].skipped} == \
+        {"already fused: to_qkv", "already fused: to_kv"}
 
-    sd3 = tiny_sd3(qk_norm="rms_norm")
-    reasons = {r for _, r in plan(sd3, "fuse qkv").steps[0].skipped}
-    assert reasons == {"qk-norm (norm_q, norm_k, norm_added_q, norm_added_k): diffusers' "
-                       "FusedJointAttnProcessor2_0 skips it, so fusing would change outputs"}
+    sd35 = tiny_sd3(qk_norm="rms_norm")
+    assert {r for _, r in plan(sd35, "fuse qkv").steps[0].skipped} == {
+        "qk-norm (norm_q, norm_k, norm_added_q, norm_added_k): diffusers' FusedJointAttnProcessor2_0 skips it, "
+        "so fusing would change outputs"}
 
 
-def test_llama_forward_of_another_version_is_not_fused(monkeypatch):
+def test_a_llama_forward_of_another_version_is_not_fused(monkeypatch):
     monkeypatch.setattr(qkv, "LLAMA_FORWARD_FINGERPRINT", "0" * 16)
     step = plan(build("llama"), "fuse qkv").steps[0]
     assert not step.targets and "differs from the one this pass mirrors" in step.skipped[0][1]
@@ -299,51 +293,80 @@ def test_llama_forward_of_another_version_is_not_fused(monkeypatch):
 
 def test_plan_effect_lets_quantize_target_the_fused_projection():
     model = build("unet")
-    p = plan(model, "fuse qkv; quantize int8")
-    targets = p.steps[1].targets
     attn1 = "down_blocks.0.attentions.0.transformer_blocks.0.attn1"
     attn2 = attn1[:-1] + "2"
-    assert f"{attn1}.to_qkv" in targets and f"{attn2}.to_kv" in targets and f"{attn2}.to_q" in targets
+    targets = plan(model, "fuse qkv; quantize int8").steps[1].targets
+    assert {f"{attn1}.to_qkv", f"{attn2}.to_kv", f"{attn2}.to_q"} <= set(targets)
     assert not any(t.endswith((".to_k", ".to_v")) or t == f"{attn1}.to_q" for t in targets)
-    # The snapshot describes the fused Linear as apply will build it.
-    from transformdsl.tree import ModuleTree
-
+    # The snapshot after plan_effect is the tree apply produces, with the fused Linear's facts.
     tree = ModuleTree.of(model)
-    step = p.steps[0]
+    step = plan(model, "fuse qkv").steps[0]
     step.transform.plan_effect(tree, step.targets)
     info = tree[f"{attn1}.to_qkv"]
     assert info.cls is nn.Linear and info.facts["weight_shape"] == (96, 32)
-    assert info.facts["in_features"] == 32 and info.facts["out_features"] == 96
+    assert (info.facts["in_features"], info.facts["out_features"]) == (32, 96)
     fuse(model)
-    assert sorted(i.path for i in tree) == sorted(n for n, _ in model.named_modules())
-    assert tree[f"{attn1}.to_qkv"].own_bytes == parameter_bytes(model.get_submodule(f"{attn1}.to_qkv"))
+    assert [i.path for i in tree] == [n for n, _ in model.named_modules()]
+    assert info.own_bytes == parameter_bytes(model.get_submodule(f"{attn1}.to_qkv"))
 
 
 # --------------------------------------------------------------------------- persistence
 
 
 @pytest.mark.parametrize("arch", list(BUILDERS))
-def test_rebuild_and_load_is_bit_equal(arch):
+def test_save_load_is_bit_equal(arch, tmp_path):
     model = build(arch)
-    _, step, record = fuse(model)
-    record = json.loads(json.dumps(record))          # what persistence stores: JSON, no tensors
-    reloaded = reload(arch, model, step, record)
+    fuse(model)
+    transformdsl.save(model, tmp_path / "saved")
+    # load() builds the architecture on the meta device from the saved config, QKVFusion.rebuild
+    # replays the record, then the saved tensors are assigned as they are.
+    reloaded = transformdsl.load(tmp_path / "saved")
     assert structure(reloaded) == structure(model)
     assert torch.equal(run(reloaded, arch), run(model, arch))
 
 
-def test_rebuild_rejects_a_different_model():
+def test_rebuild_on_a_meta_skeleton_computes_nothing():
+    model = build("unet")
+    step, record = fuse(model)
+    with torch.device("meta"):
+        skeleton = tiny_unet().eval()
+    qkv.QKVFusion.rebuild(skeleton, json.loads(json.dumps(record)), step.transform.options)
+    assert structure(skeleton) == structure(model)
+    assert skeleton.state_dict().keys() == model.state_dict().keys()
+    assert all(t.is_meta for t in skeleton.state_dict().values())
+
+
+def edit_record(directory, change) -> None:
+    meta_path = directory / "transformdsl.json"
+    meta = json.loads(meta_path.read_text())
+    change(meta["steps"][0]["record"]["modules"][0])
+    meta_path.write_text(json.dumps(meta))
+
+
+def test_load_refuses_what_it_cannot_replay_exactly(tmp_path, monkeypatch):
     model = build("llama")
-    _, step, record = fuse(model)
-    record["modules"][0]["groups"][0]["splits"] = [32, 32, 32]
-    with pytest.raises(LoadError, match="k_proj is not a Linear of shape"):
-        reload("llama", model, step, record)
+    fuse(model)
+    for name in ("splits", "sources", "version"):
+        transformdsl.save(model, tmp_path / name)
+    # A record that does not fit the architecture (as if saved from another model).
+    edit_record(tmp_path / "splits", lambda entry: entry["groups"][0].update(splits=[32, 32, 32]))
+    with pytest.raises(LoadError, match=r"layers\.0\.self_attn was saved as qkv_proj = q_proj\+k_proj\+v_proj "
+                                         r"\(32\+32\+32 x 32\), but fuses as .* \(32\+16\+16 x 32\)"):
+        transformdsl.load(tmp_path / "splits")
+    # A record naming projections this pass never fuses.
+    edit_record(tmp_path / "sources", lambda entry: entry["groups"][0].update(sources=["q_proj", "o_proj"]))
+    with pytest.raises(LoadError, match="malformed record entry"):
+        transformdsl.load(tmp_path / "sources")
+    # A transformers whose LlamaAttention.forward is not the one the fused forward mirrors.
+    monkeypatch.setattr(qkv, "LLAMA_FORWARD_FINGERPRINT", "0" * 16)
+    with pytest.raises(LoadError, match="cannot be fused on this model: LlamaAttention.forward of this transformers"):
+        transformdsl.load(tmp_path / "version")
 
 
 # --------------------------------------------------------------------------- atomicity
 
 
-def fail_on_call(monkeypatch, name, number):
+def fail_on_call(monkeypatch, name: str, number: int) -> None:
     """Make ``qkv.<name>`` raise on its ``number``-th call."""
     original = getattr(qkv, name)
     calls = []
@@ -358,20 +381,19 @@ def fail_on_call(monkeypatch, name, number):
 
 
 @pytest.mark.parametrize("arch, helper", [(a, "_concatenated") for a in BUILDERS] + [("unet", "_fused_processor")])
-def test_rollback_restores_the_model_bit_identically(arch, helper, monkeypatch):
+def test_failure_midway_rolls_back_bit_identically(arch, helper, monkeypatch):
     model = build(arch)
     state = model.state_dict(keep_vars=True)
     shape, before = structure(model), run(model, arch)
     step = plan(model, "fuse qkv").steps[0]
-    # Fail in the second module: after the first is fused (groups, processor, class, flags).
+    # Fail in the second module, after the first was fused (Linears, processor, class, flags);
+    # with _fused_processor, halfway through the second module (its Linears already swapped).
     first = qkv.analyse(model.get_submodule(step.targets[0]), step.transform.options)
     fail_on_call(monkeypatch, helper, len(first.groups) + 1 if helper == "_concatenated" else 2)
-    edit = Edit()
-    with pytest.raises(RuntimeError, match="injected failure"):
-        step.transform.apply(ApplyContext(model, edit, progress=lambda it, **k: it), step.targets)
-    assert structure(model) != shape                 # the first module was fused before the failure
-    edit.rollback()
+    with pytest.raises(TransformError, match="injected failure; the model was left unchanged"):
+        transformdsl.transform(model, "fuse qkv")
     assert structure(model) == shape
     after = model.state_dict(keep_vars=True)
-    assert list(after) == list(state) and all(after[k] is state[k] for k in state)   # the same tensors
+    assert list(after) == list(state) and all(after[k] is state[k] for k in state)   # the very same tensors
     assert torch.equal(run(model, arch), before)
+    assert history_of(model) is None
