@@ -71,6 +71,15 @@ def tiny_llama(attn_implementation="sdpa"):
     return LlamaForCausalLM(config)
 
 
+def tiny_vae():
+    from diffusers import AutoencoderKL
+
+    # Mid-block self-attention with group norm, residual connection and output rescaling.
+    return AutoencoderKL(in_channels=3, out_channels=3, block_out_channels=(8, 16), latent_channels=4,
+                         down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                         norm_num_groups=4, layers_per_block=1)
+
+
 def tiny_gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -78,7 +87,7 @@ def tiny_gpt2():
                                       bos_token_id=0, eos_token_id=0))
 
 
-BUILDERS = {"unet": tiny_unet, "sd3": tiny_sd3, "flux": tiny_flux, "llama": tiny_llama}
+BUILDERS = {"unet": tiny_unet, "sd3": tiny_sd3, "flux": tiny_flux, "vae": tiny_vae, "llama": tiny_llama}
 
 
 def build(arch: str) -> nn.Module:
@@ -101,6 +110,8 @@ def inputs(arch: str) -> dict:
         return dict(hidden_states=randn(2, 16, 8), encoder_hidden_states=randn(2, 5, 24),
                     pooled_projections=randn(2, 12), timestep=torch.tensor([0.3, 0.7]),
                     img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(5, 3))
+    if arch == "vae":
+        return dict(sample=randn(1, 3, 16, 16))
     return dict(input_ids=torch.randint(0, 64, (2, 7), generator=g))
 
 
@@ -142,6 +153,7 @@ EXPECTED = {
     "unet": {"attn1": (["to_qkv"], ["to_q", "to_k", "to_v"]), "attn2": (["to_q", "to_kv"], ["to_k", "to_v"])},
     "sd3": {"attn": (["to_qkv", "to_added_qkv"], ["to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"])},
     "flux": {"attn": (["to_qkv"], ["to_q", "to_k", "to_v"])},
+    "vae": {"0": (["to_qkv"], ["to_q", "to_k", "to_v"])},
     "llama": {"self_attn": (["qkv_proj"], ["q_proj", "k_proj", "v_proj"])},
 }
 
@@ -212,7 +224,7 @@ def test_llama_eager_attention():
     assert max_diff(run(model, "llama"), before) <= 1e-5
 
 
-@pytest.mark.parametrize("arch", ["unet", "sd3", "flux"])
+@pytest.mark.parametrize("arch", ["unet", "sd3", "flux", "vae"])
 def test_matches_diffusers_fuse_qkv_projections(arch):
     model = build(arch)
     theirs = copy.deepcopy(model)
