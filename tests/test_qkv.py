@@ -215,6 +215,11 @@ def test_near_miss_reasons():
         "so fusing would change outputs"}
 
 
+def test_a_second_statement_finds_the_modules_fused():
+    step = plan(build("flux"), "fuse qkv\nfuse qkv in single_transformer_blocks").steps[1]
+    assert not step.targets and {r for _, r in step.skipped} == {"already fused by an earlier statement"}
+
+
 def test_a_llama_forward_of_another_version_is_not_fused(monkeypatch):
     monkeypatch.setattr(qkv, "LLAMA_FORWARD_FINGERPRINT", "0" * 16)
     step = plan(build("llama"), "fuse qkv").steps[0]

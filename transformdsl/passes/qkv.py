@@ -477,7 +477,12 @@ class QKVFusion(Transform):
         if info.module is None:
             return "not in the model yet (added by an earlier statement)"
         fusion = analyse(info.module, self.options)
-        return fusion if isinstance(fusion, str) else None
+        if isinstance(fusion, str):
+            return fusion
+        if any(f"{info.path}.{s}" not in tree for g in fusion.groups for s in g.sources):
+            # The live module is still unfused, but an earlier statement's plan effect fused it.
+            return "already fused by an earlier statement"
+        return None
 
     def notes(self, tree: ModuleTree, targets: list[str]) -> list[str]:
         kinds: dict[str, int] = {}
