@@ -1,0 +1,108 @@
+"""What is compared: one entry per transform or combination, ours against the by-hand ways.
+
+Each :class:`Comparison` is a transformdsl script and the baselines that do the same job with
+the underlying libraries (:mod:`baselines`).  To add one, append to :data:`COMPARISONS`.
+A transform that has not landed yet raises "cannot be executed yet" and its rows read
+"not available yet"; nothing else needs to change when it lands.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import baselines as hand
+import torch
+
+DIFFUSERS = ("flux", "sd3", "unet")
+ALL = ("flux", "sd3", "unet", "llama")
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """One by-hand way: a label for the page, the function, and the package it needs."""
+
+    label: str
+    fn: Callable
+    families: tuple[str, ...] = ALL
+    needs: str | None = None  # an importable module (e.g. "torchao"); skipped when missing
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """A transformdsl script against its by-hand baselines.
+
+    ``dtype``: what the model is cast to before either side runs (fp8 jobs start, as users do,
+    from a bfloat16 model); ``sizes``: where it runs (compile is too slow for the large models
+    on 2 cores); ``reload``: whether to measure save/load of our result.
+    """
+
+    name: str
+    script: str | Callable[[str], str]
+    baselines: tuple[Baseline, ...] = ()
+    families: tuple[str, ...] = ALL
+    sizes: tuple[str, ...] = ("tiny", "large")
+    dtype: torch.dtype = torch.float32
+    reload: bool = True
+    #: Why there is no by-hand baseline (shown instead of ratios), when there is none.
+    no_baseline: str = ""
+
+    def script_for(self, family: str) -> str:
+        return self.script(family) if callable(self.script) else self.script
+
+
+FUSE = Baseline("diffusers fuse_qkv_projections()", hand.diffusers_fuse_qkv, DIFFUSERS)
+BNB_INT8 = Baseline("bitsandbytes Linear8bitLt by hand", hand.bnb_int8)
+LAYERWISE = Baseline("diffusers enable_layerwise_casting(fp8)", hand.diffusers_layerwise_fp8)
+COMPILE = Baseline("torch.compile(model)", hand.torch_compile)
+
+
+def _regional_scope(family: str) -> str:
+    """The repeated blocks diffusers' ``_repeated_blocks`` names, as a transformdsl scope."""
+    return {"flux": "compile regional in transformer_blocks.*, single_transformer_blocks.*",
+            "sd3": "compile regional in transformer_blocks.*",
+            "llama": "compile regional in model.layers.*"}.get(family, "compile regional in *")
+
+
+COMPARISONS: list[Comparison] = [
+    Comparison("fuse qkv", "fuse qkv", (FUSE,), families=ALL,
+               no_baseline="transformers has no q/k/v fusion of its own"),
+    Comparison("quantize int8", "quantize int8", (
+        BNB_INT8,
+        Baseline("torchao Int8WeightOnlyConfig (W8A16)", hand.torchao_int8_weight_only, needs="torchao"),
+        Baseline("torchao Int8DynamicActivationInt8WeightConfig (W8A8)", hand.torchao_int8_dynamic,
+                 needs="torchao"),
+    )),
+    Comparison("quantize nf4", "quantize nf4", (Baseline("bitsandbytes Linear4bit nf4 by hand",
+                                                         hand.bnb_4bit("nf4")),)),
+    Comparison("quantize fp4", "quantize fp4", (Baseline("bitsandbytes Linear4bit fp4 by hand",
+                                                         hand.bnb_4bit("fp4")),), sizes=("tiny",)),
+    Comparison("quantize hqq", "quantize hqq bits=4 group_size=64",
+               (Baseline("hqq HQQLinear by hand", hand.hqq_4bit),)),
+    Comparison("fp8 storage", "fp8 storage", (
+        LAYERWISE,
+        Baseline("torchao Float8WeightOnlyConfig", hand.torchao_float8_weight_only, needs="torchao"),
+    ), dtype=torch.bfloat16),
+    Comparison("fp8 native", "fp8 native", (), dtype=torch.bfloat16,
+               no_baseline="torchao's fp8 matmul (Float8DynamicActivationFloat8WeightConfig) needs CUDA "
+                           "compute capability 8.9+: compared on GPU (benchmarks/gpu.py)"),
+    Comparison("fuse qkv + quantize int8", "fuse qkv; quantize int8",
+               (Baseline("fuse_qkv_projections() + Linear8bitLt by hand", hand.chain(hand.diffusers_fuse_qkv,
+                                                                                      hand.bnb_int8), DIFFUSERS),),
+               families=DIFFUSERS),
+    Comparison("fuse qkv + fp8 storage", "fuse qkv; fp8 storage",
+               (Baseline("fuse_qkv_projections() + enable_layerwise_casting", hand.chain(
+                   hand.diffusers_fuse_qkv, hand.diffusers_layerwise_fp8), DIFFUSERS),),
+               families=DIFFUSERS, dtype=torch.bfloat16),
+    Comparison("fuse bias_act_dropout", "fuse bias_act_dropout", (), sizes=("tiny",),
+               no_baseline="no library does this fusion alone (torch.compile does it as part of compiling)"),
+    Comparison("compile", "compile", (COMPILE,), families=("flux", "llama"), sizes=("tiny",), reload=False),
+    Comparison("compile regional", _regional_scope, (
+        Baseline("diffusers compile_repeated_blocks()", hand.diffusers_compile_repeated_blocks, ("flux", "sd3")),
+    ), families=("flux",), sizes=("tiny",), reload=False),
+    Comparison("quantize int8 + compile", "quantize int8; compile fullgraph=false",
+               (Baseline("Linear8bitLt by hand + torch.compile", hand.chain(hand.bnb_int8, hand.torch_compile)),),
+               families=("flux",), sizes=("tiny",), reload=False),
+]
+
+BY_NAME = {c.name: c for c in COMPARISONS}

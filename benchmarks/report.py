@@ -1,0 +1,308 @@
+"""RESULTS.md and the charts, from the rows :mod:`measure` returned.  Nothing here is typed by
+hand except words: every figure comes from a row."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+from common import header, table
+from comparisons import BY_NAME, COMPARISONS
+from measure import ORIGINAL, OURS
+
+HERE = Path(__file__).resolve().parent
+MB = 1e6
+#: Ratios (ours / by hand) above these are "behind".  Latency and peak RSS get a margin: they are
+#: measured in different processes on a shared 2-core machine; bytes are exact.
+LIMITS = {"latency": 1.05, "weights": 1.005, "peak RSS": 1.10, "transform": 1.5}
+
+#: Why we are behind a baseline where we are (keyed by comparison and metric); shown only when the
+#: run measured that gap.  Words only: the figures are in the tables.
+NOTES: dict[tuple[str, str], str] = {}
+
+NOT_MEASURED = """\
+- **pruna** (0.3.4): not installable beside this stack: it pins `hqq==0.2.7.post1` and `torchao<0.17`
+  and pulls about forty packages (openvino, datasets, torchvision, lightning...) that would replace
+  pinned versions here.  Its quantizers and compilers for these models wrap the libraries measured
+  above (bitsandbytes, hqq, torchao, torch.compile).
+- **torchao int4** on the CPU: every `Int4WeightOnlyConfig` packing format of torchao 0.18 needs CUDA,
+  XPU or the `mslk` kernels; only int8 and float8 weight-only (and int8 dynamic) run on the CPU.
+- **fp8 native by hand** on the CPU: torchao's fp8 matmul config refuses devices below CUDA compute
+  capability 8.9; the GPU section compares it.
+- **GPT-2**: its projections are `Conv1D`, which the by-hand `nn.Linear` replacement loops above do not
+  cover (transformdsl's `quantize` does); left out of the by-hand comparison.
+"""
+
+
+# ---------------------------------------------------------------------- formatting
+
+def sig(x: float | None, digits: int = 3) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    if x == 0:
+        return "0"
+    return f"{x:.{digits}g}" if abs(x) < 10 ** digits else f"{x:.0f}"
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def times(x: float | None) -> str:
+    return "–" if x is None else f"{x:.2f}×"
+
+
+def ok(row: dict) -> bool:
+    return row.get("status") == "ok"
+
+
+# ---------------------------------------------------------------------- grouping
+
+def by_workload(rows: list[dict]) -> dict[str, list[dict]]:
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for row in rows:
+        groups[row["workload"]].append(row)
+    return groups
+
+
+def pairs(rows: list[dict]):
+    """(ours, baseline) rows of each comparison on each workload, both measured."""
+    index = {(r["workload"], r["comparison"], r["side"]): r for r in rows}
+    for row in rows:
+        if row["side"] in (OURS, ORIGINAL) or not ok(row):
+            continue
+        ours = index.get((row["workload"], row["comparison"], OURS))
+        if ours and ok(ours):
+            yield ours, row
+
+
+def ratios(ours: dict, hand: dict) -> dict[str, float | None]:
+    return {"transform": ratio(ours["transform_s"], hand["transform_s"]),
+            "weights": ratio(ours["weight_bytes"], hand["weight_bytes"]),
+            "peak RSS": ratio(ours["peak_rss"], hand["peak_rss"]),
+            "latency": ratio(ours["latency_s"], hand["latency_s"])}
+
+
+def behind(r: dict[str, float | None]) -> list[str]:
+    return [metric for metric, limit in LIMITS.items() if r.get(metric) is not None and r[metric] > limit]
+
+
+def verdict(r: dict[str, float | None]) -> str:
+    lagging = [m for m in behind(r) if m in ("latency", "weights")]
+    if not lagging:
+        return "yes"
+    return "behind: " + ", ".join(f"{m} +{(r[m] - 1) * 100:.0f}%" for m in lagging)
+
+
+# ---------------------------------------------------------------------- sections
+
+def method(meta: dict) -> str:
+    load = "/".join(f"{x:.1f}" for x in meta["load_before"])
+    load_after = "/".join(f"{x:.1f}" for x in meta["load_after"])
+    where = "in this process (smoke run)" if meta["in_process"] else "each in a fresh process"
+    return f"""
+Command: `{meta['command']}` — this run took {meta['seconds']:.0f} s; {meta['threads']} torch threads;
+load average (1/5/15 min) {load} before, {load_after} after (other work on the machine inflates
+times; ratios compare runs made one right after the other).
+
+How each figure is measured ({where}, forked from one server that imported the libraries, so every
+configuration starts from the same memory): the original model is read with `from_pretrained` (random
+weights, seed 0, every page touched) and run once for the reference output; fp8 jobs then cast it to
+bfloat16, as users do.  **transform** is the wall time of `transformdsl.transform(model, script)` or
+of the by-hand code; **first call** the next forward (it includes compilation); **latency** the median
+of the steady forwards after it; **weights** the bytes of every parameter, buffer and state_dict
+tensor (quantization state included), each storage once; **peak RSS** the highest resident memory
+from the start of the transform to the end of the latency runs, and **RSS after** what stays
+resident, both above the process's memory before it read the model; **layers** counts modules
+replaced, added or holding low-precision weights; **error** is the RMS of the difference to the
+original fp32 output over the RMS of that output.  Ratios are ours ÷ by hand: below 1 we are
+faster or smaller.
+"""
+
+
+def headline(rows: list[dict]) -> str:
+    lines = []
+    for ours, hand in pairs(rows):
+        r = ratios(ours, hand)
+        lines.append({"model": ours["workload"], "transform": ours["comparison"], "by hand": hand["side"],
+                      "layers (ours/hand)": f"{ours['layers']}/{hand['layers']}",
+                      "transform time": times(r["transform"]), "weights": times(r["weights"]),
+                      "peak RSS": times(r["peak RSS"]), "latency": times(r["latency"]),
+                      "error (ours/hand)": f"{sig(ours['error'], 2)} / {sig(hand['error'], 2)}",
+                      "as fast and as small": verdict(r)})
+    if not lines:
+        return "\nNo comparison could be measured on both sides yet.\n"
+    columns = ["model", "transform", "by hand", "layers (ours/hand)", "transform time", "weights", "peak RSS",
+               "latency", "error (ours/hand)", "as fast and as small"]
+    return "\n" + table(lines, columns) + "\n"
+
+
+def detail(rows: list[dict]) -> str:
+    out = []
+    for workload, group in by_workload(rows).items():
+        original = next((r for r in group if r["side"] == ORIGINAL and ok(r)), None)
+        title = f"\n### {workload}"
+        if original:
+            title += (f" — {sig(original['params'] / 1e6)} M parameters, {sig(original['weight_bytes'] / MB)} MB, "
+                      f"latency {sig(original['latency_s'] * 1e3)} ms, read in {sig(original['read_s'])} s")
+        lines = []
+        for r in group:
+            if r["side"] == ORIGINAL:
+                continue
+            who = "**transformdsl**" if r["side"] == OURS else r["side"]
+            if not ok(r):
+                lines.append({"transform": r["comparison"], "who": who, "status": r["status"]})
+                continue
+            lines.append({"transform": r["comparison"], "who": who, "layers": r["layers"],
+                          "transform s": sig(r["transform_s"]), "first call s": sig(r["first_call_s"]),
+                          "latency ms": sig(r["latency_s"] * 1e3), "weights MB": sig(r["weight_bytes"] / MB),
+                          "peak RSS MB": sig(r["peak_rss"] / MB), "RSS after MB": sig(r["rss_after"] / MB),
+                          "error": sig(r["error"], 2), "status": "ok"})
+        out.append(title + "\n\n" + table(lines, ["transform", "who", "layers", "transform s", "first call s",
+                                                   "latency ms", "weights MB", "peak RSS MB", "RSS after MB",
+                                                   "error", "status"]) + "\n")
+    return "".join(out)
+
+
+def reload_rows(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if r["side"] == OURS and ok(r) and isinstance(r.get("reload"), dict)]
+
+
+def reload_section(rows: list[dict]) -> str:
+    lines = []
+    for r in reload_rows(rows):
+        re_ = r["reload"]
+        if "status" in re_:
+            lines.append({"model": r["workload"], "script": r["comparison"], "bit-exact": re_["status"]})
+            continue
+        again = r["read_s"] + r["transform_s"]
+        lines.append({"model": r["workload"], "script": r["comparison"], "file MB": sig(re_["file_bytes"] / MB),
+                      "save s": sig(re_["save_s"]), "floor s": sig(re_["floor_s"]), "load s": sig(re_["load_s"]),
+                      "load ÷ floor": times(ratio(re_["load_s"], re_["floor_s"])),
+                      "transform again s": sig(again), "load ÷ again": times(ratio(re_["load_s"], again)),
+                      "bit-exact": "yes" if re_["exact"] else "NO"})
+    if not lines:
+        return "\nNo saved model could be reloaded yet.\n"
+    return "\n" + table(lines, ["model", "script", "file MB", "save s", "floor s", "load s", "load ÷ floor",
+                                "transform again s", "load ÷ again", "bit-exact"]) + "\n"
+
+
+def fit(xs: list[float], ys: list[float]) -> dict:
+    """Least squares ``y = a + b x``, its R², and the exponent of ``y ~ x^k`` (log-log slope)."""
+    n = len(xs)
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    a = my - b * mx
+    ss_tot = sum((y - my) ** 2 for y in ys) or 1e-30
+    r2 = 1 - sum((y - a - b * x) ** 2 for x, y in zip(xs, ys)) / ss_tot
+    lx, ly = [math.log(x) for x in xs], [math.log(max(y, 1e-9)) for y in ys]
+    mlx, mly = statistics.fmean(lx), statistics.fmean(ly)
+    k = sum((x - mlx) * (y - mly) for x, y in zip(lx, ly)) / (sum((x - mlx) ** 2 for x in lx) or 1e-30)
+    return {"intercept": a, "slope": b, "r2": r2, "exponent": k, "n": n}
+
+
+def scaling_points(rows: list[dict], scaling: list[dict]) -> dict[str, list[dict]]:
+    """Per scaling script, the ours rows on the Flux widths, smallest first (the large run included)."""
+    from run import SCALING_COMPARISONS
+
+    points: dict[str, list[dict]] = defaultdict(list)
+    for r in [*scaling, *rows]:
+        if (r["family"] == "flux" and r["size"] != "tiny" and r["side"] == OURS and ok(r)
+                and r["comparison"] in SCALING_COMPARISONS and "status" not in r.get("reload", {"status": 1})):
+            points[r["comparison"]].append(r)
+    return {k: sorted(v, key=lambda r: r["params"]) for k, v in points.items() if len(v) >= 3}
+
+
+def scaling_section(points: dict[str, list[dict]]) -> str:
+    if not points:
+        return "\nNot enough sizes measured yet.\n"
+    out = []
+    for name, pts in points.items():
+        lines = [{"size": p["size"], "parameters (M)": sig(p["params"] / 1e6), "transform s": sig(p["transform_s"]),
+                  "save s": sig(p["reload"]["save_s"]), "load s": sig(p["reload"]["load_s"]),
+                  "floor s": sig(p["reload"]["floor_s"]),
+                  "transform ms / M params": sig(p["transform_s"] * 1e3 / (p["params"] / 1e6)),
+                  "load ms / M params": sig(p["reload"]["load_s"] * 1e3 / (p["params"] / 1e6))} for p in pts]
+        out.append(f"\n`{BY_NAME[name].script_for('flux')}` on Flux (1 double + 1 single block, heads of 128):\n\n"
+                   + table(lines, list(lines[0])) + "\n")
+        params = [p["params"] / 1e6 for p in pts]
+        for what, ys in (("transform", [p["transform_s"] for p in pts]),
+                         ("load", [p["reload"]["load_s"] for p in pts])):
+            f = fit(params, ys)
+            out.append(f"- {what}: {sig(f['slope'] * 1e3)} ms per million parameters + {sig(f['intercept'] * 1e3)}"
+                       f" ms, R² = {f['r2']:.3f}; growth exponent (log-log slope) {f['exponent']:.2f} "
+                       f"(1 = linear)\n")
+    return "".join(out)
+
+
+def gpu_section() -> str:
+    page = HERE / "results" / "gpu.md"
+    if page.exists():
+        text = page.read_text()
+        return "\n" + text.split("\n", 1)[1] if text.startswith("# ") else text
+    return ("\nNot yet measured: no GPU was available to this run.  `python benchmarks/gpu.py` on a CUDA "
+            "machine (H100/H200 class; a few minutes) writes `benchmarks/results/gpu.md`, which the next "
+            "`make bench` puts here.\n")
+
+
+def gaps_section(rows: list[dict]) -> str:
+    lines = []
+    for ours, hand in pairs(rows):
+        r = ratios(ours, hand)
+        for metric in behind(r):
+            note = NOTES.get((ours["comparison"], metric)) or NOTES.get((ours["comparison"], "*"))
+            lines.append(f"- **{ours['workload']}, {ours['comparison']}** vs {hand['side']}: {metric} "
+                         f"{times(r[metric])}. {note or 'Not explained yet.'}")
+    if not lines:
+        return "\nNowhere: on every measured comparison we are within the margins above.\n"
+    return "\n" + "\n".join(lines) + "\n"
+
+
+def status_section(rows: list[dict]) -> str:
+    missing = sorted({(r["comparison"], r["side"], r["status"]) for r in rows if not ok(r)})
+    if not missing:
+        return ""
+    lines = [f"- {c} ({'transformdsl' if s == OURS else s}): {st}" for c, s, st in missing]
+    return "\n### Rows that could not be measured\n\n" + "\n".join(dict.fromkeys(lines)) + "\n"
+
+
+# ---------------------------------------------------------------------- page
+
+def write_report(rows: list[dict], scaling: list[dict], meta: dict, out: Path) -> Path:
+    """Write ``out/RESULTS.md`` and ``out/charts/*.png``; return the page's path."""
+    import charts
+
+    out.mkdir(parents=True, exist_ok=True)
+    points = scaling_points(rows, scaling)
+    figures = charts.draw_all(rows, points, out / "charts")
+    text = header("Benchmarks: transformdsl against doing it by hand")
+    text += method(meta)
+    text += "\n## Ours ÷ by hand, at realistic width\n"
+    text += headline([r for r in rows if r["size"] != "tiny"])
+    if "ratios" in figures:
+        text += f"\n![ours ÷ by hand]({figures['ratios']})\n"
+    text += "\n## Ours ÷ by hand, tiny built-in models\n"
+    text += "\nOn models this small, fixed per-call costs (hooks, Python dispatch) dominate the latency.\n"
+    text += headline([r for r in rows if r["size"] == "tiny"])
+    text += "\n## Where we are behind, and why\n" + gaps_section(rows)
+    text += "\n## Every configuration\n" + detail(rows) + status_section(rows)
+    text += ("\n## Reload against the floor and against transforming again\n\n"
+             "**floor**: `safetensors.torch.load_file` of the same files (reading the same bytes); **load**: "
+             "`transformdsl.load(dir)` then every page touched (it maps the file); **transform again**: "
+             "`from_pretrained` of the original (every page touched) plus the transform time above.\n")
+    text += reload_section(rows)
+    if "reload" in figures:
+        text += f"\n![reload]({figures['reload']})\n"
+    text += "\n## Cost against model size\n" + scaling_section(points)
+    if "scaling" in figures:
+        text += f"\n![scaling]({figures['scaling']})\n"
+    text += "\n## GPU\n" + gpu_section()
+    text += "\n## Not measured\n\n" + NOT_MEASURED
+    text += f"\nComparisons are declared in `benchmarks/comparisons.py` ({len(COMPARISONS)} entries), the by-hand "
+    text += "code in `benchmarks/baselines.py`; raw numbers in `results/run.json`.\n"
+    page = out / "RESULTS.md"
+    page.write_text(text)
+    return page
