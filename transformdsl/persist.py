@@ -1,0 +1,681 @@
+"""Saving and loading transformed models (format documented in spec.md "Save format").
+
+A saved module is a directory holding:
+
+- ``transformdsl.json``: metadata (format version, scripts, the applied steps and their
+  records, the base model's class and configuration, library versions, tensor layout);
+- ``script.tfm``: the script(s) as written;
+- ``model.safetensors``, or shards ``model-00001-of-0000N.safetensors`` plus
+  ``model.safetensors.index.json`` above ``max_shard_size``.
+
+A pipeline is saved in the layout diffusers uses (``model_index.json`` and one folder per
+component); transformed components use the format above, the others their library's own.
+
+Loading never unpickles or evaluates anything: metadata is JSON checked field by field,
+classes are looked up by name among diffusers' and transformers' model classes only,
+tensors come from safetensors.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import __version__, registry
+from .errors import LoadError, TransformError
+from .executor import AppliedStep, History, history_of, set_history
+from .options import coerce
+from .planner import is_pipeline
+from .safetensors_io import is_padding, save_aligned
+
+FORMAT = "transformdsl"
+FORMAT_VERSION = 1
+META_FILE = "transformdsl.json"
+SCRIPT_FILE = "script.tfm"
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+#: Metadata files larger than this are refused before parsing.
+MAX_META_BYTES = 64 * 1024 * 1024
+DEFAULT_SHARD_BYTES = 5 * 1024**3
+
+
+# =========================================================================== save
+
+
+def save(model: Any, directory: str | os.PathLike, *, max_shard_size: int = DEFAULT_SHARD_BYTES) -> Path:
+    """Save ``model`` (transformed or not; a module or a pipeline) to ``directory``.
+
+    The write is atomic: everything is written to a temporary sibling directory, flushed,
+    then swapped into place, so an interrupted save leaves any previous save intact.
+    """
+    directory = Path(directory)
+    parent = directory.resolve().parent
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=parent))
+    try:
+        if is_pipeline(model):
+            _save_pipeline(model, tmp, max_shard_size)
+        elif isinstance(model, nn.Module):
+            save_module(model, tmp, max_shard_size)
+        else:
+            raise TransformError(f"save() takes an nn.Module or a diffusers pipeline, not {type(model).__name__}")
+        _fsync_tree(tmp)
+        _swap_into_place(tmp, directory.resolve())
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return directory
+
+
+def save_module(module: nn.Module, directory: Path, max_shard_size: int = DEFAULT_SHARD_BYTES) -> None:
+    """Write one module in the transformdsl format into an existing empty ``directory``."""
+    history = history_of(module) or History([], [])
+    tensors, layout = _collect_tensors(module)
+    shards = _shard(tensors, max_shard_size)
+    if len(shards) == 1:
+        save_aligned(shards[0], directory / WEIGHTS, metadata={"format": "pt"})
+        files = [WEIGHTS]
+    else:
+        files = []
+        weight_map = {}
+        for i, shard in enumerate(shards, 1):
+            name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_aligned(shard, directory / name, metadata={"format": "pt"})
+            files.append(name)
+            weight_map.update({key: name for key in shard})
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        _write_json(directory / INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    meta = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "kind": "module",
+        "model": _model_description(module),
+        "scripts": history.scripts,
+        "steps": [s.to_json() for s in history.steps],
+        "tensors": {"files": files, **layout},
+        "versions": _versions(),
+    }
+    _write_json(directory / META_FILE, meta)
+    (directory / SCRIPT_FILE).write_text("\n".join(history.scripts) + ("\n" if history.scripts else ""))
+
+
+def _collect_tensors(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict]:
+    """state_dict plus non-persistent buffers, with shared tensors stored once."""
+    state = module.state_dict()
+    nonpersistent = []
+    for name, buffer in module.named_buffers(remove_duplicate=False):
+        if name not in state and buffer is not None:
+            state[name] = buffer
+            nonpersistent.append(name)
+    tensors: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
+    for key, tensor in state.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise TransformError(f"cannot save '{key}': state_dict value is a {type(tensor).__name__}, not a tensor")
+        if tensor.device.type == "meta":
+            raise TransformError(f"cannot save '{key}': it is on the meta device (no data)")
+        tensor = tensor.detach()
+        identity = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
+                    tuple(tensor.stride()), tensor.dtype) if tensor.numel() else None
+        if identity is not None and identity in seen:
+            aliases[key] = seen[identity]
+            continue
+        if identity is not None:
+            seen[identity] = key
+        if tensor.device.type != "cpu":
+            tensor = tensor.cpu()
+        tensors[key] = tensor.contiguous()
+    # safetensors refuses tensors sharing memory; distinct views of one storage are copied.
+    tensors = _unshare(tensors)
+    return tensors, {"nonpersistent": sorted(nonpersistent), "aliases": aliases}
+
+
+def _unshare(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    by_storage: dict[int, list[str]] = {}
+    for key, tensor in tensors.items():
+        if tensor.numel():
+            by_storage.setdefault(tensor.untyped_storage().data_ptr(), []).append(key)
+    for keys in by_storage.values():
+        for key in keys[1:]:
+            tensors[key] = tensors[key].clone()
+    return tensors
+
+
+def _shard(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = tensor
+        size += nbytes
+    return shards
+
+
+def _model_description(module: nn.Module) -> dict:
+    """Library, class and configuration: enough for load() to rebuild the architecture."""
+    cls = type(module)
+    library = cls.__module__.split(".", 1)[0]
+    config = getattr(module, "config", None)
+    if library == "diffusers" and config is not None:
+        return {"library": "diffusers", "class": cls.__name__,
+                "config": json.loads(json.dumps(dict(config), default=_json_default))}
+    if library == "transformers" and config is not None and hasattr(config, "to_json_string"):
+        return {"library": "transformers", "class": cls.__name__, "config": json.loads(config.to_json_string())}
+    return {"library": None, "class": cls.__name__, "config": None}
+
+
+def _json_default(value):
+    if isinstance(value, (tuple, set)):
+        return list(value)
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    return str(value)
+
+
+def _versions() -> dict:
+    from importlib import metadata
+
+    out = {"transformdsl": __version__}
+    for name in ("torch", "safetensors", "diffusers", "transformers", "bitsandbytes", "hqq"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def _save_pipeline(pipe: Any, directory: Path, max_shard_size: int) -> None:
+    pipe.save_config(str(directory))
+    components = {}
+    for name, component in pipe.components.items():
+        if component is None:
+            continue
+        target = directory / name
+        target.mkdir()
+        if isinstance(component, nn.Module) and history_of(component) is not None:
+            save_module(component, target, max_shard_size)
+            components[name] = "transformdsl"
+        elif hasattr(component, "save_pretrained"):
+            kwargs = {"safe_serialization": True} if isinstance(component, nn.Module) else {}
+            component.save_pretrained(str(target), **kwargs)
+            components[name] = "library"
+        else:
+            raise TransformError(f"cannot save pipeline component '{name}' ({type(component).__name__})")
+    _write_json(directory / META_FILE, {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "kind": "pipeline",
+        "pipeline_class": type(pipe).__name__, "components": components, "versions": _versions(),
+    })
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=1, sort_keys=False, default=_json_default))
+
+
+def _fsync_tree(directory: Path) -> None:
+    for path in sorted(directory.rglob("*")):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+_RENAME_EXCHANGE = 2
+
+
+def _swap_into_place(new: Path, final: Path) -> None:
+    """Make ``new`` appear at ``final`` in one step; the previous ``final`` is removed after."""
+    if not final.exists():
+        os.rename(new, final)
+        return
+    if not final.is_dir() or final.is_symlink():
+        raise TransformError(f"cannot save to {final}: it exists and is not a directory")
+    if _renameat2_exchange(new, final):
+        shutil.rmtree(new, ignore_errors=True)  # now holds the previous save
+        return
+    # No atomic exchange on this platform: move the old copy aside first, so that at
+    # every moment one complete save exists (at `final` or at `old`).
+    old = final.with_name(f".{final.name}.old-{os.getpid()}")
+    os.rename(final, old)
+    os.rename(new, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _renameat2_exchange(a: Path, b: Path) -> bool:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd = -100
+    result = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE)
+    return result == 0
+
+
+# =========================================================================== load
+
+
+def load(directory: str | os.PathLike, model: nn.Module | Callable[[], nn.Module] | None = None, *,
+         device: str | torch.device = "cpu", mmap: bool = True) -> Any:
+    """Load a model saved by :func:`save`; returns a new module (or pipeline).
+
+    The architecture is rebuilt from the saved configuration (diffusers and transformers
+    models), or from ``model``: a module used as a template (it is not modified: its
+    structure is copied onto the meta device) or a factory called with no arguments.
+    Each transform's structure is replayed without recomputation and the saved tensors
+    are loaded as they are.  Any problem raises :class:`LoadError` saying what is wrong.
+
+    With ``mmap=True`` (the default) tensors on the CPU are memory-mapped from the saved
+    files (copy on write): do not truncate or rewrite those files in place while the model
+    is in use (:func:`save` never does; it writes a new directory and swaps it in).
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise LoadError(f"{directory}: no such directory")
+    meta = read_metadata(directory)
+    if meta["kind"] == "pipeline":
+        if model is not None:
+            raise LoadError(f"{directory}: a saved pipeline is loaded from its files alone; drop model=")
+        return _load_pipeline(directory, meta, device, mmap)
+    return load_module(directory, meta, model, device, mmap)
+
+
+def read_metadata(directory: Path) -> dict:
+    path = _inside(directory, META_FILE)
+    if not path.is_file():
+        raise LoadError(f"{directory}: not a transformdsl save ({META_FILE} is missing)")
+    if path.stat().st_size > MAX_META_BYTES:
+        raise LoadError(f"{path}: metadata is {path.stat().st_size} bytes, over the {MAX_META_BYTES} limit")
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise LoadError(f"{path}: metadata is not valid JSON: {exc}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise LoadError(f"{path}: not transformdsl metadata (format is {_short(meta, 'format')})")
+    version = meta.get("format_version")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise LoadError(f"{path}: format_version is missing or not an integer")
+    if version > FORMAT_VERSION:
+        raise LoadError(f"{path}: saved with format version {version}; this transformdsl ({__version__}) "
+                        f"reads versions up to {FORMAT_VERSION}: upgrade transformdsl")
+    if version < 1:
+        raise LoadError(f"{path}: unknown format version {version}")
+    kind = meta.get("kind")
+    if kind not in ("module", "pipeline"):
+        raise LoadError(f"{path}: unknown kind {kind!r} (expected 'module' or 'pipeline')")
+    if kind == "module":
+        _check_module_meta(path, meta)
+    return meta
+
+
+def _short(meta: Any, key: str) -> str:
+    value = meta.get(key) if isinstance(meta, dict) else None
+    return repr(value)[:60]
+
+
+def _expect(path: Path, value: Any, types: type | tuple, what: str) -> Any:
+    if not isinstance(value, types) or isinstance(value, bool) and types is not bool:
+        raise LoadError(f"{path}: {what} is malformed (got {type(value).__name__})")
+    return value
+
+
+def _check_module_meta(path: Path, meta: dict) -> None:
+    model = _expect(path, meta.get("model"), dict, "'model'")
+    _expect(path, model.get("class"), str, "'model.class'")
+    if model.get("library") not in (None, "diffusers", "transformers"):
+        raise LoadError(f"{path}: unknown model library {model.get('library')!r} (diffusers or transformers)")
+    _expect(path, meta.get("scripts"), list, "'scripts'")
+    steps = _expect(path, meta.get("steps"), list, "'steps'")
+    for i, step in enumerate(steps):
+        _expect(path, step, dict, f"step {i}")
+        key = _expect(path, step.get("key"), str, f"step {i} key")
+        if registry.get(key) is None:
+            raise LoadError(f"{path}: step {i} uses transform '{key}', which this transformdsl ({__version__}) "
+                            "does not know")
+        for field in ("options", "common", "record"):
+            _expect(path, step.get(field), dict, f"step {i} {field}")
+    tensors = _expect(path, meta.get("tensors"), dict, "'tensors'")
+    files = _expect(path, tensors.get("files"), list, "'tensors.files'")
+    if not files or not all(isinstance(f, str) for f in files):
+        raise LoadError(f"{path}: 'tensors.files' must list the safetensors files")
+    _expect(path, tensors.get("nonpersistent", []), list, "'tensors.nonpersistent'")
+    aliases = _expect(path, tensors.get("aliases", {}), dict, "'tensors.aliases'")
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in aliases.items()):
+        raise LoadError(f"{path}: 'tensors.aliases' must map names to names")
+
+
+def _inside(directory: Path, name: str) -> Path:
+    """``directory/name``, refusing names and symbolic links that lead outside it."""
+    if not name or "\x00" in name or os.path.isabs(name) or ".." in Path(name).parts:
+        raise LoadError(f"{directory}: refusing file name {name!r}")
+    path = directory / name
+    base = os.path.realpath(directory)
+    real = os.path.realpath(path)
+    if os.path.commonpath([base, real]) != base or (path.is_symlink()):
+        raise LoadError(f"{path}: is a symbolic link or leads outside {directory}; refusing to read it")
+    return path
+
+
+def _rebuild_options(cls, values: dict, path: Path, key: str, common: bool = False):
+    from .options import CommonOptions
+
+    target = CommonOptions if common else cls.Options
+    fields = {f.name: f for f in dataclasses.fields(target)}
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise LoadError(f"{path}: step '{key}' has unknown options {unknown}")
+    try:
+        return target(**{k: coerce(fields[k], v) for k, v in values.items()})
+    except (ValueError, TypeError) as exc:
+        raise LoadError(f"{path}: step '{key}' has invalid options: {exc}") from None
+
+
+def load_module(directory: Path, meta: dict, model: Any, device: str | torch.device, mmap: bool = True) -> nn.Module:
+    meta_path = directory / META_FILE
+    skeleton = _skeleton(meta, model, meta_path)
+    steps = []
+    for raw in meta["steps"]:
+        cls = registry.get(raw["key"])
+        options = _rebuild_options(cls, raw["options"], meta_path, raw["key"])
+        _rebuild_options(cls, raw["common"], meta_path, raw["key"], common=True)
+        try:
+            cls.rebuild(skeleton, raw["record"], options)
+        except LoadError:
+            raise
+        except Exception as exc:
+            raise LoadError(f"{meta_path}: cannot replay '{raw['key']}' (line {raw.get('line')}) on this "
+                            f"architecture: {type(exc).__name__}: {exc}") from None
+        steps.append((cls, raw, options))
+    tensors = _read_tensors(directory, meta, device, mmap and torch.device(device).type == "cpu")
+    _assign(skeleton, tensors, meta, directory)
+    for cls, raw, options in steps:
+        cls.finalize(skeleton, raw["record"], options)
+    left = [n for n, t in list(skeleton.named_parameters()) + list(skeleton.named_buffers()) if t.is_meta]
+    if left:
+        raise LoadError(f"{directory}: the saved tensors do not cover {len(left)} tensor(s) of the model: "
+                        + ", ".join(left[:5]))
+    skeleton.eval()
+    set_history(skeleton, History(list(meta["scripts"]),
+                                  [AppliedStep(**{k: raw.get(k) for k in AppliedStep.__dataclass_fields__})
+                                   for raw in meta["steps"]]))
+    return skeleton
+
+
+def _skeleton(meta: dict, model: Any, meta_path: Path) -> nn.Module:
+    description = meta["model"]
+    if isinstance(model, nn.Module):
+        return meta_copy(model)
+    if callable(model):
+        with torch.device("meta"):
+            built = model()
+        if not isinstance(built, nn.Module):
+            raise LoadError(f"model= factory returned {type(built).__name__}, not an nn.Module")
+        return built
+    if model is not None:
+        raise LoadError(f"model= takes an nn.Module or a factory, not {type(model).__name__}")
+    library, name, config = description.get("library"), description["class"], description.get("config")
+    if library is None or not isinstance(config, dict):
+        raise LoadError(f"{meta_path}: the saved model ({name}) has no configuration to rebuild it from; "
+                        "pass model= (a module of the same architecture, or a factory)")
+    cls = _model_class(library, name, meta_path)
+    try:
+        with torch.device("meta"):
+            if library == "diffusers":
+                return cls.from_config(config)
+            config_cls = cls.config_class
+            return cls(config_cls.from_dict(config))
+    except Exception as exc:
+        raise LoadError(f"{meta_path}: cannot build {name} from the saved configuration: "
+                        f"{type(exc).__name__}: {exc}") from None
+
+
+def _model_class(library: str, name: str, meta_path: Path) -> type:
+    """A model class by name, only among diffusers' or transformers' exported model classes."""
+    if not name.isidentifier():
+        raise LoadError(f"{meta_path}: invalid class name {name!r}")
+    if library == "diffusers":
+        import diffusers
+
+        base = diffusers.ModelMixin
+        module = diffusers
+    else:
+        import transformers
+
+        base = transformers.PreTrainedModel
+        module = transformers
+    try:
+        cls = getattr(module, name)
+    except (AttributeError, ImportError):
+        cls = None
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise LoadError(f"{meta_path}: {name!r} is not a {library} model class")
+    return cls
+
+
+def meta_copy(module: nn.Module) -> nn.Module:
+    """A structural copy of ``module`` whose parameters and buffers are on the meta device.
+
+    No weight is copied; the original is not modified.
+    """
+    import copy
+
+    memo: dict[int, Any] = {}
+    for tensor in list(module.parameters()) + list(module.buffers()):
+        if id(tensor) in memo:
+            continue
+        empty = torch.empty_like(tensor, device="meta")
+        if isinstance(tensor, nn.Parameter):
+            empty = nn.Parameter(empty, requires_grad=tensor.requires_grad)
+        memo[id(tensor)] = empty
+    copied = copy.deepcopy(module, memo)
+    copied.__dict__.pop("_transformdsl_history", None)
+    return copied
+
+
+def _read_tensors(directory: Path, meta: dict, device, mmap: bool) -> dict[str, torch.Tensor]:
+    """Every saved tensor, by name.
+
+    With ``mmap`` (the default) tensors are views of the memory-mapped files (copy on
+    write): loading costs what mapping the files costs, and pages are read when first
+    used.  Files are written with 64-byte aligned tensors (:mod:`.safetensors_io`), so
+    mapped tensors compute exactly as freshly allocated ones.  Without ``mmap`` the
+    bytes are copied into fresh memory.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for name in meta["tensors"]["files"]:
+        path = _inside(directory, name)
+        if not path.is_file():
+            raise LoadError(f"{path}: missing tensor file")
+        try:
+            part = load_file(str(path), device=str(device))
+        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+            raise LoadError(f"{path}: corrupt or truncated safetensors file: {exc}") from None
+        for key, tensor in part.items():
+            if is_padding(key):
+                continue
+            if key in tensors:
+                raise LoadError(f"{path}: tensor '{key}' is stored twice")
+            aligned = tensor.numel() == 0 or tensor.data_ptr() % 64 == 0
+            # Misaligned data (a file not written by transformdsl) is copied: see above.
+            tensors[key] = tensor if (mmap and aligned) else tensor.clone()
+    return tensors
+
+
+def _assign(skeleton: nn.Module, tensors: dict[str, torch.Tensor], meta: dict, directory: Path) -> None:
+    layout = meta["tensors"]
+    aliases: dict[str, str] = layout.get("aliases", {})
+    nonpersistent = set(layout.get("nonpersistent", []))
+    expected = dict(skeleton.state_dict(keep_vars=True))
+    buffers = dict(skeleton.named_buffers(remove_duplicate=False))
+    for name in nonpersistent:
+        if name not in buffers:
+            raise LoadError(f"{directory}: saved buffer '{name}' does not exist in this architecture")
+        expected[name] = buffers[name]
+    for key, target in aliases.items():
+        if target not in tensors:
+            raise LoadError(f"{directory}: alias '{key}' points to missing tensor '{target}'")
+        tensors[key] = tensors[target]
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} tensor(s): {', '.join(missing[:5])}")
+        if unexpected:
+            parts.append(f"unexpected {len(unexpected)} tensor(s): {', '.join(unexpected[:5])}")
+        raise LoadError(f"{directory}: the saved tensors do not match the architecture "
+                        f"({'; '.join(parts)}); was it saved from another model?")
+    for key, want in expected.items():
+        got = tensors[key]
+        if want is None or not isinstance(want, torch.Tensor):
+            continue
+        if tuple(got.shape) != tuple(want.shape) or got.dtype != want.dtype:
+            raise LoadError(f"{directory}: tensor '{key}' is {_describe(got)} in the file but the model expects "
+                            f"{_describe(want)}; was it saved from another model?")
+    state = {k: v for k, v in tensors.items() if k not in nonpersistent}
+    try:
+        skeleton.load_state_dict(state, strict=True, assign=True)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise LoadError(f"{directory}: cannot load the saved tensors: {exc}") from None
+    for name in nonpersistent:
+        owner, attr = _owner(skeleton, name)
+        owner._buffers[attr] = tensors[name]
+    # Tied weights (saved once) become one Parameter again, as they were.
+    for key, target in aliases.items():
+        (owner, attr), (source, source_attr) = _owner(skeleton, key), _owner(skeleton, target)
+        if attr in owner._parameters and source_attr in source._parameters:
+            owner._parameters[attr] = source._parameters[source_attr]
+
+
+def _owner(root: nn.Module, name: str) -> tuple[nn.Module, str]:
+    path, _, attr = name.rpartition(".")
+    return (root.get_submodule(path) if path else root), attr
+
+
+def _describe(tensor: torch.Tensor) -> str:
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    return f"{dtype}{list(tensor.shape)}"
+
+
+def _load_pipeline(directory: Path, meta: dict, device, mmap: bool) -> Any:
+    import diffusers
+
+    path = directory / META_FILE
+    name = _expect(path, meta.get("pipeline_class"), str, "'pipeline_class'")
+    cls = getattr(diffusers, name, None) if name.isidentifier() else None
+    if not (isinstance(cls, type) and issubclass(cls, diffusers.DiffusionPipeline)):
+        raise LoadError(f"{path}: {name!r} is not a diffusers pipeline class")
+    components_meta = _expect(path, meta.get("components"), dict, "'components'")
+    index_path = _inside(directory, "model_index.json")
+    try:
+        index = json.loads(index_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise LoadError(f"{index_path}: cannot read the pipeline index: {exc}") from None
+    loaded = {}
+    for comp, how in components_meta.items():
+        if not isinstance(comp, str) or not comp.isidentifier():
+            raise LoadError(f"{path}: invalid component name {comp!r}")
+        folder = _inside(directory, comp)
+        if how == "transformdsl":
+            loaded[comp] = load_module(folder, read_metadata(folder), None, device, mmap)
+        elif how == "library":
+            entry = index.get(comp)
+            if not (isinstance(entry, list) and len(entry) == 2 and all(isinstance(e, str) for e in entry)):
+                raise LoadError(f"{index_path}: component '{comp}' has no [library, class] entry")
+            loaded[comp] = _load_library_component(entry[0], entry[1], folder, index_path)
+        else:
+            raise LoadError(f"{path}: component '{comp}' has unknown storage {how!r}")
+    try:
+        return cls.from_pretrained(str(directory), local_files_only=True, **loaded)
+    except Exception as exc:
+        raise LoadError(f"{directory}: cannot assemble the {name}: {type(exc).__name__}: {exc}") from None
+
+
+def _load_library_component(library: str, name: str, folder: Path, index_path: Path) -> Any:
+    if library not in ("diffusers", "transformers") or not name.isidentifier():
+        raise LoadError(f"{index_path}: component class {library}.{name} is not allowed "
+                        "(only diffusers and transformers classes are loaded)")
+    import importlib
+
+    module = importlib.import_module(library)  # one of two fixed names
+    cls = getattr(module, name, None)
+    if not isinstance(cls, type) or not hasattr(cls, "from_pretrained"):
+        raise LoadError(f"{index_path}: {library}.{name} is not a loadable class")
+    kwargs: dict[str, Any] = {"local_files_only": True}
+    if issubclass(cls, nn.Module):
+        kwargs["use_safetensors"] = True
+    try:
+        return cls.from_pretrained(str(folder), **kwargs)
+    except Exception as exc:
+        raise LoadError(f"{folder}: cannot load {library}.{name}: {type(exc).__name__}: {exc}") from None
+
+
+# =========================================================================== inspect
+
+
+def inspect(directory: str | os.PathLike) -> dict:
+    """What a saved model contains, from headers only (no tensor data is read)."""
+    from safetensors import SafetensorError, safe_open
+
+    directory = Path(directory)
+    meta = read_metadata(directory)
+    if meta["kind"] == "pipeline":
+        parts = {}
+        for comp, how in meta["components"].items():
+            parts[comp] = inspect(directory / comp) if how == "transformdsl" else {"storage": how}
+        return {"kind": "pipeline", "format_version": meta["format_version"],
+                "pipeline_class": meta["pipeline_class"], "components": parts}
+    by_dtype: dict[str, dict[str, int]] = {}
+    for name in meta["tensors"]["files"]:
+        path = _inside(directory, name)
+        try:
+            with safe_open(str(path), "pt") as f:
+                for key in f.keys():
+                    if is_padding(key):
+                        continue
+                    piece = f.get_slice(key)
+                    dtype = piece.get_dtype()
+                    numel = 1
+                    for d in piece.get_shape():
+                        numel *= d
+                    entry = by_dtype.setdefault(dtype, {"tensors": 0, "elements": 0, "bytes": 0})
+                    entry["tensors"] += 1
+                    entry["elements"] += numel
+        except (SafetensorError, OSError) as exc:
+            raise LoadError(f"{path}: corrupt or truncated safetensors file: {exc}") from None
+    sizes = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
+             "I16": 2, "I8": 1, "U8": 1, "BOOL": 1, "U16": 2, "U32": 4, "U64": 8}
+    for dtype, entry in by_dtype.items():
+        entry["bytes"] = entry["elements"] * sizes.get(dtype, 0)
+    return {
+        "kind": "module",
+        "format_version": meta["format_version"],
+        "model": meta["model"]["class"],
+        "library": meta["model"].get("library"),
+        "scripts": meta["scripts"],
+        "steps": [{"key": s["key"], "line": s.get("line"), "statement": s.get("statement")} for s in meta["steps"]],
+        "files": meta["tensors"]["files"],
+        "tensors": by_dtype,
+        "versions": meta.get("versions", {}),
+    }
