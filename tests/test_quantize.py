@@ -6,10 +6,10 @@ model's output against the unquantized model, measured over seeds 0-2 with ~1.5-
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import time
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -38,10 +38,10 @@ CASES = [
     ("llama", "quantize nf4", 0.25),
     ("llama", "quantize fp4", 0.3),
     ("llama", "quantize hqq", 0.2),
-    ("flux", "quantize int8", 0.015),
-    ("flux", "quantize nf4 double_quant=true", 0.2),
-    ("flux", "quantize fp4 compute=bf16", 0.25),
-    ("flux", "quantize hqq group_size=16", 0.12),
+    ("flux", "quantize int8", 0.004),
+    ("flux", "quantize nf4 double_quant=true", 0.05),
+    ("flux", "quantize fp4 compute=bf16", 0.06),
+    ("flux", "quantize hqq group_size=16", 0.025),
     ("unet", "quantize int8 threshold=6", 0.01),
     ("unet", "quantize nf4 blocksize=128", 0.1),
     ("unet", "quantize fp4", 0.12),
@@ -236,7 +236,9 @@ def test_default_exclusions_on_llama_and_flux():
     flux = plan(models.tiny_flux(), "quantize int8").steps[0]
     assert "proj_out" not in flux.targets  # the output head
     assert "single_transformer_blocks.0.proj_out" in flux.targets  # an ordinary projection
-    assert not [p for p in flux.targets if ".norm" in p or "time_text_embed" in p]
+    assert not [p for p in flux.targets if ".norm" in p or "time_text_embed" in p or "embedder" in p]
+    assert flux.excluded == {"default: embed": 4, "default: embedder": 2, "default: norm": 5,
+                             "default: re:^proj_out$": 1}
     everything = plan(models.tiny_flux(), "quantize int8 default_except=false").steps[0]
     assert "proj_out" in everything.targets and "transformer_blocks.0.norm1.linear" in everything.targets
     fewer = plan(models.tiny_flux(), "quantize int8 except ff").steps[0]
@@ -284,7 +286,7 @@ def test_hqq_group_size_must_divide_in_features():
     assert error.line == 2
     message = problem_messages(error)
     assert "'quantize hqq' cannot transform" in message
-    assert "x_embedder: group_size=32 does not divide its in_features (16)" in message
+    assert "transformer_blocks.0.attn.to_q: group_size=32 does not divide its in_features (16)" in message
     assert "hint: exclude them with 'except' or change the options" in message
 
 
@@ -320,7 +322,7 @@ def test_fuse_qkv_then_quantize_quantizes_the_fused_projection(tmp_path):
     assert [p for p in names if p.endswith("to_qkv")]
     assert not [p for p in names if p.endswith(("to_q", "to_k", "to_v"))]
     out = models.run(model)
-    assert rel_error(out, reference) < 0.015
+    assert rel_error(out, reference) < 0.004
     assert torch.equal(models.run(save_and_load(model, tmp_path)), out)
 
 
@@ -379,3 +381,40 @@ def test_int8_loads_into_a_layer_never_quantized():
         skeleton.load_state_dict(layer.state_dict(), strict=True, assign=assign)
         assert type(skeleton.weight).__name__ == "Int8Params"
         assert torch.equal(skeleton.eval()(x), layer(x))
+
+
+# --------------------------------------------------------------------------- examples and pipelines
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+@pytest.mark.parametrize("example,names", [
+    ("quantize_denoiser.tfm", ["flux", "unet"]),
+    ("quantize_llm.tfm", ["llama", "gpt2"]),
+])
+def test_examples_plan_and_run(example, names, tmp_path):
+    for name in names:
+        model = FACTORIES[name]()
+        steps = plan(model, EXAMPLES / example).steps
+        assert all(step.targets for step in steps if step.transform.verb == "quantize")
+        try:
+            transformdsl.transform(model, EXAMPLES / example)
+        except TransformError as exc:
+            if isinstance(exc.__cause__, NotImplementedError):
+                continue  # a statement of the example (fuse qkv) is not executable on this branch yet
+            raise
+        out = models.run(model)
+        assert torch.equal(models.run(save_and_load(model, tmp_path / name)), out)
+
+
+def test_pipeline_denoiser_and_text_encoder(tmp_path):
+    pipe = models.tiny_sd_pipeline()
+    reference = models.run(pipe)
+    transformdsl.transform(pipe, "quantize int8\nquantize nf4 component=text_encoder")
+    assert isinstance(pipe.unet.get_submodule("down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q"),
+                      q._backend().Int8Linear)
+    assert isinstance(pipe.text_encoder.get_submodule("encoder.layers.0.mlp.fc1"),
+                      q._backend().FourBitLinear)
+    out = models.run(pipe)
+    assert rel_error(out, reference) < 0.1
+    assert torch.equal(models.run(save_and_load(pipe, tmp_path)), out)

@@ -34,10 +34,13 @@ from .base import ApplyContext, Transform
 
 #: Linear layers (GPT-2's transposed ``Conv1D`` included).
 LINEAR_TARGETS = ("Linear", "Conv1D")
-#: What diffusers/transformers users skip: norms (with the modulation linears inside
-#: AdaLayerNorm*), embeddings (timestep/text embedders), output heads (``lm_head``, and the
-#: final ``proj_out`` of DiT-style denoisers; ``proj_out`` inside UNet blocks is kept).
-DEFAULT_EXCEPT = ("norm", "embed", "embedding", "lm_head", "re:^proj_out$")
+#: The layers quantization hurts most for the least memory, as diffusers/transformers users
+#: and GGUF/quanto recipes skip them: norms (with the modulation linears inside AdaLayerNorm*),
+#: embeddings and embedders (timestep/text embedders, a DiT's ``x_embedder`` and
+#: ``context_embedder`` input projections) and output heads (``lm_head``; the final
+#: ``proj_out`` of DiT-style denoisers, not the ``proj_out`` inside blocks).  spec.md has the
+#: measurements.
+DEFAULT_EXCEPT = ("norm", "embed", "embedding", "embedder", "lm_head", "re:^proj_out$")
 #: Weight dtypes the backends quantize from.
 FLOAT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 #: Class names of layers that already hold quantized weights (ours derive from these).
