@@ -294,7 +294,7 @@ def test_hqq_group_size_must_be_a_multiple_of_8():
     with pytest.raises(ScriptError) as info:
         check_text("fuse qkv\nquantize hqq group_size=12")
     assert info.value.line == 2
-    assert "group_size must be a multiple of 8, got 12" in info.value.message
+    assert "group_size must be a multiple of 8, got 12; try 8 or 16" in info.value.message
 
 
 def test_four_bit_blocksize_choices():

@@ -19,6 +19,7 @@ themselves are saved and reloaded as they are (never quantized again).
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,14 +85,20 @@ def state_bytes(module: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in module.state_dict().values() if isinstance(t, torch.Tensor))
 
 
+#: Planning snapshot → its tied weights: one walk per snapshot, not one per candidate.
+_TIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _tied_weights(tree: ModuleTree) -> dict[int, list[str]]:
     """id(weight) → the paths of the modules holding it, for weights held by several."""
-    owners: dict[int, list[str]] = {}
-    for info in tree:
-        weight = info.module._parameters.get("weight") if info.module is not None else None
-        if weight is not None:
-            owners.setdefault(id(weight), []).append(info.path)
-    return {key: paths for key, paths in owners.items() if len(paths) > 1}
+    if tree not in _TIED:
+        owners: dict[int, list[str]] = {}
+        for info in tree:
+            weight = info.module._parameters.get("weight") if info.module is not None else None
+            if weight is not None:
+                owners.setdefault(id(weight), []).append(info.path)
+        _TIED[tree] = {key: paths for key, paths in owners.items() if len(paths) > 1}
+    return _TIED[tree]
 
 
 def _put(root: nn.Module, path: str, module: nn.Module) -> None:
@@ -131,19 +138,14 @@ class _Quantize(Transform):
                 return "no 2-D weight to quantize"
             if weight.is_meta:
                 return "its weight is on the meta device (not loaded)"
-            shared = self._tied(tree).get(id(weight))
+            bias = info.module._parameters.get("bias")
+            if bias is not None and bias.dtype not in FLOAT_DTYPES:
+                return f"its bias is {str(bias.dtype).removeprefix('torch.')}; expected float32/bf16/fp16"
+            shared = _tied_weights(tree).get(id(weight))
             if shared:
                 others = ", ".join(p for p in shared if p != info.path)
                 return f"its weight is tied to {others}; quantizing it would untie them"
         return None
-
-    def _tied(self, tree: ModuleTree) -> dict[int, list[str]]:
-        # Computed once per statement and tree (one walk), on the first candidate.
-        cache = self.__dict__.setdefault("_tied_cache", {})
-        if id(tree) not in cache:
-            cache.clear()
-            cache[id(tree)] = _tied_weights(tree)
-        return cache[id(tree)]
 
     def plan_effect(self, tree: ModuleTree, targets: list[str]) -> None:
         # The class stays (conflicts with later statements are found on the same paths);
@@ -216,7 +218,7 @@ class _Quantize(Transform):
             "in": int(weight.shape[1]),
             "out": int(weight.shape[0]),
             "dtype": FLOAT_DTYPES[weight.dtype],
-            "bias": None if bias is None else FLOAT_DTYPES.get(bias.dtype, "float32"),
+            "bias": None if bias is None else FLOAT_DTYPES[bias.dtype],
             "source": type(old).__name__,
         }
 
@@ -346,7 +348,9 @@ class HQQOptions:
 
     def __post_init__(self):
         if self.group_size % 8:
-            raise ValueError(f"hqq group_size must be a multiple of 8, got {self.group_size}")
+            below = max(8, self.group_size // 8 * 8)
+            raise ValueError(f"hqq group_size must be a multiple of 8, got {self.group_size}; "
+                             f"try {below} or {below + 8}")
 
 
 @register
