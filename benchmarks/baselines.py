@@ -16,14 +16,17 @@ import torch
 from torch import nn
 
 #: What users skip when quantizing (transformers' ``llm_int8_skip_modules``, diffusers'
-#: ``keep_in_fp32_modules``): norms (and the modulation linears inside them), embeddings,
-#: output heads.  Matched on whole tokens of each path segment, like transformdsl's ``except``.
-SKIP_TOKENS = {"norm", "embed", "embedding"}
-SKIP_WORDS = re.compile(r"(^|_)(lm_head|proj_out)(_|$)")
+#: ``keep_in_fp32_modules``), the same layers as transformdsl's default exclusions: norms (and
+#: the modulation linears inside them), embeddings and embedders, output heads (``lm_head``,
+#: a DiT's top-level ``proj_out``).  Matched on whole tokens of each path segment.
+SKIP_TOKENS = {"norm", "embed", "embedding", "embedder"}
+SKIP_WORDS = re.compile(r"(^|_)lm_head(_|$)")
 
 
 def skipped(path: str) -> bool:
     """Whether a user's quantization skip list names ``path`` (or a module above it)."""
+    if path == "proj_out":
+        return True
     for segment in path.split("."):
         if SKIP_TOKENS & set(re.split(r"[_\d]+", segment)) or SKIP_WORDS.search(segment):
             return True
@@ -31,13 +34,20 @@ def skipped(path: str) -> bool:
 
 
 def replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> nn.Module:
-    """Swap every ``nn.Linear`` not skipped for ``make(linear)``: the usual by-hand loop."""
+    """Swap every ``nn.Linear`` not skipped for ``make(linear)``: the usual by-hand loop.
+
+    New modules start in training mode; the model is put back in the mode it was in, as
+    transformers' and diffusers' ``from_pretrained(quantization_config=...)`` leave it (eval).
+    That matters: in training mode bitsandbytes' int8 layers take another code path on the CPU
+    (dequantize the weight, then a float matmul) than in eval mode (int8 matmul).
+    """
+    training = model.training
     for path, module in list(model.named_modules()):
         for name, child in list(module.named_children()):
             full = f"{path}.{name}" if path else name
             if isinstance(child, nn.Linear) and not skipped(full):
                 setattr(module, name, make(child))
-    return model
+    return model.train(training)
 
 
 # ---------------------------------------------------------------------- bitsandbytes
@@ -57,7 +67,7 @@ def bnb_int8(model: nn.Module) -> nn.Module:
     return replace_linears(model, make)
 
 
-def bnb_4bit(quant_type: str) -> Callable[[nn.Module], nn.Module]:
+def bnb_4bit(quant_type: str, compute: torch.dtype = torch.float32) -> Callable[[nn.Module], nn.Module]:
     """``Linear4bit`` with transformdsl's defaults: fp32 compute, blocks of 64, no double quant."""
 
     def convert(model: nn.Module) -> nn.Module:
@@ -65,7 +75,7 @@ def bnb_4bit(quant_type: str) -> Callable[[nn.Module], nn.Module]:
 
         def make(linear: nn.Linear) -> nn.Module:
             new = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                                    compute_dtype=torch.float32, compress_statistics=False, quant_type=quant_type)
+                                    compute_dtype=compute, compress_statistics=False, quant_type=quant_type)
             new.weight = bnb.nn.Params4bit(linear.weight.data, requires_grad=False, blocksize=64,
                                            compress_statistics=False, quant_type=quant_type)
             if linear.bias is not None:
@@ -80,11 +90,18 @@ def bnb_4bit(quant_type: str) -> Callable[[nn.Module], nn.Module]:
 
 # ---------------------------------------------------------------------- hqq
 
+def hqq_group_size(model: nn.Module) -> int:
+    """The group size users pick: hqq's usual 64, or the largest power of two dividing every
+    quantized layer's inputs (the tiny models have 16- and 32-wide layers)."""
+    widths = [m.in_features for p, m in model.named_modules() if isinstance(m, nn.Linear) and not skipped(p)]
+    return next(g for g in (64, 32, 16, 8) if all(w % g == 0 for w in widths))
+
+
 def hqq_4bit(model: nn.Module) -> nn.Module:
-    """``HQQLinear`` 4-bit, groups of 64 along axis 1, fp32 compute (transformdsl's defaults)."""
+    """``HQQLinear`` 4-bit, groups along axis 1, fp32 compute (transformdsl's defaults)."""
     from hqq.core.quantize import BaseQuantizeConfig, HQQLinear
 
-    config = BaseQuantizeConfig(nbits=4, group_size=64, axis=1)
+    config = BaseQuantizeConfig(nbits=4, group_size=hqq_group_size(model), axis=1)
 
     def make(linear: nn.Linear) -> nn.Module:
         return HQQLinear(linear, config, compute_dtype=torch.float32, device=str(linear.weight.device))

@@ -26,6 +26,7 @@ class Baseline:
     fn: Callable
     families: tuple[str, ...] = ALL
     needs: str | None = None  # an importable module (e.g. "torchao"); skipped when missing
+    sizes: tuple[str, ...] | None = None  # where it runs, when not everywhere its comparison does
 
 
 @dataclass(frozen=True)
@@ -41,14 +42,16 @@ class Comparison:
     script: str | Callable[[str], str]
     baselines: tuple[Baseline, ...] = ()
     families: tuple[str, ...] = ALL
-    sizes: tuple[str, ...] = ("tiny", "large")
+    sizes: tuple[str, ...] = ("tiny", "medium", "large")
     dtype: torch.dtype = torch.float32
     reload: bool = True
     #: Why there is no by-hand baseline (shown instead of ratios), when there is none.
     no_baseline: str = ""
+    #: Left out of the default run (too slow for its few minutes); ``--only NAME`` runs it.
+    optional: bool = False
 
-    def script_for(self, family: str) -> str:
-        return self.script(family) if callable(self.script) else self.script
+    def script_for(self, workload) -> str:
+        return self.script(workload) if callable(self.script) else self.script
 
 
 FUSE = Baseline("diffusers fuse_qkv_projections()", hand.diffusers_fuse_qkv, DIFFUSERS)
@@ -57,11 +60,17 @@ LAYERWISE = Baseline("diffusers enable_layerwise_casting(fp8)", hand.diffusers_l
 COMPILE = Baseline("torch.compile(model)", hand.torch_compile)
 
 
-def _regional_scope(family: str) -> str:
+def _regional_scope(workload) -> str:
     """The repeated blocks diffusers' ``_repeated_blocks`` names, as a transformdsl scope."""
     return {"flux": "compile regional in transformer_blocks.*, single_transformer_blocks.*",
             "sd3": "compile regional in transformer_blocks.*",
-            "llama": "compile regional in model.layers.*"}.get(family, "compile regional in *")
+            "llama": "compile regional in model.layers.*"}.get(workload.family, "compile regional in *")
+
+
+def _hqq(workload) -> str:
+    """4-bit hqq in groups of 64, or of 16 on the tiny models (their layers are 16 or 32 wide),
+    as the by-hand side picks (:func:`baselines.hqq_group_size`)."""
+    return f"quantize hqq bits=4 group_size={16 if workload.size == 'tiny' else 64}"
 
 
 COMPARISONS: list[Comparison] = [
@@ -71,14 +80,15 @@ COMPARISONS: list[Comparison] = [
         BNB_INT8,
         Baseline("torchao Int8WeightOnlyConfig (W8A16)", hand.torchao_int8_weight_only, needs="torchao"),
         Baseline("torchao Int8DynamicActivationInt8WeightConfig (W8A8)", hand.torchao_int8_dynamic,
-                 needs="torchao"),
+                 needs="torchao", sizes=("tiny", "medium")),
     )),
     Comparison("quantize nf4", "quantize nf4", (Baseline("bitsandbytes Linear4bit nf4 by hand",
                                                          hand.bnb_4bit("nf4")),)),
     Comparison("quantize fp4", "quantize fp4", (Baseline("bitsandbytes Linear4bit fp4 by hand",
                                                          hand.bnb_4bit("fp4")),), sizes=("tiny",)),
-    Comparison("quantize hqq", "quantize hqq bits=4 group_size=64",
-               (Baseline("hqq HQQLinear by hand", hand.hqq_4bit),)),
+    # hqq's optimizer costs about a second per million weights here: minutes per side at width 3072.
+    Comparison("quantize hqq", _hqq,
+               (Baseline("hqq HQQLinear by hand", hand.hqq_4bit),), sizes=("tiny", "medium")),
     Comparison("fp8 storage", "fp8 storage", (
         LAYERWISE,
         Baseline("torchao Float8WeightOnlyConfig", hand.torchao_float8_weight_only, needs="torchao"),
@@ -96,13 +106,14 @@ COMPARISONS: list[Comparison] = [
                families=DIFFUSERS, dtype=torch.bfloat16),
     Comparison("fuse bias_act_dropout", "fuse bias_act_dropout", (), sizes=("tiny",),
                no_baseline="no library does this fusion alone (torch.compile does it as part of compiling)"),
-    Comparison("compile", "compile", (COMPILE,), families=("flux", "llama"), sizes=("tiny",), reload=False),
+    # Cold compilation costs a minute or more per process on a busy 2-core machine: the tiny Flux only.
+    Comparison("compile", "compile", (COMPILE,), families=("flux",), sizes=("tiny",), reload=False),
     Comparison("compile regional", _regional_scope, (
         Baseline("diffusers compile_repeated_blocks()", hand.diffusers_compile_repeated_blocks, ("flux", "sd3")),
     ), families=("flux",), sizes=("tiny",), reload=False),
     Comparison("quantize int8 + compile", "quantize int8; compile fullgraph=false",
                (Baseline("Linear8bitLt by hand + torch.compile", hand.chain(hand.bnb_int8, hand.torch_compile)),),
-               families=("flux",), sizes=("tiny",), reload=False),
+               families=("flux",), sizes=("tiny",), reload=False, optional=True),
 ]
 
 BY_NAME = {c.name: c for c in COMPARISONS}

@@ -129,9 +129,9 @@ def changed_layers(before: dict[str, str], model: torch.nn.Module) -> int:
         weight = getattr(module, "weight", None)
         if not isinstance(weight, torch.Tensor):
             weight = getattr(module, "W_q", None)  # hqq's HQQLinear
+        # torchao swaps weights for tensor subclasses that report the float dtype
         low = isinstance(weight, torch.Tensor) and (
-            weight.dtype in LOW_PRECISION or not isinstance(weight, torch.nn.Parameter)
-            and type(weight) is not torch.Tensor)  # torchao keeps its own tensor subclasses
+            weight.dtype in LOW_PRECISION or type(weight) not in (torch.Tensor, torch.nn.Parameter))
         if before.get(path) != type(module).__name__ or low:
             count += 1
     return count
@@ -210,7 +210,7 @@ def _apply(job: Job, comparison: Comparison, model):
         import transformdsl
 
         try:
-            return transformdsl.transform(model, comparison.script_for(job.workload.family))
+            return transformdsl.transform(model, comparison.script_for(job.workload))
         except transformdsl.TransformError as exc:
             if "cannot be executed yet" in str(exc) or isinstance(exc.__cause__, NotImplementedError):
                 raise NotAvailable("not available yet (the transform has not landed)") from exc
@@ -233,7 +233,6 @@ def _fresh_compile_cache() -> None:
 
 def measure(job: Job) -> dict:
     """Measure one job; never raises (a failure is a row that says what failed)."""
-    _quiet()
     torch.set_num_threads(job.threads)
     row = {"workload": job.workload.key, "family": job.workload.family, "size": job.workload.size,
            "comparison": job.comparison, "side": job.side, "threads": torch.get_num_threads()}
@@ -254,8 +253,7 @@ def _measure(job: Job) -> dict:
     with torch.no_grad():  # not inference_mode: its tensors could not be changed by the transforms after
         model, read_s = _timed(lambda: workloads.read(job.workload))
         _, touch_s = _timed(lambda: _touch(model))
-    with torch.inference_mode():
-        reference = workloads.forward(model, workloads.sample(model))
+    reference = workloads.reference(job.workload, model)
     facts = {"params": workloads.parameter_count(model), "read_s": read_s + touch_s,
              "original_bytes": weight_bytes(model)}
     dtype = comparison.dtype if comparison else torch.float32
@@ -263,7 +261,7 @@ def _measure(job: Job) -> dict:
         model = model.to(dtype)
     inputs = workloads.sample(model, dtype)
     before = layer_kinds(model)
-    if comparison and "compile" in comparison.script_for(job.workload.family):
+    if comparison and "compile" in comparison.script_for(job.workload):
         _fresh_compile_cache()
 
     gc.collect()
@@ -364,5 +362,6 @@ class Isolated:
 
 
 def _child(job: Job, writer) -> None:
+    _quiet()
     writer.send(measure(job))
     writer.close()

@@ -12,6 +12,7 @@ run one after the other so that they see the same machine.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -32,12 +33,14 @@ from comparisons import COMPARISONS, Comparison  # noqa: E402
 from measure import ORIGINAL, OURS, Isolated, Job, measure  # noqa: E402
 from workloads import Workload  # noqa: E402
 
-#: The main comparison: every built-in architecture tiny, Flux and Llama at realistic width.
+#: The main comparison: every built-in architecture tiny, then Flux at width 768 and at FLUX.1's 3072.
 FULL = [workloads.tiny("flux"), workloads.tiny("sd3"), workloads.tiny("unet"), workloads.tiny("llama"),
-        workloads.flux("large", heads=24), workloads.llama("large", workloads.LLAMA_LARGE)]
-#: Smaller widths of the large Flux, for cost against size (the large one is the last point).
-SCALING = [workloads.flux("w768", heads=6), workloads.flux("w1536", heads=12), workloads.flux("w2304", heads=18)]
-SCALING_COMPARISONS = ("quantize int8", "fuse qkv + fp8 storage")
+        workloads.flux("medium", heads=6), workloads.flux("large", heads=24)]
+#: Not in the default run (minutes more on 2 cores); ``--models llama-large`` runs it.
+EXTRA = [workloads.llama("large", workloads.LLAMA_LARGE)]
+#: Widths between medium and large, for cost against size (medium and large are the end points).
+SCALING = [workloads.flux("w1536", heads=12), workloads.flux("w2304", heads=18)]
+SCALING_COMPARISONS = ("quantize int8", "fuse qkv + quantize int8")
 QUICK_COMPARISONS = ("fuse qkv", "quantize int8", "fp8 storage")
 
 
@@ -46,6 +49,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="tiny Flux, three comparisons: a smoke run (< 1 min)")
     parser.add_argument("--only", action="append", default=[], metavar="NAME",
                         help="run only this comparison (repeatable), e.g. --only 'quantize int8'")
+    parser.add_argument("--models", action="append", default=[], metavar="KEY",
+                        help="run only these workloads (repeatable), e.g. --models flux-large")
     parser.add_argument("--out", type=Path, help="where RESULTS.md and charts/ go "
                         "(default: benchmarks/, or benchmarks/_work/quick with --quick)")
     parser.add_argument("--threads", type=int, default=1,
@@ -59,36 +64,38 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def applicable(comparison: Comparison, workload: Workload) -> bool:
-    return workload.family in comparison.families and (workload.size in comparison.sizes
-                                                       or workload.size not in ("tiny", "large"))
+    return workload.family in comparison.families and workload.size in comparison.sizes
 
 
 def sides(comparison: Comparison, workload: Workload, quick: bool) -> list[str]:
     """Ours first, then every by-hand way that applies (torchao ones skipped in a quick run)."""
     return [OURS] + [b.label for b in comparison.baselines
-                     if workload.family in b.families and not (quick and b.needs)]
+                     if workload.family in b.families and workload.size in (b.sizes or comparison.sizes)
+                     and not (quick and b.needs)]
 
 
 def plan_jobs(args: argparse.Namespace) -> tuple[list[Job], list[Job]]:
     """The main jobs and the scaling jobs, in the order they run."""
-    chosen = [c for c in COMPARISONS if not args.only or c.name in args.only]
+    chosen = [c for c in COMPARISONS if c.name in args.only or not args.only and not c.optional]
     if args.quick:
         chosen = [c for c in chosen if args.only or c.name in QUICK_COMPARISONS]
     repeats = args.repeats or (3 if args.quick else 5)
     main_workloads = [workloads.tiny("flux")] if args.quick else FULL
+    if args.models:
+        main_workloads = [w for w in FULL + EXTRA if w.key in args.models]
     common = dict(threads=args.threads, warmup=1)
     jobs = []
     for workload in main_workloads:
         # the large models cost seconds per call: fewer repeats, as the median is stable there
-        n = repeats if workload.size == "tiny" else 3
-        common["warmup"] = 1 if workload.size == "tiny" else 0  # the timed first call warms up too
+        n = repeats if workload.size != "large" else 3
+        common["warmup"] = 1 if workload.size != "large" else 0  # the timed first call warms up too
         jobs.append(Job(workload, ORIGINAL, ORIGINAL, repeats=n, **common))
         for comparison in chosen:
             if applicable(comparison, workload):
                 jobs += [Job(workload, comparison.name, side, repeats=n, **common)
                          for side in sides(comparison, workload, args.quick)]
     scaling = []
-    if not args.quick and not args.only:
+    if not args.quick and not args.only and not args.models:
         for workload in SCALING:
             scaling.append(Job(workload, ORIGINAL, ORIGINAL, latency=False, **common))
             scaling += [Job(workload, name, OURS, latency=False, repeats=3, **common) for name in SCALING_COMPARISONS]
@@ -104,7 +111,7 @@ def needed_backends(jobs: list[Job]) -> set[str]:
         comparison = BY_NAME.get(job.comparison)
         if comparison is None:
             continue
-        text = comparison.script_for(job.workload.family)
+        text = comparison.script_for(job.workload)
         if job.side == OURS:
             need |= {"bitsandbytes"} if any(m in text for m in ("int8", "nf4", "fp4")) else set()
             need |= {"hqq"} if "hqq" in text else set()
@@ -154,8 +161,13 @@ def main(argv: list[str] | None = None) -> Path:
     for workload in dict.fromkeys(job.workload for job in jobs + scaling):
         workloads.prepare(workload)
     runner = make_runner(args, jobs + scaling)
-    rows = execute(jobs, runner, "main")
-    scaling_rows = execute(scaling, runner, "scaling")
+    if args.in_process:
+        gc.freeze()  # as the fork server does: keeps each gc.collect() of a job from scanning every import
+    try:
+        rows = execute(jobs, runner, "main")
+        scaling_rows = execute(scaling, runner, "scaling")
+    finally:
+        gc.unfreeze()
     meta = {"command": "make bench" if not sys.argv[1:] else "benchmarks/run.py " + " ".join(sys.argv[1:]),
             "quick": args.quick, "seconds": time.time() - started, "threads": args.threads,
             "load_before": load_before, "load_after": os.getloadavg(), "in_process": args.in_process,
