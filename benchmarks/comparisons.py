@@ -49,6 +49,8 @@ class Comparison:
     no_baseline: str = ""
     #: Left out of the default run (too slow for its few minutes); ``--only NAME`` runs it.
     optional: bool = False
+    #: Whether by-hand jobs also time ours in the same process (not for compile: a second compile).
+    duel: bool = True
 
     def script_for(self, workload) -> str:
         return self.script(workload) if callable(self.script) else self.script
@@ -107,13 +109,13 @@ COMPARISONS: list[Comparison] = [
     Comparison("fuse bias_act_dropout", "fuse bias_act_dropout", (), sizes=("tiny",),
                no_baseline="no library does this fusion alone (torch.compile does it as part of compiling)"),
     # Cold compilation costs a minute or more per process on a busy 2-core machine: the tiny Flux only.
-    Comparison("compile", "compile", (COMPILE,), families=("flux",), sizes=("tiny",), reload=False),
+    Comparison("compile", "compile", (COMPILE,), families=("flux",), sizes=("tiny",), reload=False, duel=False),
     Comparison("compile regional", _regional_scope, (
         Baseline("diffusers compile_repeated_blocks()", hand.diffusers_compile_repeated_blocks, ("flux", "sd3")),
-    ), families=("flux",), sizes=("tiny",), reload=False),
+    ), families=("flux",), sizes=("tiny",), reload=False, duel=False),
     Comparison("quantize int8 + compile", "quantize int8; compile fullgraph=false",
                (Baseline("Linear8bitLt by hand + torch.compile", hand.chain(hand.bnb_int8, hand.torch_compile)),),
-               families=("flux",), sizes=("tiny",), reload=False, optional=True),
+               families=("flux",), sizes=("tiny",), reload=False, optional=True, duel=False),
 ]
 
 BY_NAME = {c.name: c for c in COMPARISONS}

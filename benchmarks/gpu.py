@@ -212,6 +212,8 @@ def main(argv: list[str] | None = None) -> Path | None:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu.py: no CUDA device here; skipped (nothing written).  RESULTS.md keeps 'not yet measured'.")
         return None
+    if workloads.TORCHAO_SITE.is_dir():
+        sys.path.append(str(workloads.TORCHAO_SITE))
     workload = workloads.tiny("flux") if args.tiny else GPU_FLUX
     workloads.prepare(workload)
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (code-path check only)"

@@ -52,6 +52,10 @@ class Job:
     warmup: int = 1
     latency: bool = True
     reload: bool = True
+    #: By-hand jobs: call ours and theirs in turn this many times in the same process (0: no duel).
+    duel: int = 0
+    #: Transform this many fresh copies and keep the fastest (the scaling series).
+    best_of: int = 1
 
 
 # ---------------------------------------------------------------------- memory
@@ -143,16 +147,24 @@ def relative_error(output: torch.Tensor, reference: torch.Tensor) -> float:
     return (diff.norm() / reference.detach().float().norm().clamp_min(1e-30)).item()
 
 
-def _touch(model) -> None:
-    """Read every page of every tensor (memory-mapped weights are read lazily)."""
-    for tensor in _unwrap(model).state_dict().values():
-        if type(tensor) not in (torch.Tensor, torch.nn.Parameter) or not tensor.numel() or tensor.is_meta:
+def touch(tensors) -> None:
+    """Read one byte of every page of every tensor: memory-mapped files are read lazily, and
+    both sides of a reload comparison must have really read their bytes."""
+    for tensor in tensors:
+        if not isinstance(tensor, torch.Tensor) or not tensor.numel() or tensor.is_meta:
             continue
-        data = tensor.detach()
+        try:  # bitsandbytes' Int8Params/Params4bit are plain tensors underneath
+            data = tensor.detach().as_subclass(torch.Tensor)
+        except (TypeError, RuntimeError):  # wrapper subclasses (torchao): their own storage
+            continue
         if data.is_contiguous():
             data.reshape(-1).view(torch.uint8)[::4096].sum()  # one byte per page
         else:
             data.float().sum()
+
+
+def _touch(model) -> None:
+    touch(_unwrap(model).state_dict().values())
 
 
 def _timed(fn):
@@ -247,28 +259,37 @@ def measure(job: Job) -> dict:
     return row
 
 
-def _measure(job: Job) -> dict:
-    comparison = BY_NAME.get(job.comparison)
-    base = rss()
-    with torch.no_grad():  # not inference_mode: its tensors could not be changed by the transforms after
+def _read(job: Job, comparison: Comparison | None):
+    """The original model (every page read), its facts, and the sample input in the job's dtype."""
+    with torch.no_grad():  # not inference_mode: the transforms could not change its tensors after
         model, read_s = _timed(lambda: workloads.read(job.workload))
         _, touch_s = _timed(lambda: _touch(model))
-    reference = workloads.reference(job.workload, model)
     facts = {"params": workloads.parameter_count(model), "read_s": read_s + touch_s,
              "original_bytes": weight_bytes(model)}
+    reference = workloads.reference(job.workload, model)
     dtype = comparison.dtype if comparison else torch.float32
     if dtype != torch.float32:
         model = model.to(dtype)
-    inputs = workloads.sample(model, dtype)
+    return model, facts, reference, workloads.sample(model, dtype)
+
+
+def _transform(job: Job, comparison: Comparison | None, model):
+    with torch.no_grad():
+        # no_grad, not inference_mode: quantizers create parameters, which inference mode forbids.
+        return _timed(lambda: _apply(job, comparison, model))
+
+
+def _measure(job: Job) -> dict:
+    comparison = BY_NAME.get(job.comparison)
+    base = rss()
+    model, facts, reference, inputs = _read(job, comparison)
     before = layer_kinds(model)
     if comparison and "compile" in comparison.script_for(job.workload):
         _fresh_compile_cache()
 
     gc.collect()
     reset_peak()
-    with torch.no_grad():
-        # no_grad, not inference_mode: quantizers create parameters, which inference mode forbids.
-        model, transform_s = _timed(lambda: _apply(job, comparison, model))
+    model, transform_s = _transform(job, comparison, model)
     with torch.inference_mode():
         output, first_s = _timed(lambda: workloads.forward(model, inputs))
         steady = (latency(lambda: workloads.forward(model, inputs), job.repeats, job.warmup)
@@ -278,12 +299,37 @@ def _measure(job: Job) -> dict:
     facts.update(transform_s=transform_s, first_call_s=first_s, latency_s=steady, peak_rss=peak,
                  rss_after=rss() - base, weight_bytes=weight_bytes(model),
                  layers=changed_layers(before, model), error=relative_error(output, reference))
+    if job.best_of > 1:  # the scaling series: the fastest of a few fresh transforms
+        facts["transform_s"] = min([transform_s] + [_transform(job, comparison, _read(job, comparison)[0])[1]
+                                                    for _ in range(job.best_of - 1)])
     if job.side == OURS and job.reload and comparison and comparison.reload:
-        facts["reload"] = _reload(model, output, inputs, job.repeats)
+        facts["reload"] = _reload(model, output, inputs)
+    if job.duel and job.side not in (OURS, ORIGINAL):
+        facts["duel"] = _duel(job, comparison, model, inputs)
     return facts
 
 
-def _reload(model, output: torch.Tensor, inputs, repeats: int) -> dict:
+def _duel(job: Job, comparison: Comparison, hand_model, inputs) -> dict:
+    """Our model and the by-hand one in this same process, called in turn (ABBA...), so that
+    both see the same machine load: the ratio of their latencies is robust on a busy machine."""
+    try:
+        ours, _ = _transform(Job(job.workload, job.comparison, OURS), comparison, _read(job, comparison)[0])
+    except NotAvailable:
+        return {"status": "ours not available"}
+    times = {OURS: [], "hand": []}
+    calls = {OURS: lambda: workloads.forward(ours, inputs), "hand": lambda: workloads.forward(hand_model, inputs)}
+    with torch.inference_mode():
+        calls[OURS]()  # warm-up; the by-hand model was warmed up above
+        for i in range(job.duel):
+            for side in ((OURS, "hand") if i % 2 == 0 else ("hand", OURS)):
+                _, seconds = _timed(calls[side])
+                times[side].append(seconds)
+    ratios = [a / b for a, b in zip(times[OURS], times["hand"])]
+    return {"pairs": job.duel, "ours_s": statistics.median(times[OURS]), "hand_s": statistics.median(times["hand"]),
+            "ratio": statistics.median(ratios)}
+
+
+def _reload(model, output: torch.Tensor, inputs) -> dict:
     """Save our model, then time ``transformdsl.load`` against safetensors reading the same bytes."""
     import shutil
 
@@ -298,14 +344,19 @@ def _reload(model, output: torch.Tensor, inputs, repeats: int) -> dict:
         files = sorted(target.glob("*.safetensors"))
         for f in files:  # both sides read from a warm page cache
             f.read_bytes()
-        floor_s = _best_of(lambda: [load_file(str(f)) for f in files], max(2, repeats // 2))
+        def floor():
+            tensors = [t for f in files for t in load_file(str(f)).values()]
+            touch(tensors)
+            return tensors
+
+        floor_s = _best_of(floor, 2)
 
         def load_and_touch():
             loaded = transformdsl.load(target)
             _touch(loaded)
             return loaded
 
-        load_s = _best_of(load_and_touch, max(2, repeats // 2))
+        load_s = _best_of(load_and_touch, 2)
         with torch.inference_mode():
             again = workloads.forward(transformdsl.load(target), inputs)
         return {"save_s": save_s, "floor_s": floor_s, "load_s": load_s,

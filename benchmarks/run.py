@@ -23,11 +23,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(HERE.parent))
 
-#: A local torchao (``pip install --no-deps --target benchmarks/_work/torchao-site torchao==0.18.0``),
-#: put on the path only for this harness: installed in the project's environment, diffusers
-#: would import it (and torch._dynamo) on every import, seconds for every test run.
-TORCHAO_SITE = HERE / "_work" / "torchao-site"
-
+import torch  # noqa: E402
 import workloads  # noqa: E402
 from comparisons import COMPARISONS, Comparison  # noqa: E402
 from measure import ORIGINAL, OURS, Isolated, Job, measure  # noqa: E402
@@ -38,9 +34,12 @@ FULL = [workloads.tiny("flux"), workloads.tiny("sd3"), workloads.tiny("unet"), w
         workloads.flux("medium", heads=6), workloads.flux("large", heads=24)]
 #: Not in the default run (minutes more on 2 cores); ``--models llama-large`` runs it.
 EXTRA = [workloads.llama("large", workloads.LLAMA_LARGE)]
-#: Widths between medium and large, for cost against size (medium and large are the end points).
-SCALING = [workloads.flux("w1536", heads=12), workloads.flux("w2304", heads=18)]
-SCALING_COMPARISONS = ("quantize int8", "fuse qkv + quantize int8")
+#: Flux at four widths (768 to 3072), for cost against size.
+SCALING = [workloads.flux("medium", heads=6), workloads.flux("w1536", heads=12), workloads.flux("w2304", heads=18),
+           workloads.flux("large", heads=24)]
+SCALING_COMPARISON = "fuse qkv + quantize int8"
+#: Calls of ours and of the by-hand model in turn, in one process (see measure._duel), per size.
+DUEL_PAIRS = {"tiny": 7, "medium": 5, "large": 2}
 QUICK_COMPARISONS = ("fuse qkv", "quantize int8", "fp8 storage")
 
 
@@ -87,18 +86,21 @@ def plan_jobs(args: argparse.Namespace) -> tuple[list[Job], list[Job]]:
     jobs = []
     for workload in main_workloads:
         # the large models cost seconds per call: fewer repeats, as the median is stable there
-        n = repeats if workload.size != "large" else 3
-        common["warmup"] = 1 if workload.size != "large" else 0  # the timed first call warms up too
+        large = workload.size == "large"
+        n = 2 if large else repeats
+        common["warmup"] = 0 if large else 1  # the timed first call warms up too
         jobs.append(Job(workload, ORIGINAL, ORIGINAL, repeats=n, **common))
         for comparison in chosen:
             if applicable(comparison, workload):
-                jobs += [Job(workload, comparison.name, side, repeats=n, **common)
+                # bf16 matmuls are slow on CPUs without bf16 units: no duel for fp8 jobs at width 3072
+                duel = DUEL_PAIRS[workload.size] if comparison.duel and not (
+                    large and comparison.dtype != torch.float32) else 0
+                jobs += [Job(workload, comparison.name, side, repeats=n, duel=duel, **common)
                          for side in sides(comparison, workload, args.quick)]
     scaling = []
     if not args.quick and not args.only and not args.models:
-        for workload in SCALING:
-            scaling.append(Job(workload, ORIGINAL, ORIGINAL, latency=False, **common))
-            scaling += [Job(workload, name, OURS, latency=False, repeats=3, **common) for name in SCALING_COMPARISONS]
+        scaling = [Job(workload, SCALING_COMPARISON, OURS, latency=False, best_of=2, **common)
+                   for workload in SCALING]
     return jobs, scaling
 
 
@@ -128,9 +130,9 @@ def make_runner(args: argparse.Namespace, jobs: list[Job]):
     """``runner(job) -> row``: a fresh forked process per job, or this process for the smoke test."""
     need = needed_backends(jobs)
     paths = [str(HERE), str(HERE.parent)]
-    if "torchao" in need and TORCHAO_SITE.is_dir():
-        sys.path.append(str(TORCHAO_SITE))
-        paths.append(str(TORCHAO_SITE))
+    if "torchao" in need and workloads.TORCHAO_SITE.is_dir():
+        sys.path.append(str(workloads.TORCHAO_SITE))
+        paths.append(str(workloads.TORCHAO_SITE))
     if args.in_process:
         return measure
     return Isolated(need, paths, timeout_s=args.timeout)
@@ -154,8 +156,6 @@ def main(argv: list[str] | None = None) -> Path:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     started, load_before = time.time(), os.getloadavg()
-    import torch
-
     torch.set_num_threads(args.threads)  # as in every job (and as the page header reports)
     jobs, scaling = plan_jobs(args)
     for workload in dict.fromkeys(job.workload for job in jobs + scaling):
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> Path:
     meta = {"command": "make bench" if not sys.argv[1:] else "benchmarks/run.py " + " ".join(sys.argv[1:]),
             "quick": args.quick, "seconds": time.time() - started, "threads": args.threads,
             "load_before": load_before, "load_after": os.getloadavg(), "in_process": args.in_process,
-            "torchao": "torchao" in needed_backends(jobs) and TORCHAO_SITE.is_dir()}
+            "torchao": "torchao" in needed_backends(jobs) and workloads.TORCHAO_SITE.is_dir()}
     raw = out / "results" / "run.json"
     raw.parent.mkdir(parents=True, exist_ok=True)
     raw.write_text(json.dumps({"meta": meta, "rows": rows, "scaling": scaling_rows}, indent=1, default=str))

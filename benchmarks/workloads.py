@@ -19,6 +19,10 @@ from pathlib import Path
 import torch
 
 WORK = Path(__file__).resolve().parent / "_work"
+#: A local torchao (``pip install --no-deps --target benchmarks/_work/torchao-site torchao==0.18.0``),
+#: put on the path only by the benchmark scripts: installed in the project's environment,
+#: diffusers would import it (and torch._dynamo) on every import, seconds for every test run.
+TORCHAO_SITE = WORK / "torchao-site"
 
 
 @dataclass(frozen=True)
