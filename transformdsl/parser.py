@@ -88,10 +88,20 @@ _TOKEN_NAMES = {
 }
 
 
+#: ``name= other`` right before an unexpected ``=``: ``other`` is the next option's name, not a value.
+_MISSING_VALUE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)[ \t]*=[ \t]+([A-Za-z_][A-Za-z0-9_]*)\Z")
+
+
 def _syntax_problem(exc: lark.exceptions.UnexpectedInput, text: str, filename: str | None) -> Problem:
     line, column = max(exc.line, 1), max(exc.column, 1)
     if isinstance(exc, lark.exceptions.UnexpectedCharacters):
         char = text[exc.pos_in_stream] if exc.pos_in_stream < len(text) else ""
+        missing = _MISSING_VALUE.search(text, 0, exc.pos_in_stream) if char == "=" else None
+        if missing:
+            # `bits= group_size=64`: the next option's name was read as the value of `bits=`.
+            start = column - (exc.pos_in_stream - missing.start(2))
+            return Problem(f"expected a value after '{missing.group(1)}='",
+                           [Span(filename, line, start, line, column)])
         if char in "\"'":
             message = "unterminated string"
         elif char == "=":
