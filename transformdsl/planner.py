@@ -205,15 +205,24 @@ class Planner:
                                          hint=f"components: {names}"))
 
     def _selectors_or_problem(self, selectors: tuple[Selector, ...], tree: ModuleTree,
-                              within: list[str] | None) -> list[list[str]]:
+                              within: list[str] | None, scope: tuple[Selector, ...] = ()) -> list[list[str]]:
         found = []
         for selector in selectors:
             paths = select(selector, tree, within)
             if not paths:
-                close = suggestions(selector, tree)
-                hint = ("nearest names: " + ", ".join(close)) if close else None
-                self.problems.append(Problem(f"selector '{selector.text}' matches no module", [selector.span],
-                                             hint=hint))
+                outside = select(selector, tree, None) if scope else []
+                if outside:
+                    # Not "matches no module, nearest: <itself>": it matches, but not within `in ...`.
+                    where = ", ".join(s.text for s in scope)
+                    more = f" (and {len(outside) - 1} more)" if len(outside) > 1 else ""
+                    self.problems.append(Problem(
+                        f"selector '{selector.text}' matches no module in the scope ('in {where}')",
+                        [selector.span], hint=f"it matches {outside[0] or '<root>'}{more}, outside the scope"))
+                else:
+                    close = suggestions(selector, tree)
+                    hint = ("nearest names: " + ", ".join(close)) if close else None
+                    self.problems.append(Problem(f"selector '{selector.text}' matches no module",
+                                                 [selector.span], hint=hint))
             found.append(paths)
         return found
 
@@ -226,8 +235,10 @@ class Planner:
         else:
             roots = [""]
         # 2. targets: what the statement (or the transform, by default) names, within scope.
-        if statement.target:
-            selected = self._selectors_or_problem(statement.target, tree, roots)
+        if statement.target and len(self.problems) > before:
+            candidates = []  # the scope matched nothing: its error says so; targets are not looked for
+        elif statement.target:
+            selected = self._selectors_or_problem(statement.target, tree, roots, statement.scope)
             candidates = _union(selected)
         elif transform.default_target is None:
             candidates = list(roots)
