@@ -339,7 +339,8 @@ def _bytes(tree: ModuleTree, paths: list[str]) -> int:
 
 
 def _common_selector(paths: list[str]) -> str:
-    names = sorted({p.rsplit(".", 1)[-1] for p in paths})
+    # The last segment that is a name: `to_out.0` -> `to_out` (the word `0` would name every block 0).
+    names = sorted({next((s for s in reversed(p.split(".")) if not s.isdigit()), p) for p in paths})
     return ", ".join(names[:3])
 
 
