@@ -105,8 +105,6 @@ def test_planning_leaves_the_model_untouched():
     assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
 
 
-@pytest.mark.xfail(reason="spec claim false on main: 'fuse qkv' has no plan_effect yet (the qkv pass being "
-                          "landed adds it)", strict=False)
 def test_quantize_after_fuse_qkv_names_the_fused_projection():
     # spec.md: planning applies each transform's structural effect to the snapshot.
     plan = plan_text("flux", "quantize int8\nfuse qkv in *Attention")
