@@ -21,7 +21,7 @@ from .parser import make_selector, parse, parse_file
 from .passes.base import Transform
 from .registry import key_matches
 from .selectors import matches, select, suggestions, topmost
-from .tree import ModuleTree, is_below, parameter_bytes
+from .tree import ModuleTree, below_any, parameter_bytes
 from .validate import ValidatedScript, validate
 
 #: Pipeline components that hold the denoiser, in the order they are looked for.
@@ -188,8 +188,11 @@ class Planner:
                 steps.append(step)
         if self.problems:
             raise ScriptError(self.problems, self.script.source)
-        module_count = sum(sum(1 for _ in m.modules()) for m in self.components.values())
-        total = sum(parameter_bytes(m) for m in self.components.values())
+        # The snapshots counted their modules and bytes; components no statement used are walked here.
+        module_count = sum(self.trees[n].module_count if n in self.trees else sum(1 for _ in m.modules())
+                           for n, m in self.components.items())
+        total = sum(self.trees[n].total_bytes if n in self.trees else parameter_bytes(m)
+                    for n, m in self.components.items())
         return Plan(self.script, steps, type(self.model).__name__,
                     {name: type(m).__name__ for name, m in self.components.items()}, module_count, total)
 
@@ -258,8 +261,9 @@ class Planner:
             return None
         step = Step(transform, component, [])
         kept = []
+        excluded_below = [(s, frozenset(roots_)) for s, roots_ in exclusions]
         for path in candidates:
-            hit = next((s for s, roots_ in exclusions if any(is_below(path, r) for r in roots_)), None)
+            hit = next((s for s, roots_ in excluded_below if below_any(path, roots_)), None)
             if hit is not None:
                 label = f"except {hit.text}" if hit in statement.exclude else f"default: {hit.text}"
                 step.excluded[label] = step.excluded.get(label, 0) + 1
