@@ -129,11 +129,19 @@ class ModuleTree:
         seen: set[int] = set()
         total = 0
         for path, module in root.named_modules(remove_duplicate=True):
-            infos.append(ModuleInfo(path, type(module), module, tensor_bytes(module), module_facts(module)))
+            # tensor_bytes(module) and the model's total, in one pass over the module's own tensors.
+            own = 0
+            mine: set[int] = set()
             for tensor in (*module._parameters.values(), *module._buffers.values()):
-                if tensor is not None and id(tensor) not in seen:
+                if tensor is None or id(tensor) in mine:
+                    continue
+                mine.add(id(tensor))
+                size = tensor.numel() * tensor.element_size()
+                own += size
+                if id(tensor) not in seen:
                     seen.add(id(tensor))
-                    total += tensor.numel() * tensor.element_size()
+                    total += size
+            infos.append(ModuleInfo(path, type(module), module, own, module_facts(module)))
         tree = cls(infos)
         tree.module_count, tree.total_bytes = len(infos), total
         return tree
