@@ -17,7 +17,7 @@ import lark
 from lark import Lark, Token, Tree
 
 from .errors import Problem, ScriptError
-from .ir import Option, Script, Selector, Span, Statement
+from .ir import Option, Script, Selector, Span, Statement, source_lines
 
 #: Scripts longer than this are refused before parsing (no unbounded work on hostile input).
 MAX_SCRIPT_CHARS = 256 * 1024
@@ -114,7 +114,7 @@ def _syntax_problem(exc: lark.exceptions.UnexpectedInput, text: str, filename: s
     expected = set(getattr(exc, "expected", ()) or ())
     if token is None or token.type == "$END":
         # End of input: point just past the last character.
-        lines = text.splitlines() or [""]
+        lines = source_lines(text)
         line, column = len(lines), len(lines[-1]) + 1
         span = Span(filename, line, column, line, column + 1)
         found = "end of script"

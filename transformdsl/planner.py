@@ -16,7 +16,7 @@ from typing import Any
 from torch import nn
 
 from .errors import Problem, ScriptError
-from .ir import Script, Selector
+from .ir import Script, Selector, source_lines
 from .parser import make_selector, parse, parse_file
 from .passes.base import Transform
 from .registry import key_matches
@@ -96,7 +96,7 @@ class Step:
         span = self.statement.span
         if span is None or not source:
             return self.statement.key
-        lines = source.splitlines()
+        lines = source_lines(source)
         if span.line == span.end_line:
             return lines[span.line - 1][span.column - 1 : span.end_column - 1].strip()
         return lines[span.line - 1][span.column - 1 :].strip()
