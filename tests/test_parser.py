@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from transformdsl import parse
 from transformdsl.errors import ScriptError
-from transformdsl.ir import Span
+from transformdsl.ir import Span, source_lines
 from transformdsl.parser import MAX_SCRIPT_CHARS
 
 
@@ -313,10 +313,27 @@ def test_script_at_the_limit_parses():
 @settings(max_examples=300, deadline=None)
 @given(st.text(alphabet=st.sampled_from(list("fuse qkv in *Attention except norm re:\"' ,;=#\n\r\t.x1@{")), max_size=60))
 def test_any_text_parses_or_raises_a_located_script_error(text):
+    lines = source_lines(text)
     try:
-        parse(text)
+        script = parse(text)
     except ScriptError as error:
-        lines = text.splitlines() or [""]
         assert 1 <= error.line <= len(lines) + 1
         assert error.column >= 1
         assert str(error)
+        return
+    for statement in script:
+        span = statement.span
+        assert 1 <= span.line <= span.end_line <= len(lines)
+        assert lines[span.line - 1][span.column - 1:].startswith(statement.verb)
+
+
+@pytest.mark.parametrize("text, line, rendered", [
+    # Lines are counted at \n only, as the parser counts them: a form feed or a lone \r is a space.
+    ("fuse qkv\f\nquantize int8 except", 2, "   2 | quantize int8 except"),
+    ("fuse qkv\rquantize int8 in", 1, "   1 | fuse qkv quantize int8 in"),
+])
+def test_carets_land_on_the_line_the_parser_counted(text, line, rendered):
+    with pytest.raises(ScriptError) as info:
+        parse(text)
+    assert info.value.line == line
+    assert str(info.value).splitlines()[1] == rendered
