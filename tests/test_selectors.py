@@ -323,8 +323,10 @@ def test_default_exclusions_are_counted_apart():
 
 
 def test_scope_without_targets_takes_the_topmost_modules_for_compile():
-    step = plan_one(tiny("flux"), "compile regional in *TransformerBlock, single_transformer_blocks")
-    assert step.targets == ["transformer_blocks.0", "single_transformer_blocks"]
+    step = plan_one(tiny("flux"), "compile regional in single_transformer_blocks.1, transformer_blocks.0.attn, "
+                                  "*TransformerBlock")
+    selected = step.targets + [path for path, _ in step.skipped]
+    assert sorted(selected) == ["single_transformer_blocks.0", "single_transformer_blocks.1", "transformer_blocks.0"]
     assert plan_one(tiny("flux"), "compile").targets == [""]
 
 

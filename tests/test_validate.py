@@ -95,9 +95,7 @@ INVALID = {
                             "'quantize hqq' takes: axis, bits, compute, group_size; every statement takes: "
                             "component, default_except"),
     "compile fulgraph=true": (1, 9, "unknown option 'fulgraph' for 'compile' (did you mean 'fullgraph'?)", None),
-    "fuse bias_act_dropout p=0.1": (1, 23, "unknown option 'p' for 'fuse bias_act_dropout'",
-                                    "'fuse bias_act_dropout' takes: none of its own; every statement takes: "
-                                    "component, default_except"),
+    "fuse bias_act_dropout p=0.1": (1, 23, "unknown option 'p' for 'fuse bias_act_dropout'", None),
     "quantize int8 componnt=unet": (1, 15, "unknown option 'componnt' for 'quantize int8' "
                                            "(did you mean 'component'?)", None),
     # Wrong type: the span is the value.
