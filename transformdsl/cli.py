@@ -38,7 +38,8 @@ def _model(spec: str):
     try:
         return resolve_model(spec)
     except ValueError as exc:
-        raise TransformError(f"--model {spec}: {exc}") from None
+        message = str(exc)  # resolve_model names the spec itself in most messages: not twice
+        raise TransformError(message if message.startswith("--model ") else f"--model {spec}: {message}") from None
 
 
 def cmd_check(args) -> int:
