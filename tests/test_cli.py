@@ -120,7 +120,9 @@ def test_explain_planning_error(capsys, script):
 @pytest.mark.parametrize("spec, message", [
     ("fluxx", "error: --model fluxx: unknown built-in model 'fluxx' (did you mean 'flux'?); "
               "built-ins: unet, sd3, flux, llama, gpt2, sd-pipeline"),
-    ("./no/such/dir", "error: --model ./no/such/dir: --model ./no/such/dir: no such directory: no/such/dir"),
+    ("./no/such/dir", "error: --model ./no/such/dir: no such directory: no/such/dir"),
+    ("os:getcwd", "error: --model os:getcwd: the factory returned a str; expected a torch.nn.Module or a diffusers "
+                  "pipeline"),
 ])
 def test_bad_model_spec(capsys, spec, message):
     status, out, err = cli(capsys, "explain", EXAMPLES / "demo.tfm", "--model", spec)
