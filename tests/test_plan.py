@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from golden import EXAMPLES, assert_golden, example_models, explain_cases, explain_golden
+from golden import EXAMPLES, assert_golden, explain_cases, explain_golden
 
 import transformdsl
 from transformdsl.errors import ScriptError
@@ -234,8 +234,3 @@ def test_plan_rejects_other_things():
         transformdsl.plan(tiny("flux"), 42)
     with pytest.raises(TypeError, match="expected a torch.nn.Module or a diffusers pipeline"):
         transformdsl.plan(object(), "quantize int8")
-
-
-def test_examples_name_their_models():
-    for path in sorted(EXAMPLES.glob("*.tfm")):
-        assert example_models(path), f"{path.name}: add '# Try: transformdsl explain {path} --model NAME' to its header"
