@@ -25,10 +25,12 @@ class Span:
 
     def excerpt(self, source: str) -> list[str]:
         """The span's first line, indented, with carets under the spanned text."""
-        lines = source.splitlines() or [""]
+        # Lines as the parser counts them: split at "\n" only (str.splitlines() also
+        # splits at \r, \f, \x85, \u2028..., which would show the wrong line).
+        lines = source.split("\n")
         if not 1 <= self.line <= len(lines):
             return []
-        text = lines[self.line - 1].expandtabs(1)
+        text = lines[self.line - 1].rstrip("\r").expandtabs(1)
         end = self.end_column if self.end_line == self.line else len(text) + 1
         width = max(1, end - self.column)
         gutter = f"{self.line:>4} | "

@@ -96,7 +96,7 @@ class Step:
         span = self.statement.span
         if span is None or not source:
             return self.statement.key
-        lines = source.splitlines()
+        lines = source.split("\n")  # the parser's lines (splitlines() also splits at \f, \r...)
         if span.line == span.end_line:
             return lines[span.line - 1][span.column - 1 : span.end_column - 1].strip()
         return lines[span.line - 1][span.column - 1 :].strip()
