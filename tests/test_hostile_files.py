@@ -254,11 +254,13 @@ def test_flipped_header_bytes(pristine, tmp_path_factory, data):
 
 def test_flipped_data_bytes_load_but_compute_garbage(saved):
     # Not detected: safetensors has no checksum.  SECURITY.md says so.
-    header, data = split_safetensors(saved / WEIGHTS)
-    data = bytes(b ^ 0xFF for b in data[:64]) + data[64:]
-    write_safetensors(saved / WEIGHTS, header, data)
+    raw = bytearray((saved / WEIGHTS).read_bytes())
+    header, _ = split_safetensors(saved / WEIGHTS)
+    start = 8 + len(raw) - len(_) + header["transformer.wpe.weight"]["data_offsets"][0]
+    raw[start:start + 64] = bytes(b ^ 0xFF for b in raw[start:start + 64])
+    (saved / WEIGHTS).write_bytes(bytes(raw))
     model = transformdsl.load(saved)
-    assert not torch.equal(model.state_dict()[sorted(header)[1]], tiny_gpt2().state_dict()[sorted(header)[1]])
+    assert not torch.equal(model.state_dict()["transformer.wpe.weight"], tiny_gpt2().state_dict()["transformer.wpe.weight"])
 
 
 @pytest.mark.parametrize("declared", [2**63, 2**64 - 1, 100_000_001, "file+1"])
@@ -640,6 +642,10 @@ FORBIDDEN_NAMES = {"pickle", "cPickle", "marshal", "shelve", "dill", "joblib", "
                    "import_module", "spec_from_file_location", "exec_module", "load_source", "unsafe_load"}
 FORBIDDEN_ATTRIBUTES = {("torch", "load"), ("torch", "serialization"), ("os", "system"), ("os", "popen"),
                         ("yaml", "load"), ("numpy", "load"), ("np", "load")}
+#: (file, name) uses that are not driven by file content, with the reason.
+ALLOWED_USES = {
+    ("models.py", "import_module"): "`--model module:factory` imports the code the user names on the command line",
+}
 
 
 def _violations(path: Path) -> list[str]:
@@ -663,7 +669,8 @@ def _violations(path: Path) -> list[str]:
 def test_package_source_never_unpickles_evaluates_or_imports_by_name():
     sources = sorted(PACKAGE.rglob("*.py"))
     assert len(sources) > 10
-    violations = [v for path in sources for v in _violations(path)]
+    violations = [v for path in sources for v in _violations(path)
+                  if (v.split(":")[0], v.split(": ")[1]) not in ALLOWED_USES]
     assert not violations, "\n".join(violations)
 
 
