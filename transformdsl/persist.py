@@ -59,12 +59,19 @@ def save(model: Any, directory: str | os.PathLike, *, max_shard_size: int = DEFA
     """Save ``model`` (transformed or not; a module or a pipeline) to ``directory``.
 
     The write is atomic: everything is written to a temporary sibling directory, flushed,
-    then swapped into place, so an interrupted save leaves any previous save intact.
+    then swapped into place, so an interrupted save leaves any previous save intact and
+    no temporary files behind.  ``directory`` must be new, empty, or a previous save (it
+    is replaced as a whole).  A failure to write (disk full, permissions) is a
+    :class:`TransformError` naming the directory and the cause.
     """
     directory = Path(directory)
-    parent = directory.resolve().parent
-    parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=parent))
+    final = directory.resolve()
+    _check_target(final)
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    except OSError as exc:
+        raise _save_error(final, exc) from exc
     try:
         if is_pipeline(model):
             _save_pipeline(model, tmp, max_shard_size)
@@ -73,11 +80,29 @@ def save(model: Any, directory: str | os.PathLike, *, max_shard_size: int = DEFA
         else:
             raise TransformError(f"save() takes an nn.Module or a diffusers pipeline, not {type(model).__name__}")
         _fsync_tree(tmp)
-        _swap_into_place(tmp, directory.resolve())
+        _swap_into_place(tmp, final)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _save_error(final, exc) from exc
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return directory
+
+
+def _check_target(final: Path) -> None:
+    """Refuse a target that is not a previous save: saving replaces (deletes) what is there."""
+    if final.exists() and not final.is_dir():
+        raise TransformError(f"cannot save to {final}: it exists and is not a directory")
+    if final.is_dir() and not (final / META_FILE).is_file() and any(final.iterdir()):
+        raise TransformError(f"cannot save to {final}: it is a non-empty directory that holds no transformdsl "
+                             "save, and saving replaces the whole directory; choose a new or empty directory")
+
+
+def _save_error(final: Path, exc: OSError) -> TransformError:
+    return TransformError(f"cannot save to {final}: {exc.strerror or exc}"
+                          f"{f' ({exc.filename})' if exc.filename else ''}; nothing was written there and a "
+                          "previous save there, if any, is intact")
 
 
 def save_module(module: nn.Module, directory: Path, max_shard_size: int = DEFAULT_SHARD_BYTES) -> None:
@@ -247,18 +272,35 @@ def _swap_into_place(new: Path, final: Path) -> None:
     """Make ``new`` appear at ``final`` in one step; the previous ``final`` is removed after."""
     if not final.exists():
         os.rename(new, final)
+        _fsync_directory(final.parent)
         return
     if not final.is_dir() or final.is_symlink():
         raise TransformError(f"cannot save to {final}: it exists and is not a directory")
     if _renameat2_exchange(new, final):
         shutil.rmtree(new, ignore_errors=True)  # now holds the previous save
+        _fsync_directory(final.parent)
         return
     # No atomic exchange on this platform: move the old copy aside first, so that at
     # every moment one complete save exists (at `final` or at `old`).
     old = final.with_name(f".{final.name}.old-{os.getpid()}")
     os.rename(final, old)
-    os.rename(new, final)
+    try:
+        os.rename(new, final)
+    except BaseException:
+        os.rename(old, final)  # put the previous save back where it was
+        raise
     shutil.rmtree(old, ignore_errors=True)
+    _fsync_directory(final.parent)
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make a rename durable; best effort once the new save is in place (it is, either way)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _renameat2_exchange(a: Path, b: Path) -> bool:
