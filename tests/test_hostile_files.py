@@ -1,6 +1,6 @@
 """Hostile saved models: every corruption or tampering gives a LoadError saying what is wrong.
 
-A real tiny model (GPT-2 from a transformers config, with tied weights and one applied
+A real tiny model (the built-in GPT-2 of :mod:`transformdsl.models`, with tied weights and one applied
 step of a test-only transform) and a real tiny pipeline (DDPM: UNet2DModel + scheduler)
 are saved with :func:`transformdsl.save`, then damaged: truncated and bit-flipped
 safetensors files, forged headers (huge sizes, overflowing shapes, bad offsets), wrong
@@ -80,12 +80,9 @@ def tag_transform():
 
 
 def tiny_gpt2():
-    import transformers
+    from transformdsl.models import tiny_gpt2 as built_in
 
-    config = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, n_positions=16, vocab_size=64,
-                                     bos_token_id=0, eos_token_id=0)
-    torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(config).eval()
+    return built_in()
 
 
 def tiny_pipeline():
@@ -307,13 +304,13 @@ def test_header_is_not_json(saved):
 def test_wrong_dtype_for_a_layer(saved, template):
     rewrite_tensors(saved, lambda t: {**t, "transformer.h.0.mlp.c_fc.weight": t["transformer.h.0.mlp.c_fc.weight"].double()})
     error = assert_refused(saved, "tensor 'transformer.h.0.mlp.c_fc.weight' is float64", template=template)
-    assert "expects float32[16, 64]" in str(error)
+    assert "expects float32[64, 256]" in str(error)
     assert_refused(saved, "is float64")
 
 
 def test_wrong_shape_for_a_layer(saved, template):
     rewrite_tensors(saved, lambda t: {**t, "transformer.h.1.attn.c_attn.bias": torch.zeros(7)})
-    assert_refused(saved, r"'transformer.h.1.attn.c_attn.bias' is float32\[7\] .* expects float32\[48\]",
+    assert_refused(saved, r"'transformer.h.1.attn.c_attn.bias' is float32\[7\] .* expects float32\[192\]",
                    template=template)
 
 
