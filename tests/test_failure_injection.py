@@ -451,3 +451,16 @@ def test_save_refuses_to_replace_what_is_not_a_save(tmp_path, two_models):
     transformdsl.save(previous, tmp_path / "empty")
     transformdsl.save(previous, tmp_path / "empty")  # a previous save is replaced
     assert not leftovers(tmp_path, "empty")
+
+
+def test_cli_apply_verify(tmp_path, monkeypatch, capsys):
+    from transformdsl.cli import main
+
+    script = tmp_path / "q.tfm"
+    script.write_text("quantize int8 in transformer.h.0\n")
+    assert main(["apply", str(script), "--model", "gpt2", "--verify", "--out", str(tmp_path / "ok")]) == 0
+    assert "within the bound 0.05" in capsys.readouterr().out
+    monkeypatch.setattr(Int8Quantization, "error_bound", 1e-6)
+    assert main(["apply", str(script), "--model", "gpt2", "--verify", "-q", "--out", str(tmp_path / "no")]) == 1
+    assert "verify: the output changed by" in capsys.readouterr().err
+    assert not (tmp_path / "no").exists()

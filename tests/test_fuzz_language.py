@@ -427,3 +427,25 @@ def test_oversized_script_is_refused_before_parsing():
 def test_not_text_is_a_type_error():
     with pytest.raises(TypeError):
         parse(b"compile")
+
+
+# --------------------------------------------------------------------------- transformdsl fmt
+
+
+def test_cli_fmt_rewrites_checks_and_leaves_bad_files_alone(tmp_path, capsys):
+    from transformdsl.cli import main
+
+    messy = tmp_path / "messy.tfm"
+    messy.write_bytes(b"fuse qkv in *Attention;quantize int8 except norm,proj_out # why\r\n")
+    broken = tmp_path / "broken.tfm"
+    broken.write_text("fuse qkv in ,\n")
+    assert main(["fmt", "--check", str(messy)]) == 1
+    assert "would reformat" in capsys.readouterr().out
+    assert messy.read_bytes().endswith(b"\r\n")  # --check writes nothing
+    assert main(["fmt", str(messy), str(broken)]) == 1  # the broken one fails, the other is rewritten
+    captured = capsys.readouterr()
+    assert f"reformatted {messy}" in captured.out and "expected a selector after 'in'" in captured.err
+    assert messy.read_text() == "fuse qkv in *Attention\nquantize int8 except norm, proj_out  # why\n"
+    assert broken.read_text() == "fuse qkv in ,\n"
+    assert main(["fmt", "--check", str(messy)]) == 0
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary file left
