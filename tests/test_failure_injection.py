@@ -464,3 +464,11 @@ def test_cli_apply_verify(tmp_path, monkeypatch, capsys):
     assert main(["apply", str(script), "--model", "gpt2", "--verify", "-q", "--out", str(tmp_path / "no")]) == 1
     assert "verify: the output changed by" in capsys.readouterr().err
     assert not (tmp_path / "no").exists()
+
+
+def test_verify_without_a_sample_input_says_how_to_give_one():
+    model = nn.Sequential(nn.Linear(4, 4))
+    with pytest.raises(TransformError, match=r"verify: cannot run the model on its sample input before transforming: "
+                                             r"ValueError: no sample inputs for a Sequential.*pass verify_inputs"):
+        transformdsl.transform(model, "fuse qkv", verify=True)
+    assert history_of(model) is None

@@ -96,7 +96,7 @@ def transform(model: Any, script: str | Path | Script | ValidatedScript | Plan, 
     """
     the_plan = script if isinstance(script, Plan) else plan(model, script)
     verify = verify or verify_inputs is not None
-    reference = sample_output(model, verify_inputs) if verify else None
+    reference = _checked_output(model, verify_inputs, "before transforming") if verify else None
     components = module_components(model)
     edit = Edit()
     applied: dict[str, list[AppliedStep]] = {}
@@ -216,9 +216,19 @@ def sample_output(model: Any, inputs: tuple[tuple, dict] | None = None) -> torch
             module.training = training
 
 
+def _checked_output(model: Any, inputs, when: str) -> torch.Tensor:
+    """:func:`sample_output`, any failure explained as a TransformError."""
+    try:
+        return sample_output(model, inputs)
+    except Exception as exc:
+        hint = "; pass verify_inputs=(args, kwargs)" if inputs is None else ""
+        raise TransformError(f"verify: cannot run the model on its sample input {when}: {type(exc).__name__}: "
+                             f"{exc}{hint} (the model was left unchanged)") from exc
+
+
 def _verify(model: Any, reference: torch.Tensor, inputs, transforms: list, log) -> None:
     """Raise TransformError if the output moved beyond the script's bound (the caller rolls back)."""
-    output = sample_output(model, inputs)
+    output = _checked_output(model, inputs, "after transforming")
     keys = ", ".join(f"{t.key()}: {t.error_bound}" for t in transforms) or "no statement"
     if tuple(output.shape) != tuple(reference.shape):
         raise TransformError(f"verify: the output's shape changed from {tuple(reference.shape)} to "
