@@ -472,3 +472,12 @@ def test_verify_without_a_sample_input_says_how_to_give_one():
                                              r"ValueError: no sample inputs for a Sequential.*pass verify_inputs"):
         transformdsl.transform(model, "fuse qkv", verify=True)
     assert history_of(model) is None
+
+
+def test_verify_refuses_a_model_whose_output_is_not_finite_before_changing_it():
+    model = nn.Sequential(nn.Linear(2, 2))
+    with torch.no_grad():
+        model[0].bias.fill_(float("nan"))  # the user's model, before transformdsl touches it
+    with pytest.raises(TransformError, match="not finite before transforming; cannot verify"):
+        transformdsl.transform(model, "fuse qkv", verify_inputs=((torch.ones(1, 2),), {}))
+    assert history_of(model) is None

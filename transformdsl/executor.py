@@ -96,7 +96,7 @@ def transform(model: Any, script: str | Path | Script | ValidatedScript | Plan, 
     """
     the_plan = script if isinstance(script, Plan) else plan(model, script)
     verify = verify or verify_inputs is not None
-    reference = _checked_output(model, verify_inputs, "before transforming") if verify else None
+    reference = _reference_output(model, verify_inputs) if verify else None
     components = module_components(model)
     edit = Edit()
     applied: dict[str, list[AppliedStep]] = {}
@@ -226,6 +226,15 @@ def _checked_output(model: Any, inputs, when: str) -> torch.Tensor:
                              f"{exc}{hint} (the model was left unchanged)") from exc
 
 
+def _reference_output(model: Any, inputs) -> torch.Tensor:
+    """The output to compare against, checked before anything is changed."""
+    reference = _checked_output(model, inputs, "before transforming")
+    if not torch.isfinite(reference).all():
+        raise TransformError("verify: the model's output is not finite before transforming; cannot verify "
+                             "(the model was left unchanged)")
+    return reference
+
+
 def _verify(model: Any, reference: torch.Tensor, inputs, transforms: list, log) -> None:
     """Raise TransformError if the output moved beyond the script's bound (the caller rolls back)."""
     output = _checked_output(model, inputs, "after transforming")
@@ -233,9 +242,6 @@ def _verify(model: Any, reference: torch.Tensor, inputs, transforms: list, log) 
     if tuple(output.shape) != tuple(reference.shape):
         raise TransformError(f"verify: the output's shape changed from {tuple(reference.shape)} to "
                              f"{tuple(output.shape)}; the model was left unchanged")
-    if not torch.isfinite(reference).all():
-        raise TransformError("verify: the model's output is not finite before transforming; cannot verify "
-                             "(the model was left unchanged)")
     if not torch.isfinite(output).all():
         raise TransformError("verify: the transformed model's output is not finite; the model was left unchanged")
     error = relative_error(reference, output)
