@@ -18,7 +18,7 @@ import lark
 from lark import Lark, Token, Tree
 
 from .errors import Problem, ScriptError
-from .ir import Option, Script, Selector, Span, Statement, source_lines
+from .ir import Option, Script, Selector, Span, Statement
 
 #: Scripts longer than this are refused before parsing (no unbounded work on hostile input).
 MAX_SCRIPT_CHARS = 256 * 1024
