@@ -22,6 +22,7 @@ import gc
 import logging
 import multiprocessing
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -148,8 +149,8 @@ def relative_error(output: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 def touch(tensors) -> None:
-    """Read one byte of every page of every tensor: memory-mapped files are read lazily, and
-    both sides of a reload comparison must have really read their bytes."""
+    """Read every byte of every tensor: memory-mapped files are read lazily, and both sides of
+    a reload comparison (and the reading of the original model) must have really read them."""
     for tensor in tensors:
         if not isinstance(tensor, torch.Tensor) or not tensor.numel() or tensor.is_meta:
             continue
@@ -158,7 +159,8 @@ def touch(tensors) -> None:
         except (TypeError, RuntimeError):  # wrapper subclasses (torchao): their own storage
             continue
         if data.is_contiguous():
-            data.reshape(-1).view(torch.uint8)[::4096].sum()  # one byte per page
+            # every byte: touching one per page would only map the (cached) file, not read it
+            data.reshape(-1).view(torch.uint8).max()
         else:
             data.float().sum()
 
@@ -279,6 +281,12 @@ def _transform(job: Job, comparison: Comparison | None, model):
         return _timed(lambda: _apply(job, comparison, model))
 
 
+def saved_dir(job: Job) -> Path:
+    """Where our transformed model of this (workload, comparison) is saved for the other jobs."""
+    slug = "".join(c if c.isalnum() else "-" for c in job.comparison)
+    return workloads.WORK / "saved" / f"{job.workload.key}-{slug}"
+
+
 def _measure(job: Job) -> dict:
     comparison = BY_NAME.get(job.comparison)
     base = rss()
@@ -286,14 +294,18 @@ def _measure(job: Job) -> dict:
     before = layer_kinds(model)
     if comparison and "compile" in comparison.script_for(job.workload):
         _fresh_compile_cache()
+    if job.side == OURS:
+        shutil.rmtree(saved_dir(job), ignore_errors=True)  # never duel against an older run's model
+    duel = job.duel and job.side not in (OURS, ORIGINAL) and (saved_dir(job) / "transformdsl.json").exists()
 
     gc.collect()
     reset_peak()
     model, transform_s = _transform(job, comparison, model)
     with torch.inference_mode():
         output, first_s = _timed(lambda: workloads.forward(model, inputs))
+        # A duel (below) times the by-hand model too: no separate latency runs then.
         steady = (latency(lambda: workloads.forward(model, inputs), job.repeats, job.warmup)
-                  if job.latency else None)
+                  if job.latency and not duel else None)
     peak = peak_rss() - base
     gc.collect()
     facts.update(transform_s=transform_s, first_call_s=first_s, latency_s=steady, peak_rss=peak,
@@ -303,23 +315,24 @@ def _measure(job: Job) -> dict:
         facts["transform_s"] = min([transform_s] + [_transform(job, comparison, _read(job, comparison)[0])[1]
                                                     for _ in range(job.best_of - 1)])
     if job.side == OURS and job.reload and comparison and comparison.reload:
-        facts["reload"] = _reload(model, output, inputs)
-    if job.duel and job.side not in (OURS, ORIGINAL):
-        facts["duel"] = _duel(job, comparison, model, inputs)
+        facts["reload"] = _reload(model, output, inputs, saved_dir(job))
+    if duel:
+        facts["duel"] = _duel(job, model, inputs)
+        facts["latency_s"] = facts["duel"]["hand_s"]
     return facts
 
 
-def _duel(job: Job, comparison: Comparison, hand_model, inputs) -> dict:
-    """Our model and the by-hand one in this same process, called in turn (ABBA...), so that
-    both see the same machine load: the ratio of their latencies is robust on a busy machine."""
-    try:
-        ours, _ = _transform(Job(job.workload, job.comparison, OURS), comparison, _read(job, comparison)[0])
-    except NotAvailable:
-        return {"status": "ours not available"}
+def _duel(job: Job, hand_model, inputs) -> dict:
+    """Our model (as ``transformdsl.load`` gives it back from our job's save: bit-exact, checked
+    there) and the by-hand one, in this same process, called in turn (ABBA...): both see the
+    same machine load, so the ratio of their latencies is robust on a busy machine."""
+    import transformdsl
+
+    ours = transformdsl.load(saved_dir(job))
     times = {OURS: [], "hand": []}
     calls = {OURS: lambda: workloads.forward(ours, inputs), "hand": lambda: workloads.forward(hand_model, inputs)}
     with torch.inference_mode():
-        calls[OURS]()  # warm-up; the by-hand model was warmed up above
+        calls[OURS]()  # warm-up; the by-hand model had its first call above
         for i in range(job.duel):
             for side in ((OURS, "hand") if i % 2 == 0 else ("hand", OURS)):
                 _, seconds = _timed(calls[side])
@@ -329,42 +342,38 @@ def _duel(job: Job, comparison: Comparison, hand_model, inputs) -> dict:
             "ratio": statistics.median(ratios)}
 
 
-def _reload(model, output: torch.Tensor, inputs) -> dict:
-    """Save our model, then time ``transformdsl.load`` against safetensors reading the same bytes."""
-    import shutil
-
+def _reload(model, output: torch.Tensor, inputs, target: Path) -> dict:
+    """Save our model to ``target`` (kept for the duels), then time ``transformdsl.load``
+    against safetensors reading the same bytes, every byte read on both sides."""
     from safetensors.torch import load_file
 
     import transformdsl
 
-    work = Path(tempfile.mkdtemp(prefix="reload-", dir=workloads.WORK))
     try:
-        target = work / "model"
         _, save_s = _timed(lambda: transformdsl.save(model, target))
         files = sorted(target.glob("*.safetensors"))
         for f in files:  # both sides read from a warm page cache
             f.read_bytes()
+
         def floor():
             tensors = [t for f in files for t in load_file(str(f)).values()]
             touch(tensors)
             return tensors
-
-        floor_s = _best_of(floor, 2)
 
         def load_and_touch():
             loaded = transformdsl.load(target)
             _touch(loaded)
             return loaded
 
+        floor_s = _best_of(floor, 2)
         load_s = _best_of(load_and_touch, 2)
         with torch.inference_mode():
             again = workloads.forward(transformdsl.load(target), inputs)
         return {"save_s": save_s, "floor_s": floor_s, "load_s": load_s,
                 "file_bytes": sum(f.stat().st_size for f in files), "exact": bool(torch.equal(again, output))}
     except Exception as exc:
+        shutil.rmtree(target, ignore_errors=True)  # no duel against a model that did not reload
         return {"status": f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------- isolation

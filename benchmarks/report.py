@@ -332,8 +332,9 @@ def write_report(rows: list[dict], scaling: list[dict], meta: dict, out: Path) -
     text += "\n## What is compared\n" + compared_section(rows)
     text += "\n## Ours ÷ by hand, at realistic width\n"
     text += headline([r for r in rows if r["size"] != "tiny"])
-    if "ratios" in figures:
-        text += f"\n![ours ÷ by hand]({figures['ratios']})\n"
+    for name in ("ratios", "ratios-medium"):
+        if name in figures:
+            text += f"\n![ours ÷ by hand]({figures[name]})\n"
     text += "\n## Ours ÷ by hand, tiny built-in models\n"
     text += "\nOn models this small, fixed per-call costs (hooks, Python dispatch) dominate the latency.\n"
     text += headline([r for r in rows if r["size"] == "tiny"])
