@@ -55,7 +55,7 @@ EXPECTED_MLP = {
     "unet": (4, "FusedFeedForward", "hidden * gelu(gate)"),  # GEGLU
     "sd3": (3, "FusedFeedForward", "gelu(tanh)"),
     "flux": (2, "FusedFeedForward", "gelu(tanh)"),
-    "llama": (2, "FusedLlamaMLP", "silu(gate_proj + bias) * (up_proj + bias)"),
+    "llama": (2, "FusedLlamaMLP", "silu(gate_proj) * (up_proj) (no bias"),
     "gpt2": (2, "FusedGPT2MLP", "c_fc → +bias → gelu(tanh); c_proj → +bias → dropout"),
 }
 
@@ -126,6 +126,10 @@ def test_near_misses_name_the_reason():
     assert step.targets == []
     reason = dict(step.skipped)["transformer.h.0"]
     assert "GPT2Block.forward()" in reason and "residual" in reason and "not at a module boundary" in reason
+
+    flux = models.tiny_flux()
+    notes = transformdsl.plan(flux, "fuse bias_act_dropout").steps[0].notes
+    assert any(n.startswith("near miss (not selected): FluxSingleTransformerBlock: proj_mlp") for n in notes)
 
     unet = models.tiny_unet()
     step = transformdsl.plan(unet, "fuse bias_dropout_residual_layernorm").steps[0]

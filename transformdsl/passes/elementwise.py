@@ -40,7 +40,8 @@ from torch import nn
 
 from ..options import option
 from ..registry import register
-from ..tree import ModuleInfo, ModuleTree
+from ..selectors import select, topmost
+from ..tree import ModuleInfo, ModuleTree, is_below
 from .base import ApplyContext, Transform
 
 # --------------------------------------------------------------------------- the runtime switch
@@ -428,11 +429,13 @@ class GatedMLPChain(FusedModule):
         kind = activation_kind(children["act_fn"])
         if kind is None:
             raise _Mismatch(f"activation {type(children['act_fn']).__name__} is not supported")
-        return {"act": kind}
+        return {"act": kind, "bias": children["gate_proj"].bias is not None}
 
     @classmethod
     def describe(cls, spec):
-        return f"{_describe_act(spec['act'])}(gate_proj + bias) * (up_proj + bias)"
+        bias = " + bias" if spec.get("bias") else ""
+        text = f"{_describe_act(spec['act'])}(gate_proj{bias}) * (up_proj{bias})"
+        return text if bias else text + " (no bias, no dropout: only the activation and the product)"
 
     @classmethod
     def probe_inputs(cls, module, spec, make):
@@ -660,6 +663,8 @@ class _Elementwise(Transform):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._chains: dict[str, Chain] = {}
+        #: Every path candidate() judged (matched or near miss), for notes().
+        self._seen: set[str] = set()
 
     # -- matching (shared by planning and apply)
 
@@ -697,6 +702,7 @@ class _Elementwise(Transform):
     # -- planning
 
     def candidate(self, info: ModuleInfo, tree: ModuleTree) -> str | None:
+        self._seen.add(info.path)
         if info.module is None:
             if is_fused(info.cls):
                 return "already fused by an earlier statement"
@@ -718,10 +724,22 @@ class _Elementwise(Transform):
         for path in targets:
             groups.setdefault(self._chains[path].describe(), []).append(path)
         lines = [f"chain {text}: {len(paths)} × at {', '.join(paths)}" for text, paths in groups.items()]
+        lines.extend(self.inline_near_misses(tree))
         if targets and self.options.kernel == "inductor":
             lines.append("kernel=inductor: each fused function compiles at its first call (seconds, once "
                          "per process and dtype)")
         return lines
+
+    def inline_near_misses(self, tree: ModuleTree) -> list[str]:
+        """Chains the default targets do not select because they are written inside a larger
+        forward (a projection and an activation module that are siblings), listed as near misses."""
+        return []
+
+    def scope_roots(self, tree: ModuleTree) -> list[str]:
+        """The statement's ``in`` scope (the whole component without one)."""
+        if not self.statement.scope:
+            return [""]
+        return topmost([p for selector in self.statement.scope for p in select(selector, tree)])
 
     def plan_effect(self, tree: ModuleTree, targets: list[str]) -> None:
         for path in targets:
@@ -759,6 +777,25 @@ class BiasActDropout(_Elementwise):
     default_target = ("FeedForward", "*MLP", "*Intermediate")
     patterns = ("feedforward", "mlp", "gated_mlp")
     looks_for = "projection → activation (→ dropout)"
+
+    def inline_near_misses(self, tree):
+        roots = self.scope_roots(tree)
+        groups: dict[str, list[str]] = {}
+        for info in tree:
+            if not info.path or not any(is_below(info.path, r) for r in roots):
+                continue
+            if any(is_below(info.path, seen) for seen in self._seen):
+                continue  # a target, or inside one: already reported
+            children = tree.children(info.path)
+            projections = [c.name for c in children if issubclass(c.cls, nn.Linear) or c.cls.__name__ == "Conv1D"]
+            activations = [c.name for c in children
+                           if "act" in c.name and c.module is not None and activation_kind(c.module)]
+            if projections and activations:
+                text = (f"{info.cls.__name__}: {', '.join(projections)} and {activations[0]} are called inside "
+                        "its forward(), which does more than the chain; fusing needs that forward rewritten")
+                groups.setdefault(text, []).append(info.path)
+        return [f"near miss (not selected): {text}: {len(paths)} × at {', '.join(paths)}"
+                for text, paths in groups.items()]
 
 
 @register
