@@ -11,7 +11,6 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
 
 from .errors import LoadError, ScriptError, TransformError
 

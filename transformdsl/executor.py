@@ -23,7 +23,7 @@ from .errors import TransformError
 from .explain import human_bytes
 from .ir import Script
 from .passes.base import ApplyContext
-from .planner import Plan, load_script, module_components, plan
+from .planner import Plan, module_components, plan
 from .tree import parameter_bytes
 from .validate import ValidatedScript
 

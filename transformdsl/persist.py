@@ -37,6 +37,7 @@ from .errors import LoadError, TransformError
 from .executor import AppliedStep, History, history_of, set_history
 from .options import coerce
 from .planner import is_pipeline
+from .safetensors_io import is_padding, save_aligned
 
 FORMAT = "transformdsl"
 FORMAT_VERSION = 1
@@ -79,20 +80,18 @@ def save(model: Any, directory: str | os.PathLike, *, max_shard_size: int = DEFA
 
 def save_module(module: nn.Module, directory: Path, max_shard_size: int = DEFAULT_SHARD_BYTES) -> None:
     """Write one module in the transformdsl format into an existing empty ``directory``."""
-    from safetensors.torch import save_file
-
     history = history_of(module) or History([], [])
     tensors, layout = _collect_tensors(module)
     shards = _shard(tensors, max_shard_size)
     if len(shards) == 1:
-        save_file(shards[0], str(directory / WEIGHTS), metadata={"format": "pt"})
+        save_aligned(shards[0], directory / WEIGHTS, metadata={"format": "pt"})
         files = [WEIGHTS]
     else:
         files = []
         weight_map = {}
         for i, shard in enumerate(shards, 1):
             name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(directory / name), metadata={"format": "pt"})
+            save_aligned(shard, directory / name, metadata={"format": "pt"})
             files.append(name)
             weight_map.update({key: name for key in shard})
         total = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -275,7 +274,7 @@ def _renameat2_exchange(a: Path, b: Path) -> bool:
 
 
 def load(directory: str | os.PathLike, model: nn.Module | Callable[[], nn.Module] | None = None, *,
-         device: str | torch.device = "cpu") -> Any:
+         device: str | torch.device = "cpu", mmap: bool = True) -> Any:
     """Load a model saved by :func:`save`; returns a new module (or pipeline).
 
     The architecture is rebuilt from the saved configuration (diffusers and transformers
@@ -283,6 +282,10 @@ def load(directory: str | os.PathLike, model: nn.Module | Callable[[], nn.Module
     structure is copied onto the meta device) or a factory called with no arguments.
     Each transform's structure is replayed without recomputation and the saved tensors
     are loaded as they are.  Any problem raises :class:`LoadError` saying what is wrong.
+
+    With ``mmap=True`` (the default) tensors on the CPU are memory-mapped from the saved
+    files (copy on write): do not truncate or rewrite those files in place while the model
+    is in use (:func:`save` never does; it writes a new directory and swaps it in).
     """
     directory = Path(directory)
     if not directory.is_dir():
@@ -291,8 +294,8 @@ def load(directory: str | os.PathLike, model: nn.Module | Callable[[], nn.Module
     if meta["kind"] == "pipeline":
         if model is not None:
             raise LoadError(f"{directory}: a saved pipeline is loaded from its files alone; drop model=")
-        return _load_pipeline(directory, meta, device)
-    return load_module(directory, meta, model, device)
+        return _load_pipeline(directory, meta, device, mmap)
+    return load_module(directory, meta, model, device, mmap)
 
 
 def read_metadata(directory: Path) -> dict:
@@ -385,7 +388,7 @@ def _rebuild_options(cls, values: dict, path: Path, key: str, common: bool = Fal
         raise LoadError(f"{path}: step '{key}' has invalid options: {exc}") from None
 
 
-def load_module(directory: Path, meta: dict, model: Any, device: str | torch.device) -> nn.Module:
+def load_module(directory: Path, meta: dict, model: Any, device: str | torch.device, mmap: bool = True) -> nn.Module:
     meta_path = directory / META_FILE
     skeleton = _skeleton(meta, model, meta_path)
     steps = []
@@ -401,7 +404,7 @@ def load_module(directory: Path, meta: dict, model: Any, device: str | torch.dev
             raise LoadError(f"{meta_path}: cannot replay '{raw['key']}' (line {raw.get('line')}) on this "
                             f"architecture: {type(exc).__name__}: {exc}") from None
         steps.append((cls, raw, options))
-    tensors = _read_tensors(directory, meta, device)
+    tensors = _read_tensors(directory, meta, device, mmap and torch.device(device).type == "cpu")
     _assign(skeleton, tensors, meta, directory)
     for cls, raw, options in steps:
         cls.finalize(skeleton, raw["record"], options)
@@ -487,16 +490,17 @@ def meta_copy(module: nn.Module) -> nn.Module:
     return copied
 
 
-def _read_tensors(directory: Path, meta: dict, device) -> dict[str, torch.Tensor]:
-    """Every saved tensor, read into freshly allocated memory.
+def _read_tensors(directory: Path, meta: dict, device, mmap: bool) -> dict[str, torch.Tensor]:
+    """Every saved tensor, by name.
 
-    Tensors are copied out of the memory-mapped file rather than used in place: mapped
-    tensors sit at arbitrary byte offsets, and CPU kernels pick different code paths for
-    unaligned data, which changes results in the last bit.  The copy is the read itself
-    (one pass over the bytes), so it costs what ``load_state_dict`` into an existing
-    model costs.
+    With ``mmap`` (the default) tensors are views of the memory-mapped files (copy on
+    write): loading costs what mapping the files costs, and pages are read when first
+    used.  Files are written with 64-byte aligned tensors (:mod:`.safetensors_io`), so
+    mapped tensors compute exactly as freshly allocated ones.  Without ``mmap`` the
+    bytes are copied into fresh memory.
     """
-    from safetensors import SafetensorError, safe_open
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
 
     tensors: dict[str, torch.Tensor] = {}
     for name in meta["tensors"]["files"]:
@@ -504,14 +508,17 @@ def _read_tensors(directory: Path, meta: dict, device) -> dict[str, torch.Tensor
         if not path.is_file():
             raise LoadError(f"{path}: missing tensor file")
         try:
-            with safe_open(str(path), framework="pt") as f:
-                for key in f.keys():
-                    if key in tensors:
-                        raise LoadError(f"{path}: tensor '{key}' is stored twice")
-                    mapped = f.get_tensor(key)
-                    tensors[key] = torch.empty_like(mapped, device=device).copy_(mapped)
+            part = load_file(str(path), device=str(device))
         except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
             raise LoadError(f"{path}: corrupt or truncated safetensors file: {exc}") from None
+        for key, tensor in part.items():
+            if is_padding(key):
+                continue
+            if key in tensors:
+                raise LoadError(f"{path}: tensor '{key}' is stored twice")
+            aligned = tensor.numel() == 0 or tensor.data_ptr() % 64 == 0
+            # Misaligned data (a file not written by transformdsl) is copied: see above.
+            tensors[key] = tensor if (mmap and aligned) else tensor.clone()
     return tensors
 
 
@@ -571,7 +578,7 @@ def _describe(tensor: torch.Tensor) -> str:
     return f"{dtype}{list(tensor.shape)}"
 
 
-def _load_pipeline(directory: Path, meta: dict, device) -> Any:
+def _load_pipeline(directory: Path, meta: dict, device, mmap: bool) -> Any:
     import diffusers
 
     path = directory / META_FILE
@@ -591,7 +598,7 @@ def _load_pipeline(directory: Path, meta: dict, device) -> Any:
             raise LoadError(f"{path}: invalid component name {comp!r}")
         folder = _inside(directory, comp)
         if how == "transformdsl":
-            loaded[comp] = load_module(folder, read_metadata(folder), None, device)
+            loaded[comp] = load_module(folder, read_metadata(folder), None, device, mmap)
         elif how == "library":
             entry = index.get(comp)
             if not (isinstance(entry, list) and len(entry) == 2 and all(isinstance(e, str) for e in entry)):
@@ -645,6 +652,8 @@ def inspect(directory: str | os.PathLike) -> dict:
         try:
             with safe_open(str(path), "pt") as f:
                 for key in f.keys():
+                    if is_padding(key):
+                        continue
                     piece = f.get_slice(key)
                     dtype = piece.get_dtype()
                     numel = 1

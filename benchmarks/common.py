@@ -1,0 +1,59 @@
+"""Shared helpers for the benchmark scripts: timing, machine header, markdown tables."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from importlib import metadata
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:
+    """Median wall time of ``fn()`` in seconds, warm-up runs excluded."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def header(title: str) -> str:
+    import torch
+
+    versions = []
+    for name in ("torch", "diffusers", "transformers", "safetensors", "bitsandbytes", "hqq"):
+        try:
+            versions.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            pass
+    cpu = platform.processor() or platform.machine()
+    return (f"# {title}\n\nMeasured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {cpu}, "
+            f"{os.cpu_count()} cores, {torch.get_num_threads()} torch threads; {', '.join(versions)}.\n"
+            "Every figure below is written by the script that measured it.\n")
+
+
+def table(rows: list[dict], columns: list[str]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        lines.append("| " + " | ".join(str(row.get(c, "")) for c in columns) + " |")
+    return "\n".join(lines)
+
+
+def write(name: str, text: str) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / name
+    path.write_text(text)
+    print(text)
+    print(f"\nwritten to {path}")
+    return path

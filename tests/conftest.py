@@ -1,0 +1,22 @@
+"""Test environment: never reach a model hub; one inductor cache shared by the whole test run.
+
+Set at import time, before any test module imports torch or huggingface_hub (both read these once).
+"""
+
+import os
+from pathlib import Path
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
+os.environ.setdefault(
+    "TORCHINDUCTOR_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".pytest_cache" / "torchinductor")
+)
+# One intra-op thread: the tiny models gain nothing from more, and with other processes on the same
+# cores OpenMP's spinning made a 2-step tiny pipeline call take 2-8 s instead of 0.2 s.  Override with
+# OMP_NUM_THREADS=N.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+torch.manual_seed(0)
