@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import time
 from dataclasses import dataclass
@@ -37,10 +36,11 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 
 import torch  # noqa: E402
 import torch.utils.benchmark as benchmark  # noqa: E402
+from common import RESULTS, header  # noqa: E402
 
 import transformdsl  # noqa: E402
 from transformdsl import models, registry  # noqa: E402
@@ -158,12 +158,9 @@ def compile_cpu(row: Row) -> float:
 
 def render(rows: list[Row], combination: list[Row], started: float, load: tuple[float, ...]) -> str:
     lines = [
-        "# Compile and elementwise fusion benchmark",
-        "",
-        f"torch {torch.__version__}, {platform.machine()}, {os.cpu_count()} cores, torch threads "
-        f"{torch.get_num_threads()}, load average at start {load[0]:.1f} / end {os.getloadavg()[0]:.1f} "
-        f"(other processes' share of the cores), total {time.time() - started:.0f} s.  "
-        "Produced by `benchmarks/bench_compile.py`.",
+        header("Compile and elementwise fusion: eager, whole, regional, fused"),
+        f"Load average at start {load[0]:.1f}, at end {os.getloadavg()[0]:.1f} (the machine was shared); "
+        f"total {time.time() - started:.0f} s; `benchmarks/bench_compile.py`.",
         "",
         "- *compile (CPU s)*: CPU time of the first call after `transform()` (when torch.compile compiles; cold "
         "caches, warm process) minus one steady call; *wall* is the same first call on the wall clock.",
@@ -218,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-run-time", type=float, default=1.0, help="seconds per steady measurement")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--no-combination", action="store_true", help="skip the quantization table")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "compile.md")
+    parser.add_argument("--out", type=Path, default=RESULTS / "compile.md")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     names = args.models.split(",")
