@@ -247,6 +247,26 @@ def test_save_and_load_rebuild_the_fused_modules(tmp_path):
     torch.testing.assert_close(models.run(loaded), want, rtol=0, atol=0)
 
 
+def test_pickle_and_deepcopy():
+    """torch.save(model) works: the pickle names the pattern and the original class."""
+    import copy
+    import io
+    import pickle
+
+    model = transformdsl.transform(models.tiny_gpt2(), "fuse bias_act_dropout")  # inductor kernels: unpicklable
+    mlp = model.transformer.h[0].mlp
+    state = mlp.__reduce_ex__(2)
+    assert "_tdsl_fn" not in state[2] and state[1][1].__name__ == "GPT2MLP"
+    for twin in (pickle.loads(pickle.dumps(model)), copy.deepcopy(model)):
+        assert type(twin.transformer.h[0].mlp) is type(mlp) and twin.transformer.h[0].mlp._tdsl_fn is mlp._tdsl_fn
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    with unfused():  # no compiling here; the fused path is checked elsewhere
+        assert torch.equal(models.run(loaded), models.run(model))
+
+
 @pytest.mark.slow
 def test_inductor_kernels_and_whole_model_compile():
     """The compiled kernels agree with eager, and fused modules trace whole (fullgraph)."""

@@ -247,11 +247,34 @@ class FusedModule:
     """Base of the pattern mixins: the switch, the probe, the copy."""
 
     pattern: ClassVar[str]
+    #: Attributes holding kernels (functions, compiled ones unpicklable): rebuilt from the spec.
+    KERNEL_ATTRIBUTES: ClassVar[tuple[str, ...]] = ("_tdsl_in", "_tdsl_out", "_tdsl_fn")
 
     def forward(self, *args, **kwargs):
         if not _ENABLED:
             return super().forward(*args, **kwargs)
         return self._fused_forward(*args, **kwargs)
+
+    def _configure(self, spec: dict, backend: str) -> None:
+        self._tdsl_spec = spec
+        self._tdsl_backend = backend
+        self._setup(spec, backend)
+
+    # -- pickling and deepcopy: the class is made at run time, so a pickle names the pattern and
+    # the original class instead of it, and the kernels are looked up again from the spec.
+    def __reduce_ex__(self, protocol):
+        pattern, original = type(self).__bases__
+        return _new_fused, (pattern.pattern, original), self.__getstate__()
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        for name in self.KERNEL_ATTRIBUTES:
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._setup(self._tdsl_spec, self._tdsl_backend)
 
     # -- per pattern
     @classmethod
@@ -556,8 +579,13 @@ def fused_copy(module: nn.Module, pattern: type[FusedModule], spec: dict, backen
     for name, value in module.__dict__.items():
         state[name] = copy.copy(value) if isinstance(value, (dict, set, list)) else value
     new.__dict__.update(state)
-    new._setup(spec, backend)
+    new._configure(spec, backend)
     return new
+
+
+def _new_fused(pattern: str, original: type) -> nn.Module:
+    """An empty fused module (unpickling fills it through ``__setstate__``)."""
+    return object.__new__(fused_class(PATTERNS[pattern], original))
 
 
 def is_fused(cls: type) -> bool:
