@@ -235,8 +235,9 @@ def _describe_act(act: str) -> str:
 
 # --------------------------------------------------------------------------- the patterns
 # A pattern is a mixin put in front of the matched module's own class.  ``match`` reads
-# the module's structure and returns a JSON-able spec, a reason it cannot be fused, or
-# None when the module is not of this pattern's shape at all.
+# the module's structure and returns a JSON-able spec (what the record saves), None when
+# the module is not of this pattern's shape at all, or raises _Mismatch with the reason a
+# module of this shape cannot be fused (a near miss).
 
 
 class _Mismatch(Exception):
@@ -244,7 +245,7 @@ class _Mismatch(Exception):
 
 
 class FusedModule:
-    """Base of the pattern mixins: the switch, the probe, the copy."""
+    """Base of the pattern mixins: the runtime switch, pickling, and what each pattern defines."""
 
     pattern: ClassVar[str]
     #: Attributes holding kernels (functions, compiled ones unpicklable): rebuilt from the spec.
