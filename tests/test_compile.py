@@ -31,12 +31,20 @@ def unique_graphs() -> int:
 # --------------------------------------------------------------------------- planning (no compiling)
 
 
-def test_compile_runs_last_and_conflicts_are_found_before_running():
+def test_compile_runs_last_and_conflicts_are_found_before_running(monkeypatch):
     model = models.tiny_llama()
     the_plan = transformdsl.plan(model, "compile fullgraph=true\nfuse bias_act_dropout")
     assert [s.transform.key() for s in the_plan.steps] == ["fuse bias_act_dropout", "compile"]
-    with pytest.raises(ScriptError, match="threshold"):
-        transformdsl.plan(model, "quantize int8 threshold=6\ncompile fullgraph=true")
+    # A rule another transform declares against compile stops the script before anything runs.
+    def no_fullgraph(self, other):
+        return "no fullgraph here" if other.verb == "compile" and other.options.fullgraph else None
+
+    monkeypatch.setattr(transformdsl.registry.get("fuse bias_act_dropout"), "incompatible", no_fullgraph)
+    keys = list(model.state_dict())
+    with pytest.raises(ScriptError, match="line 1.*line 2.*no fullgraph here"):
+        transformdsl.transform(model, "fuse bias_act_dropout\ncompile fullgraph=true")
+    assert compiled_paths(model) == [] and list(model.state_dict()) == keys
+    monkeypatch.undo()
     with pytest.raises(ScriptError, match="compiled once"):
         transformdsl.plan(model, "compile\ncompile regional in *DecoderLayer")
     with pytest.raises(ScriptError, match="needs an 'in' clause"):
