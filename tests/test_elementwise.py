@@ -267,6 +267,23 @@ def test_pickle_and_deepcopy():
         assert torch.equal(models.run(loaded), models.run(model))
 
 
+def test_fused_then_quantized_saves_and_reloads(tmp_path):
+    """quantize runs after the fusion and swaps the projections inside fused modules: they run whole."""
+    from transformdsl.passes.base import Transform
+
+    if transformdsl.registry.get("quantize int8").apply is Transform.apply:
+        pytest.skip("the quantize pass has not landed yet")
+    quantized = transformdsl.transform(models.tiny_gpt2(), "quantize int8")
+    both = transformdsl.transform(models.tiny_gpt2(), "fuse bias_act_dropout" + EAGER + "; quantize int8")
+    assert len(fused_paths(both)) == 2 and type(both.transformer.h[0].mlp.c_fc) is type(quantized.transformer.h[0].mlp.c_fc)
+    want = models.run(quantized)
+    torch.testing.assert_close(models.run(both), want, rtol=1e-5, atol=1e-5)
+    transformdsl.save(both, tmp_path / "q")
+    loaded = transformdsl.load(tmp_path / "q")
+    assert fused_paths(loaded) == fused_paths(both)
+    torch.testing.assert_close(models.run(loaded), want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.slow
 def test_inductor_kernels_and_whole_model_compile():
     """The compiled kernels agree with eager, and fused modules trace whole (fullgraph)."""
