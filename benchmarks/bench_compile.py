@@ -214,15 +214,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default=",".join(BLOCKS), help="comma-separated built-in names")
     parser.add_argument("--min-run-time", type=float, default=1.0, help="seconds per steady measurement")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    parser.add_argument("--no-combination", action="store_true", help="skip the quantization table")
+    parser.add_argument("--tables", default="variants,combination",
+                        help="which tables: variants (eager/whole/regional/fused), combination (with quantize)")
     parser.add_argument("--out", type=Path, default=RESULTS / "compile.md")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     names = args.models.split(",")
     started, load = time.time(), os.getloadavg()
     warm_up_inductor()
+    tables = args.tables.split(",")
     rows: list[Row] = []
-    for name in names:
+    for name in names if "variants" in tables else []:
         reference = None
         for variant, script in VARIANTS.items():
             script = script.format(blocks=BLOCKS[name]) if script else None
@@ -231,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             report(row)
     combination: list[Row] = []
-    if not args.no_combination:
+    if "combination" in tables:
         for name in [m for m in COMBINATION_MODELS if m in names]:
             reference = None
             for variant, script in COMBINATION.items():
