@@ -199,7 +199,7 @@ def render(rows: list[Row], combination: list[Row], started: float, load: tuple[
             lines.append(f"| {row.model} | {row.variant} | `{row.script or ''}` | "
                          f"{number(compile_cpu(row)) if row.script else '—'} | "
                          f"{row.steady_cpu_s * 1e3:.2f} | {ratio(row.steady_cpu_s, base.steady_cpu_s) if base else '—'} "
-                         f"| {row.steady_s * 1e3:.2f} | {row.max_diff:.1e} |")
+                         f"| {row.steady_s * 1e3:.2f} | {'—' if row.max_diff != row.max_diff else f'{row.max_diff:.1e}'} |")
     return "\n".join(lines) + "\n"
 
 
