@@ -1,9 +1,9 @@
 """Eager vs whole compile vs regional compile vs fused elementwise, side by side.
 
-For each built-in model, each variant is built from the same seed, transformed, then
-timed: the first call (which is when torch.compile compiles) and the steady latency
-(median of ``torch.utils.benchmark.Timer.blocked_autorange``), as ratios to eager, with
-the largest difference from the eager output.  A second table compares the original
+For each built-in model, each variant is built from the same seed, transformed, and
+called once (which is when torch.compile compiles: the compile time); then all variants
+of the model are timed in interleaved rounds (the steady latency, median over rounds), as
+ratios to eager, with the largest difference from the eager output.  A second table compares the original
 model, ``quantize int8`` and ``fuse qkv; quantize int8; compile fullgraph=false`` (rows
 for passes that have not landed say so).
 
@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,7 +95,7 @@ def cpu_seconds() -> float:
 
 
 def steady(call, min_run_time: float) -> tuple[float, float]:
-    """(median wall seconds per call, CPU seconds per call)."""
+    """(median wall seconds per call, CPU seconds per call) over about ``2 * min_run_time``."""
     # num_threads: Timer defaults to 1 thread, which changes global state and recompiles.
     timer = benchmark.Timer(stmt="call()", globals={"call": call}, num_threads=torch.get_num_threads())
     wall = timer.blocked_autorange(min_run_time=min_run_time).median
@@ -113,19 +115,16 @@ def warm_up_inductor() -> None:
     torch._dynamo.reset()
 
 
-def measure(name: str, variant: str, script: str | None, reference: torch.Tensor | None,
-            min_run_time: float) -> tuple[Row, torch.Tensor | None]:
+def prepare(row: Row) -> tuple[Callable[[], object], torch.Tensor]:
+    """Build and transform the model, make the first (compiling) call; the steady call and the output."""
     from torch._inductor.utils import fresh_cache
 
-    row = Row(name, variant, script)
-    if script is not None and (missing := landed(script)):
-        row.note = f"'{missing}' has not landed"
-        return row, None
-    torch._dynamo.reset()
+    # An empty inductor cache per variant: no variant reuses another's kernels.  Dynamo's caches
+    # are per code object, so the variants of one model do not share graphs either.
     with fresh_cache():
-        model = models.BUILTIN[name]()
-        if script is not None:
-            transformdsl.transform(model, script)
+        model = models.BUILTIN[row.model]()
+        if row.script is not None:
+            transformdsl.transform(model, row.script)
         args, kwargs = models.sample_inputs(model)
 
         def call():
@@ -134,13 +133,39 @@ def measure(name: str, variant: str, script: str | None, reference: torch.Tensor
 
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         started, cpu = time.perf_counter(), cpu_seconds()
-        output = models.run(model)
+        output = models.run(model)  # the same inputs, and the output tensor
         row.first_call_s, row.first_call_cpu_s = time.perf_counter() - started, cpu_seconds() - cpu
         row.graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
-        row.steady_s, row.steady_cpu_s = steady(call, min_run_time)
-    if reference is not None:
-        row.max_diff = (output.float() - reference.float()).abs().max().item()
-    return row, output
+    return call, output
+
+
+def measure_group(name: str, variants: dict[str, str | None], min_run_time: float, rounds: int) -> list[Row]:
+    """All variants of one model: compiled one by one (cold), then timed in interleaved rounds
+    (eager, whole, regional, fused, eager, ...) so that a change in the machine's load hits
+    every variant alike; each figure is the median over the rounds."""
+    torch._dynamo.reset()  # kernels compiled for the previous model are not reused
+    rows, calls, reference = [], [], None
+    for variant, script in variants.items():
+        row = Row(name, variant, script)
+        rows.append(row)
+        if script is not None and (missing := landed(script)):
+            row.note = f"'{missing}' has not landed"
+            continue
+        call, output = prepare(row)
+        if reference is None:
+            reference = output
+        else:
+            row.max_diff = (output.float() - reference.float()).abs().max().item()
+        calls.append((row, call))
+    samples: dict[int, list[tuple[float, float]]] = {id(row): [] for row, _ in calls}
+    for _ in range(rounds):
+        for row, call in calls:
+            samples[id(row)].append(steady(call, min_run_time / rounds))
+    for row, _ in calls:
+        row.steady_s = statistics.median(wall for wall, _ in samples[id(row)])
+        row.steady_cpu_s = statistics.median(cpu for _, cpu in samples[id(row)])
+        report(row)
+    return rows
 
 
 def ratio(value: float, base: float) -> str:
@@ -212,8 +237,10 @@ def report(row: Row) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(BLOCKS), help="comma-separated built-in names")
-    parser.add_argument("--min-run-time", type=float, default=1.0, help="seconds per steady measurement")
+    parser.add_argument("--min-run-time", type=float, default=2.0,
+                        help="seconds of steady timing per variant, split over the rounds")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (medians are reported)")
     parser.add_argument("--tables", default="variants,combination",
                         help="which tables: variants (eager/whole/regional/fused), combination (with quantize)")
     parser.add_argument("--out", type=Path, default=RESULTS / "compile.md")
@@ -225,22 +252,11 @@ def main(argv: list[str] | None = None) -> int:
     tables = args.tables.split(",")
     rows: list[Row] = []
     for name in names if "variants" in tables else []:
-        reference = None
-        for variant, script in VARIANTS.items():
-            script = script.format(blocks=BLOCKS[name]) if script else None
-            row, output = measure(name, variant, script, reference, args.min_run_time)
-            reference = output if variant == "eager" else reference
-            rows.append(row)
-            report(row)
+        variants = {v: (s.format(blocks=BLOCKS[name]) if s else None) for v, s in VARIANTS.items()}
+        rows += measure_group(name, variants, args.min_run_time, args.rounds)
     combination: list[Row] = []
-    if "combination" in tables:
-        for name in [m for m in COMBINATION_MODELS if m in names]:
-            reference = None
-            for variant, script in COMBINATION.items():
-                row, output = measure(name, variant, script, reference, args.min_run_time)
-                reference = output if variant == "original" else reference
-                combination.append(row)
-                report(row)
+    for name in [m for m in COMBINATION_MODELS if m in names] if "combination" in tables else []:
+        combination += measure_group(name, COMBINATION, args.min_run_time, args.rounds)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(render(rows, combination, started, load))
     print(f"wrote {args.out}")
