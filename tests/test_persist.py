@@ -222,9 +222,6 @@ def test_inspect_reports_dtypes_and_bytes(tmp_path):
         "module", "LlamaForCausalLM", "transformers", ["model.safetensors"])
 
 
-@pytest.mark.xfail(reason="load() checks saved float dtypes against a float32 skeleton built from the config: "
-                          "a model saved in bfloat16 (or with some layers in float16) is refused as "
-                          "'saved from another model'", strict=True)
 def test_round_trip_of_a_bfloat16_model(tmp_path):
     model = BUILTIN["llama"]().to(torch.bfloat16)
     directory = transformdsl.save(model, tmp_path / "llama")
@@ -253,7 +250,7 @@ def test_truncated_safetensors_file(saved, tmp_path, keep):
 def test_missing_tensor_file(saved, tmp_path):
     directory = copy_of(saved, "flux", tmp_path)
     (directory / "model.safetensors").unlink()
-    with pytest.raises(LoadError, match="^" + str(directory / "model.safetensors") + ": missing tensor file$"):
+    with pytest.raises(LoadError, match="^" + str(directory / "model.safetensors") + ": missing tensor file"):
         transformdsl.load(directory)
 
 
@@ -261,7 +258,7 @@ def test_missing_shard(tmp_path):
     directory = transformdsl.save(BUILTIN["flux"](), tmp_path / "flux", max_shard_size=20_000)
     second = sorted(directory.glob("model-*.safetensors"))[1]
     second.unlink()
-    with pytest.raises(LoadError, match="^" + str(second) + ": missing tensor file$"):
+    with pytest.raises(LoadError, match="^" + str(second) + ": missing tensor file"):
         transformdsl.load(directory)
 
 
