@@ -62,6 +62,9 @@ LAYERWISE = Baseline("diffusers enable_layerwise_casting(fp8)", hand.diffusers_l
 COMPILE = Baseline("torch.compile(model)", hand.torch_compile)
 
 
+ELEMENTWISE = "no library does this fusion alone (torch.compile does it as part of compiling)"
+
+
 def _regional_scope(workload) -> str:
     """The repeated blocks diffusers' ``_repeated_blocks`` names, as a transformdsl scope."""
     return {"flux": "compile regional in transformer_blocks.*, single_transformer_blocks.*",
@@ -106,8 +109,8 @@ COMPARISONS: list[Comparison] = [
                (Baseline("fuse_qkv_projections() + enable_layerwise_casting", hand.chain(
                    hand.diffusers_fuse_qkv, hand.diffusers_layerwise_fp8), DIFFUSERS),),
                families=DIFFUSERS, dtype=torch.bfloat16),
-    Comparison("fuse bias_act_dropout", "fuse bias_act_dropout", (), sizes=("tiny",),
-               no_baseline="no library does this fusion alone (torch.compile does it as part of compiling)"),
+    *(Comparison(f"fuse {chain}", f"fuse {chain}", (), sizes=("tiny",), no_baseline=ELEMENTWISE)
+      for chain in ("bias_act_dropout", "bias_dropout_residual", "bias_dropout_residual_layernorm")),
     # Cold compilation costs a minute or more per process on a busy 2-core machine: the tiny Flux only.
     Comparison("compile", "compile", (COMPILE,), families=("flux",), sizes=("tiny",), reload=False, duel=False),
     Comparison("compile regional", _regional_scope, (
