@@ -360,6 +360,17 @@ def test_diffusers_model_dtype_is_unchanged(bf16_models):
     assert isinstance(model.conv_in, FP8Conv)
 
 
+def test_model_to_dtype_keeps_fp8_weights_and_float32_scales(bf16_models):
+    model = transformed(bf16_models["sd3"][0], "fp8 storage; fp8 native in transformer_blocks.*")
+    before = {k: v.view(torch.uint8).clone() for k, v in model.state_dict().items() if k.endswith("weight_scale")}
+    model.to(torch.float16)  # what pipe.to("cuda", torch.float16) does to its components
+    layers = fp8_layers(model)
+    assert {m.weight.dtype for m in layers.values()} == {E4M3}
+    assert {m.weight_scale.dtype for m in layers.values()} == {torch.float32}
+    assert all(torch.equal(model.state_dict()[k].view(torch.uint8), v) for k, v in before.items())
+    assert models.run(model).dtype == torch.float16
+
+
 # --------------------------------------------------------------------------- the three models
 
 

@@ -27,6 +27,7 @@ model of any dtype; ``compute`` is the dtype the matmul (or convolution) runs in
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -194,6 +195,13 @@ def native_layer_problems(in_features: int, out_features: int, scaling: str, com
     Checked on meta tensors shaped exactly as in :meth:`FP8Linear._scaled_mm_forward`, so the
     plan-time check and the runtime call cannot disagree.
     """
+    return list(_native_layer_problems(in_features, out_features, scaling, compute, bias))
+
+
+@functools.lru_cache(maxsize=256)
+def _native_layer_problems(in_features: int, out_features: int, scaling: str, compute: torch.dtype,
+                           bias: bool) -> tuple[str, ...]:
+    # Cached: a model has a handful of distinct layer shapes, checked several times while planning.
     m = 16  # the token count is free; any M passes the rules
     a = torch.empty(m, in_features, dtype=NATIVE_DTYPE, device="meta")
     weight = torch.empty(out_features, in_features, dtype=NATIVE_DTYPE, device="meta")
@@ -201,7 +209,7 @@ def native_layer_problems(in_features: int, out_features: int, scaling: str, com
     scale_a = torch.empty(shape_a, device="meta")
     scale_w = torch.empty(shape_w, device="meta")
     fused = torch.empty(out_features, dtype=compute, device="meta") if bias and _fuses_bias(compute) else None
-    return cuda_scaled_mm_problems(a, weight.t(), scale_a, scale_w.t(), fused, compute)
+    return tuple(cuda_scaled_mm_problems(a, weight.t(), scale_a, scale_w.t(), fused, compute))
 
 
 def _fuses_bias(compute: torch.dtype) -> bool:
@@ -266,6 +274,19 @@ class FP8Module(nn.Module):
         self.register_buffer("weight_scale", scale)
         self.bias = bias
         self.compute_dtype = compute
+
+    def _apply(self, fn, recurse: bool = True):
+        """``.to(device)`` moves the fp8 weight and its scale; ``.to(dtype)``, ``.half()``... leave
+        their dtypes alone (diffusers pipelines call ``pipe.to("cuda", torch.bfloat16)``, which
+        would otherwise upcast every stored weight and round the float32 scales).  The bias
+        follows the model's dtype as usual."""
+        kept = {name: self._buffers[name] for name in ("weight", "weight_scale")}
+        super()._apply(fn, recurse)
+        for name, before in kept.items():
+            after = self._buffers[name]
+            if after is not None and before is not None and after.dtype != before.dtype:
+                self._buffers[name] = before.to(after.device)  # the device move only, from the original
+        return self
 
     def upcast_weight(self) -> torch.Tensor:
         return dequantize(self.weight, self.weight_scale, self.compute_dtype)
@@ -458,7 +479,7 @@ class FP8Conv1D(FP8Module):
 # --------------------------------------------------------------------------- which layers
 
 
-#: torch layer classes ``fp8 storage`` converts, by the kind written in its record.
+#: Convolutions ``fp8 storage`` converts (ConvTranspose is not: its forward takes an output size).
 _CONV_CLASSES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
