@@ -1,6 +1,14 @@
-"""Test environment: never reach a model hub; one inductor cache shared by the whole test run.
+"""Test environment: never reach a model hub; one inductor cache shared by the whole test run;
+hypothesis profiles.
 
 Set at import time, before any test module imports torch or huggingface_hub (both read these once).
+
+Hypothesis profiles (select with ``HYPOTHESIS_PROFILE``):
+
+- ``ci`` (default): a bounded number of examples, no deadline (CI machines are slow and
+  shared), derandomized so that a CI run is reproducible, no example database.
+- ``dev``: many more examples, random seeds, the example database on: for a long local
+  fuzzing session (``HYPOTHESIS_PROFILE=dev pytest tests/test_fuzz_language.py``).
 """
 
 import os
@@ -18,5 +26,12 @@ os.environ.setdefault(
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
 
 torch.manual_seed(0)
+
+settings.register_profile("ci", max_examples=100, deadline=None, derandomize=True, database=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("dev", max_examples=5000, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

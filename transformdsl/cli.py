@@ -1,4 +1,4 @@
-"""The ``transformdsl`` command: check, explain, apply, inspect, demo.
+"""The ``transformdsl`` command: check, fmt, explain, apply, inspect, demo.
 
 Exit status: 0 on success, 1 when the input is wrong (a script, a saved model, a model
 spec), 2 for a usage error.  Diagnostics go to stderr as ``FILE:LINE:COL: message``
@@ -8,6 +8,7 @@ followed by the offending line and a caret.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -38,7 +39,8 @@ def _model(spec: str):
     try:
         return resolve_model(spec)
     except ValueError as exc:
-        raise TransformError(f"--model {spec}: {exc}") from None
+        message = str(exc)  # resolve_model names the spec itself in most messages: not twice
+        raise TransformError(message if message.startswith("--model ") else f"--model {spec}: {message}") from None
 
 
 def cmd_check(args) -> int:
@@ -80,12 +82,65 @@ def cmd_apply(args) -> int:
         print(the_plan)
         print()
     transform(model, the_plan, progress=not args.quiet and sys.stderr.isatty(),
-              log=None if args.quiet else print)
+              log=None if args.quiet else print, verify=args.verify)
     if args.out:
         save(model, args.out)
         if not args.quiet:
             print(f"saved to {args.out}")
     return 0
+
+
+def cmd_fmt(args) -> int:
+    """Rewrite scripts in canonical form (or, with --check, list those that are not)."""
+    from .formatter import format_script
+    from .parser import parse
+
+    status = 0
+    for name in args.files:
+        if name == "-":
+            text, filename = sys.stdin.read(), "<stdin>"
+        else:
+            try:
+                with open(name, encoding="utf-8", newline="") as f:
+                    text, filename = f.read(), name
+            except (OSError, UnicodeDecodeError) as exc:
+                _err(f"{name}: cannot read: {exc}")
+                status = 1
+                continue
+        try:
+            formatted = format_script(parse(text, filename=filename))
+        except ScriptError as exc:
+            _err(str(exc))
+            status = 1
+            continue
+        if name == "-":
+            sys.stdout.write(formatted)
+        elif formatted != text:
+            if args.check:
+                print(f"would reformat {name}")
+                status = 1
+            else:
+                _replace_file(name, formatted)
+                print(f"reformatted {name}")
+    return status
+
+
+def _replace_file(name: str, text: str) -> None:
+    """Write ``text`` to ``name`` atomically (a sibling temporary file renamed over it)."""
+    import shutil
+    import tempfile
+
+    directory = os.path.dirname(os.path.abspath(name))
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(name)}.", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+        shutil.copymode(name, tmp)
+        os.replace(tmp, name)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def cmd_inspect(args) -> int:
@@ -141,6 +196,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true", help="print nothing for valid scripts")
     p.set_defaults(func=cmd_check)
 
+    p = sub.add_parser("fmt", help="rewrite scripts in canonical form (comments kept)")
+    p.add_argument("files", nargs="+", metavar="FILE", help="scripts to rewrite in place; '-': stdin to stdout")
+    p.add_argument("--check", action="store_true",
+                   help="write nothing; list the files that are not in canonical form (exit status 1)")
+    p.set_defaults(func=cmd_fmt)
+
     model_help = ("a built-in tiny model (unet, sd3, flux, llama, gpt2, sd-pipeline), a local diffusers or "
                   "transformers directory, or package.module:factory")
     p = sub.add_parser("explain", help="show what a script will do to a model")
@@ -153,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", metavar="FILE")
     p.add_argument("--model", required=True, metavar="SPEC", help=model_help)
     p.add_argument("--out", metavar="DIR", help="directory to save the transformed model to")
+    p.add_argument("--verify", action="store_true",
+                   help="compare the model's output on a sample input before and after; fail (and leave the "
+                        "model unchanged) if it moved beyond the script's error bound")
     p.add_argument("-q", "--quiet", action="store_true")
     p.set_defaults(func=cmd_apply)
 

@@ -20,14 +20,18 @@ DEFAULT_SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "demo.tfm
 DEFAULT_MODEL = "flux"
 
 
-def _latency_ms(fn, repeats: int = 7) -> float:
-    fn()  # warm-up
-    times = []
+def _latencies_ms(fns, repeats: int = 9, warmup: int = 2) -> list[float]:
+    """Median latency of each function, measured interleaved so that machine noise hits all alike."""
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+        for fn, bucket in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            bucket.append((time.perf_counter() - start) * 1e3)
+    return [statistics.median(bucket) for bucket in times]
 
 
 def run_demo(model_name: str | None = None, script_path: str | None = None, out: str | None = None) -> int:
@@ -47,7 +51,6 @@ def run_demo(model_name: str | None = None, script_path: str | None = None, out:
     original = copy.deepcopy(model)
     with torch.inference_mode():
         reference = run(original)
-        before_ms = _latency_ms(lambda: run(original))
     before_bytes = parameter_bytes(original)
 
     print("\n-- apply")
@@ -57,14 +60,14 @@ def run_demo(model_name: str | None = None, script_path: str | None = None, out:
 
     with torch.inference_mode():
         output = run(model)
-        after_ms = _latency_ms(lambda: run(model))
+        before_ms, after_ms = _latencies_ms([lambda: run(original), lambda: run(model)])
     after_bytes = parameter_bytes(model)
     diff = (output.float() - reference.float()).abs().max().item()
     scale = reference.float().abs().max().item() or 1.0
     print("\n-- before -> after")
     print(f"  parameters: {human_bytes(before_bytes)} -> {human_bytes(after_bytes)} "
           f"({after_bytes / before_bytes:.2f}x)")
-    print(f"  latency:    {before_ms:.2f} ms -> {after_ms:.2f} ms ({after_ms / before_ms:.2f}x, median of 7, "
+    print(f"  latency:    {before_ms:.2f} ms -> {after_ms:.2f} ms ({after_ms / before_ms:.2f}x, median of 9, "
           f"{torch.get_num_threads()} threads)")
     print(f"  outputs:    max abs diff {diff:.3g} (relative {diff / scale:.3g})")
 

@@ -54,12 +54,20 @@ class Edit:
         return old
 
     def on_rollback(self, undo: Callable[[], None]) -> None:
-        """Register an extra undo step for a change made outside module attributes."""
+        """Register an extra undo step for a change made outside module attributes
+        (a module's class, say).  Register it *before* making the change, so that a failure
+        between the two cannot leave the change without its undo."""
         self._undo.append(undo)
 
     def rollback(self) -> None:
+        """Undo every change.  A failing undo step (a bug in a pass) does not stop the others:
+        everything else is restored, then its exception is raised."""
+        failure: BaseException | None = None
         for undo in reversed(self._undo):
-            undo()
+            try:
+                undo()
+            except BaseException as exc:  # noqa: BLE001 - restore the rest first
+                failure = failure or exc
         for obj, state, inner in self._saved.values():
             obj.__dict__.clear()
             obj.__dict__.update(state)
@@ -69,6 +77,8 @@ class Edit:
                 container.update(value)
         self._saved.clear()
         self._undo.clear()
+        if failure is not None:
+            raise failure
 
     def commit(self) -> None:
         """Forget the saved state (frees the replaced modules' tensors)."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from .edit import Edit
@@ -79,15 +80,23 @@ def _progress_factory(enabled: bool) -> Callable:
 
 
 def transform(model: Any, script: str | Path | Script | ValidatedScript | Plan, *, progress: bool = False,
-              log: Callable[[str], None] | None = None) -> Any:
+              log: Callable[[str], None] | None = None, verify: bool = False,
+              verify_inputs: tuple[tuple, dict] | None = None) -> Any:
     """Apply ``script`` to ``model`` (an ``nn.Module`` or a diffusers pipeline); return the model.
 
     The model is changed in place and returned.  ``progress=True`` shows a progress bar
     for long work; ``log`` receives one summary line per statement (modules changed,
     parameter bytes before → after).  If any statement fails, the model is left exactly
     as it was and a :class:`TransformError` names the statement and its line.
+
+    ``verify=True`` runs the model on a sample input before and after (that of
+    :func:`transformdsl.models.sample_inputs`, or ``verify_inputs=(args, kwargs)``, which
+    implies ``verify``) and fails the same way, leaving the model as it was, when the
+    output changed by more than the script's error bound (:func:`script_error_bound`).
     """
     the_plan = script if isinstance(script, Plan) else plan(model, script)
+    verify = verify or verify_inputs is not None
+    reference = _reference_output(model, verify_inputs) if verify else None
     components = module_components(model)
     edit = Edit()
     applied: dict[str, list[AppliedStep]] = {}
@@ -121,6 +130,8 @@ def transform(model: Any, script: str | Path | Script | ValidatedScript | Plan, 
                 record=record,
                 script_index=0,
             ))
+        if verify:
+            _verify(model, reference, verify_inputs, [step.transform for step in the_plan.steps], log)
     except BaseException:
         edit.rollback()
         raise
@@ -150,3 +161,99 @@ def _json_checked(record: Any, step) -> dict:
     return record
 
 
+
+
+# --------------------------------------------------------------------------- verification
+
+#: Float rounding allowed on top of the script's bound, in units of the output dtype's
+#: epsilon: exact transforms (fusing projections) may still change summation order.
+ROUNDING_EPS = 16
+
+
+def script_error_bound(transforms: list) -> float | None:
+    """The bound of a script: the sum of its steps' ``error_bound`` (``None`` if one has none).
+
+    Errors of successive approximations add up to first order, so the sum is the bound
+    that holds whatever order the steps run in; a maximum would understate two lossy steps.
+    """
+    total = 0.0
+    for step in transforms:
+        bound = step.error_bound
+        if bound is None:
+            return None
+        total += bound
+    return total
+
+
+def relative_error(before: torch.Tensor, after: torch.Tensor) -> float:
+    """``max|after - before| / max|before|`` in float32 (the absolute error if ``before`` is all zeros)."""
+    before, after = before.detach().float().cpu(), after.detach().float().cpu()
+    scale = before.abs().max().item() if before.numel() else 0.0
+    difference = (after - before).abs().max().item() if before.numel() else 0.0
+    return difference / scale if scale > 0 else difference
+
+
+def sample_output(model: Any, inputs: tuple[tuple, dict] | None = None) -> torch.Tensor:
+    """The model's output tensor on ``inputs`` (default: :func:`transformdsl.models.sample_inputs`).
+
+    Modules run in eval mode (no dropout, no batch-norm statistics updated: the run must
+    not change the model it checks); their training flags are restored afterwards.
+    """
+    from . import models
+
+    modules = list(module_components(model).values())
+    flags = [(m, m.training) for root in modules for m in root.modules()]
+    try:
+        for root in modules:
+            root.eval()
+        if inputs is None:
+            return models.run(model, seed=0)
+        args, kwargs = inputs
+        with torch.no_grad():
+            return models._one_tensor(model(*args, **kwargs))  # the tensor models.run() returns
+    finally:
+        for module, training in flags:
+            module.training = training
+
+
+def _checked_output(model: Any, inputs, when: str) -> torch.Tensor:
+    """:func:`sample_output`, any failure explained as a TransformError."""
+    try:
+        return sample_output(model, inputs)
+    except Exception as exc:
+        hint = "; pass verify_inputs=(args, kwargs)" if inputs is None else ""
+        raise TransformError(f"verify: cannot run the model on its sample input {when}: {type(exc).__name__}: "
+                             f"{exc}{hint} (the model was left unchanged)") from exc
+
+
+def _reference_output(model: Any, inputs) -> torch.Tensor:
+    """The output to compare against, checked before anything is changed."""
+    reference = _checked_output(model, inputs, "before transforming")
+    if not torch.isfinite(reference).all():
+        raise TransformError("verify: the model's output is not finite before transforming; cannot verify "
+                             "(the model was left unchanged)")
+    return reference
+
+
+def _verify(model: Any, reference: torch.Tensor, inputs, transforms: list, log) -> None:
+    """Raise TransformError if the output moved beyond the script's bound (the caller rolls back)."""
+    output = _checked_output(model, inputs, "after transforming")
+    keys = ", ".join(f"{t.key()}: {t.error_bound}" for t in transforms) or "no statement"
+    if tuple(output.shape) != tuple(reference.shape):
+        raise TransformError(f"verify: the output's shape changed from {tuple(reference.shape)} to "
+                             f"{tuple(output.shape)}; the model was left unchanged")
+    if not torch.isfinite(output).all():
+        raise TransformError("verify: the transformed model's output is not finite; the model was left unchanged")
+    error = relative_error(reference, output)
+    bound = script_error_bound(transforms)
+    if bound is None:
+        if log is not None:
+            log(f"verify: relative error {error:.3g} (no bound: {keys})")
+        return
+    tolerance = bound + ROUNDING_EPS * torch.finfo(reference.dtype if reference.is_floating_point()
+                                                   else torch.float32).eps
+    if error > tolerance:
+        raise TransformError(f"verify: the output changed by {error:.3g} (max|after - before| / max|before|), more "
+                             f"than the script's bound {bound:g} ({keys}); the model was left unchanged")
+    if log is not None:
+        log(f"verify: relative error {error:.3g} within the bound {bound:g}")

@@ -25,10 +25,11 @@ class Span:
 
     def excerpt(self, source: str) -> list[str]:
         """The span's first line, indented, with carets under the spanned text."""
-        lines = source.splitlines() or [""]
+        lines = source_lines(source)
         if not 1 <= self.line <= len(lines):
             return []
-        text = lines[self.line - 1].expandtabs(1)
+        # One column per character, as the parser counts them: a tab or a stray \r is one space.
+        text = lines[self.line - 1].expandtabs(1).translate(_BLANKS)
         end = self.end_column if self.end_line == self.line else len(text) + 1
         width = max(1, end - self.column)
         gutter = f"{self.line:>4} | "
@@ -36,6 +37,19 @@ class Span:
 
     def to_json(self) -> list[int]:
         return [self.line, self.column, self.end_line, self.end_column]
+
+
+_BLANKS = {ord(c): " " for c in "\r\f\v"}
+
+
+def source_lines(source: str) -> list[str]:
+    """The lines of a script as the parser counts them: split at ``\\n`` only (a ``\\r`` before it is
+    dropped).  ``str.splitlines`` also splits at a lone ``\\r``, form feeds and other separators
+    that the grammar treats as spaces, which would put carets on the wrong line."""
+    lines = [line.removesuffix("\r") for line in source.split("\n")]
+    if len(lines) > 1 and lines[-1] == "":
+        lines.pop()
+    return lines
 
 
 @dataclass(frozen=True)

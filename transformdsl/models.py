@@ -197,8 +197,12 @@ def _seeded(seed: int) -> Iterator[None]:
 
 
 def _ready(model: nn.Module) -> nn.Module:
-    """Eval mode, float32, CPU (casting only when needed: diffusers warns on every ``.to(dtype)``)."""
-    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in model.parameters()):
+    """Eval mode, float32, CPU (casting only when needed: diffusers warns on every ``.to(dtype)``).
+
+    A model built under ``torch.device("meta")`` stays there: that is how ``load(dir, model=tiny_flux)``
+    calls a factory (a meta tensor cannot be copied to the CPU).
+    """
+    if any(t.dtype != torch.float32 or t.device.type not in ("cpu", "meta") for t in model.parameters()):
         model = model.to(device="cpu", dtype=torch.float32)
     return model.eval()
 

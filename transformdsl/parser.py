@@ -9,6 +9,7 @@ validator's business (:mod:`transformdsl.validate`).
 from __future__ import annotations
 
 import functools
+import math
 import re
 from importlib import resources
 from pathlib import Path
@@ -25,6 +26,8 @@ MAX_SCRIPT_CHARS = 256 * 1024
 _MODE_RE = re.compile(r"[a-z][a-z0-9_]*\Z")
 _IDENT_RE = re.compile(r"[a-z0-9_]+\Z")
 _GLOB_CHARS = set("*?[")
+#: Words that start a clause; never selectors.
+KEYWORDS = ("in", "except")
 
 
 def _grammar_text() -> str:
@@ -88,10 +91,20 @@ _TOKEN_NAMES = {
 }
 
 
+#: ``name= other`` right before an unexpected ``=``: ``other`` is the next option's name, not a value.
+_MISSING_VALUE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)[ \t]*=[ \t]+([A-Za-z_][A-Za-z0-9_]*)\Z")
+
+
 def _syntax_problem(exc: lark.exceptions.UnexpectedInput, text: str, filename: str | None) -> Problem:
     line, column = max(exc.line, 1), max(exc.column, 1)
     if isinstance(exc, lark.exceptions.UnexpectedCharacters):
         char = text[exc.pos_in_stream] if exc.pos_in_stream < len(text) else ""
+        missing = _MISSING_VALUE.search(text, 0, exc.pos_in_stream) if char == "=" else None
+        if missing:
+            # `bits= group_size=64`: the next option's name was read as the value of `bits=`.
+            start = column - (exc.pos_in_stream - missing.start(2))
+            return Problem(f"expected a value after '{missing.group(1)}='",
+                           [Span(filename, line, start, line, column)])
         if char in "\"'":
             message = "unterminated string"
         elif char == "=":
@@ -103,15 +116,17 @@ def _syntax_problem(exc: lark.exceptions.UnexpectedInput, text: str, filename: s
     token = getattr(exc, "token", None)
     expected = set(getattr(exc, "expected", ()) or ())
     if token is None or token.type == "$END":
-        # End of input: point just past the last character.
-        lines = text.splitlines() or [""]
-        line, column = len(lines), len(lines[-1]) + 1
+        # End of input: point just past the last token.  lark's $END token borrows the
+        # position of the last real token, so trailing comments and blank space (and
+        # characters such as \f that str.splitlines() would count as line breaks) do
+        # not move the caret off the script's last line.
+        line, column = _end_position(text, token)
         span = Span(filename, line, column, line, column + 1)
         found = "end of script"
     else:
         span = Span(filename, line, column, token.end_line or line, token.end_column or column + 1)
         found = "end of statement" if token.type == "_SEP" else repr(str(token))
-    previous = _previous_word(text, token)
+    previous = _previous_word(exc, text, token)
     if expected == {"VALUE", "STRING"}:
         message = f"expected a value after '{previous}'"
     elif "WORD" in expected and previous in {"in", "except", ","}:
@@ -126,7 +141,27 @@ def _syntax_problem(exc: lark.exceptions.UnexpectedInput, text: str, filename: s
     return Problem(message, [span])
 
 
-def _previous_word(text: str, token: Token | None) -> str:
+def _end_position(text: str, token: Token | None) -> tuple[int, int]:
+    """(line, column) just past the last token of ``text`` (lark counts lines by ``\\n`` only)."""
+    if token is not None and token.end_line is not None and token.end_column is not None:
+        return token.end_line, token.end_column
+    lines = text.split("\n")
+    return len(lines), len(lines[-1]) + 1
+
+
+def _previous_word(exc: lark.exceptions.UnexpectedInput, text: str, token: Token | None) -> str:
+    """The text of the token before the unexpected one (``in``, ``,``, ``k=``...).
+
+    Read from the parser's value stack rather than from the text, so that a comment
+    between the two tokens (``k= # note``) is not mistaken for the previous word.
+    """
+    stack = getattr(getattr(exc, "state", None), "value_stack", None)
+    if stack:
+        last = stack[-1]
+        while isinstance(last, Tree) and last.children:
+            last = last.children[-1]
+        if isinstance(last, Token):
+            return "," if last.type == "COMMA" else str(last)
     at_end = token is None or token.type == "$END" or token.start_pos is None
     end = len(text) if at_end else token.start_pos
     head = text[:end].rstrip(" \t")
@@ -228,9 +263,18 @@ class _Builder:
 
 def make_selector(text: str, span: Span | None = None) -> Selector:
     """Classify a selector word (see spec.md "Selectors").  Raises ValueError if malformed."""
+    if text in KEYWORDS:
+        # The lexer reads `in` as a word where the keyword cannot follow (`fuse qkv, in`),
+        # but the same text after a mode (`fuse qkv in`) is the keyword: refuse it as a
+        # selector everywhere, so that a script means one thing however it is spaced.
+        raise ValueError(f"'{text}' is a keyword, not a selector (a module named '{text}' is re:^{text}$)")
     if text.startswith("re:"):
         pattern = text[3:]
         if pattern.startswith(("'", '"')):
+            # `re:"a b` (no closing quote on the line) is lexed as a bare word; without
+            # this check unquoting it would silently drop its last character.
+            if len(pattern) < 2 or pattern[-1] != pattern[0] or _escaped_end(pattern):
+                raise ValueError(f"unterminated quoted regular expression: {_clip(text)}")
             pattern = _unquote(pattern)
         if not pattern:
             raise ValueError("empty regular expression after 're:'")
@@ -238,6 +282,10 @@ def make_selector(text: str, span: Span | None = None) -> Selector:
             re.compile(pattern)
         except re.error as exc:
             raise ValueError(f"invalid regular expression {pattern!r}: {exc}") from None
+        except (RecursionError, OverflowError) as exc:
+            # Deeply nested groups exhaust the regex compiler's recursion, huge
+            # repeat counts overflow it: both are malformed input, not crashes.
+            raise ValueError(f"regular expression too complex ({type(exc).__name__}): {_clip(pattern)}") from None
         return Selector(text, "regex", pattern, span)
     if "." in text:
         segments = text.split(".")
@@ -263,12 +311,23 @@ def typed_value(text: str):
         return int(text, 10)
     except ValueError:
         pass
-    try:
-        if re.fullmatch(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?", text):
-            return float(text)
-    except ValueError:  # pragma: no cover
-        pass
+    if re.fullmatch(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?", text):
+        number = float(text)
+        # 1e400 (or an integer too long for int()) overflows to inf, which no script
+        # can write back: keep the text, and the option check reports "not a number".
+        if math.isfinite(number):
+            return number
     return text
+
+
+def _escaped_end(quoted: str) -> bool:
+    """Whether the last character of ``quoted`` is escaped (``"a\\"``: no closing quote)."""
+    body = quoted[1:-1]
+    return (len(body) - len(body.rstrip("\\"))) % 2 == 1
+
+
+def _clip(text: str, limit: int = 60) -> str:
+    return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} characters)"
 
 
 def _unquote(text: str) -> str:

@@ -18,6 +18,7 @@ tensors come from safetensors.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import dataclasses
@@ -25,6 +26,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -57,12 +59,19 @@ def save(model: Any, directory: str | os.PathLike, *, max_shard_size: int = DEFA
     """Save ``model`` (transformed or not; a module or a pipeline) to ``directory``.
 
     The write is atomic: everything is written to a temporary sibling directory, flushed,
-    then swapped into place, so an interrupted save leaves any previous save intact.
+    then swapped into place, so an interrupted save leaves any previous save intact and
+    no temporary files behind.  ``directory`` must be new, empty, or a previous save (it
+    is replaced as a whole).  A failure to write (disk full, permissions) is a
+    :class:`TransformError` naming the directory and the cause.
     """
     directory = Path(directory)
-    parent = directory.resolve().parent
-    parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=parent))
+    final = directory.resolve()
+    _check_target(final)
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    except OSError as exc:
+        raise _save_error(final, exc) from exc
     try:
         if is_pipeline(model):
             _save_pipeline(model, tmp, max_shard_size)
@@ -71,11 +80,29 @@ def save(model: Any, directory: str | os.PathLike, *, max_shard_size: int = DEFA
         else:
             raise TransformError(f"save() takes an nn.Module or a diffusers pipeline, not {type(model).__name__}")
         _fsync_tree(tmp)
-        _swap_into_place(tmp, directory.resolve())
+        _swap_into_place(tmp, final)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _save_error(final, exc) from exc
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return directory
+
+
+def _check_target(final: Path) -> None:
+    """Refuse a target that is not a previous save: saving replaces (deletes) what is there."""
+    if final.exists() and not final.is_dir():
+        raise TransformError(f"cannot save to {final}: it exists and is not a directory")
+    if final.is_dir() and not (final / META_FILE).is_file() and any(final.iterdir()):
+        raise TransformError(f"cannot save to {final}: it is a non-empty directory that holds no transformdsl "
+                             "save, and saving replaces the whole directory; choose a new or empty directory")
+
+
+def _save_error(final: Path, exc: OSError) -> TransformError:
+    return TransformError(f"cannot save to {final}: {exc.strerror or exc}"
+                          f"{f' ({exc.filename})' if exc.filename else ''}; nothing was written there and a "
+                          "previous save there, if any, is intact")
 
 
 def save_module(module: nn.Module, directory: Path, max_shard_size: int = DEFAULT_SHARD_BYTES) -> None:
@@ -245,18 +272,35 @@ def _swap_into_place(new: Path, final: Path) -> None:
     """Make ``new`` appear at ``final`` in one step; the previous ``final`` is removed after."""
     if not final.exists():
         os.rename(new, final)
+        _fsync_directory(final.parent)
         return
     if not final.is_dir() or final.is_symlink():
         raise TransformError(f"cannot save to {final}: it exists and is not a directory")
     if _renameat2_exchange(new, final):
         shutil.rmtree(new, ignore_errors=True)  # now holds the previous save
+        _fsync_directory(final.parent)
         return
     # No atomic exchange on this platform: move the old copy aside first, so that at
     # every moment one complete save exists (at `final` or at `old`).
     old = final.with_name(f".{final.name}.old-{os.getpid()}")
     os.rename(final, old)
-    os.rename(new, final)
+    try:
+        os.rename(new, final)
+    except BaseException:
+        os.rename(old, final)  # put the previous save back where it was
+        raise
     shutil.rmtree(old, ignore_errors=True)
+    _fsync_directory(final.parent)
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make a rename durable; best effort once the new save is in place (it is, either way)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _renameat2_exchange(a: Path, b: Path) -> bool:
@@ -302,12 +346,7 @@ def read_metadata(directory: Path) -> dict:
     path = _inside(directory, META_FILE)
     if not path.is_file():
         raise LoadError(f"{directory}: not a transformdsl save ({META_FILE} is missing)")
-    if path.stat().st_size > MAX_META_BYTES:
-        raise LoadError(f"{path}: metadata is {path.stat().st_size} bytes, over the {MAX_META_BYTES} limit")
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise LoadError(f"{path}: metadata is not valid JSON: {exc}") from None
+    meta = _read_json(path, "metadata")
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise LoadError(f"{path}: not transformdsl metadata (format is {_short(meta, 'format')})")
     version = meta.get("format_version")
@@ -321,9 +360,27 @@ def read_metadata(directory: Path) -> dict:
     kind = meta.get("kind")
     if kind not in ("module", "pipeline"):
         raise LoadError(f"{path}: unknown kind {kind!r} (expected 'module' or 'pipeline')")
+    _expect(path, meta.get("versions", {}), dict, "'versions'")
     if kind == "module":
         _check_module_meta(path, meta)
+    else:
+        _check_pipeline_meta(path, meta)
     return meta
+
+
+def _read_json(path: Path, what: str) -> Any:
+    """A JSON file's content, refusing oversized files before reading them."""
+    size = path.stat().st_size
+    if size > MAX_META_BYTES:
+        raise LoadError(f"{path}: {what} is {size} bytes, over the {MAX_META_BYTES} limit")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise LoadError(f"{path}: {what} is not valid JSON: {exc}") from None
+    except RecursionError:  # `[[[[...` thousands deep
+        raise LoadError(f"{path}: {what} is not valid JSON: nested too deeply") from None
+    except OSError as exc:
+        raise LoadError(f"{path}: cannot read the {what}: {exc}") from None
 
 
 def _short(meta: Any, key: str) -> str:
@@ -340,26 +397,78 @@ def _expect(path: Path, value: Any, types: type | tuple, what: str) -> Any:
 def _check_module_meta(path: Path, meta: dict) -> None:
     model = _expect(path, meta.get("model"), dict, "'model'")
     _expect(path, model.get("class"), str, "'model.class'")
-    if model.get("library") not in (None, "diffusers", "transformers"):
-        raise LoadError(f"{path}: unknown model library {model.get('library')!r} (diffusers or transformers)")
-    _expect(path, meta.get("scripts"), list, "'scripts'")
+    library = model.get("library")
+    if library not in (None, "diffusers", "transformers"):
+        raise LoadError(f"{path}: unknown model library {_clip(library)} (diffusers or transformers)")
+    config = model.get("config")
+    if config is not None:
+        _expect(path, config, dict, "'model.config'")
+        _check_config(path, config)
+    scripts = _expect(path, meta.get("scripts"), list, "'scripts'")
+    if not all(isinstance(text, str) for text in scripts):
+        raise LoadError(f"{path}: 'scripts' must list script texts")
     steps = _expect(path, meta.get("steps"), list, "'steps'")
     for i, step in enumerate(steps):
         _expect(path, step, dict, f"step {i}")
         key = _expect(path, step.get("key"), str, f"step {i} key")
         if registry.get(key) is None:
-            raise LoadError(f"{path}: step {i} uses transform '{key}', which this transformdsl ({__version__}) "
-                            "does not know")
+            raise LoadError(f"{path}: step {i} uses transform {_clip(key)}, which this transformdsl "
+                            f"({__version__}) does not know")
         for field in ("options", "common", "record"):
             _expect(path, step.get(field), dict, f"step {i} {field}")
+        # Informational fields, kept in the loaded model's history (and saved again).
+        _expect(path, step.get("line"), int, f"step {i} line")
+        _expect(path, step.get("statement"), str, f"step {i} statement")
+        index = _expect(path, step.get("script_index"), int, f"step {i} script_index")
+        if not 0 <= index < max(len(scripts), 1):
+            raise LoadError(f"{path}: step {i} script_index {index} does not name one of the {len(scripts)} scripts")
     tensors = _expect(path, meta.get("tensors"), dict, "'tensors'")
     files = _expect(path, tensors.get("files"), list, "'tensors.files'")
     if not files or not all(isinstance(f, str) for f in files):
         raise LoadError(f"{path}: 'tensors.files' must list the safetensors files")
-    _expect(path, tensors.get("nonpersistent", []), list, "'tensors.nonpersistent'")
+    nonpersistent = _expect(path, tensors.get("nonpersistent", []), list, "'tensors.nonpersistent'")
+    if not all(isinstance(name, str) for name in nonpersistent):
+        raise LoadError(f"{path}: 'tensors.nonpersistent' must list buffer names")
     aliases = _expect(path, tensors.get("aliases", {}), dict, "'tensors.aliases'")
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in aliases.items()):
         raise LoadError(f"{path}: 'tensors.aliases' must map names to names")
+
+
+def _check_pipeline_meta(path: Path, meta: dict) -> None:
+    _expect(path, meta.get("pipeline_class"), str, "'pipeline_class'")
+    components = _expect(path, meta.get("components"), dict, "'components'")
+    for name, how in components.items():
+        if not name.isidentifier():
+            raise LoadError(f"{path}: invalid component name {_clip(name)}")
+        if how not in ("transformdsl", "library"):
+            raise LoadError(f"{path}: component '{name}' has unknown storage {_clip(how)}")
+
+
+def _check_config(path: Path, config: dict) -> None:
+    """Refuse configuration values that make a library fetch code (a Hub attention kernel).
+
+    transformers reads ``attn_implementation: "org/repo"`` (at any depth: sub-configs
+    have their own) as a kernel to download and run.  Saved configurations never carry
+    one (transformers does not serialise it), so its presence means tampering.
+    """
+    stack: list[Any] = [config]
+    while stack:  # iterative: the JSON may be nested as deep as the parser allowed
+        node = stack.pop()
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for key, value in items:
+            if isinstance(key, str) and "implementation" in key:
+                values = value.values() if isinstance(value, dict) else [value]
+                if any(isinstance(v, str) and ("/" in v or ":" in v) for v in values):
+                    raise LoadError(f"{path}: the configuration asks for the code kernel {_clip(value)} "
+                                    f"({key}); refusing to load code named by a saved file")
+            if isinstance(value, (dict, list)):
+                stack.append(value)
+
+
+def _clip(value: Any, limit: int = 80) -> str:
+    """``repr(value)``, shortened: hostile files may hold megabytes in one field."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _inside(directory: Path, name: str) -> Path:
@@ -390,7 +499,11 @@ def _rebuild_options(cls, values: dict, path: Path, key: str, common: bool = Fal
 
 def load_module(directory: Path, meta: dict, model: Any, device: str | torch.device, mmap: bool = True) -> nn.Module:
     meta_path = directory / META_FILE
-    skeleton = _skeleton(meta, model, meta_path)
+    # Headers first: a corrupt file is reported before anything is built, and the
+    # number of saved tensors bounds the size of the model the metadata may describe.
+    files = [_tensor_file(directory, name) for name in meta["tensors"]["files"]]
+    saved = sum(len(_header_keys(path)) for path in files) + len(meta["tensors"].get("aliases", {}))
+    skeleton = _skeleton(meta, model, meta_path, max_modules=_module_budget(saved))
     steps = []
     for raw in meta["steps"]:
         cls = registry.get(raw["key"])
@@ -407,7 +520,13 @@ def load_module(directory: Path, meta: dict, model: Any, device: str | torch.dev
     tensors = _read_tensors(directory, meta, device, mmap and torch.device(device).type == "cpu")
     _assign(skeleton, tensors, meta, directory)
     for cls, raw, options in steps:
-        cls.finalize(skeleton, raw["record"], options)
+        try:
+            cls.finalize(skeleton, raw["record"], options)
+        except LoadError:
+            raise
+        except Exception as exc:
+            raise LoadError(f"{meta_path}: cannot finish '{raw['key']}' (line {raw.get('line')}): "
+                            f"{type(exc).__name__}: {exc}") from None
     left = [n for n, t in list(skeleton.named_parameters()) + list(skeleton.named_buffers()) if t.is_meta]
     if left:
         raise LoadError(f"{directory}: the saved tensors do not cover {len(left)} tensor(s) of the model: "
@@ -419,7 +538,7 @@ def load_module(directory: Path, meta: dict, model: Any, device: str | torch.dev
     return skeleton
 
 
-def _skeleton(meta: dict, model: Any, meta_path: Path) -> nn.Module:
+def _skeleton(meta: dict, model: Any, meta_path: Path, max_modules: int) -> nn.Module:
     description = meta["model"]
     if isinstance(model, nn.Module):
         return meta_copy(model)
@@ -437,20 +556,60 @@ def _skeleton(meta: dict, model: Any, meta_path: Path) -> nn.Module:
                         "pass model= (a module of the same architecture, or a factory)")
     cls = _model_class(library, name, meta_path)
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), _module_limit(max_modules, meta_path):
             if library == "diffusers":
                 return cls.from_config(config)
             config_cls = cls.config_class
             return cls(config_cls.from_dict(config))
+    except LoadError:
+        raise
     except Exception as exc:
         raise LoadError(f"{meta_path}: cannot build {name} from the saved configuration: "
                         f"{type(exc).__name__}: {exc}") from None
 
 
+def _module_budget(tensors: int) -> int:
+    """How many submodules a model rebuilt from a saved configuration may have.
+
+    Every module with weights holds at least one saved tensor, and weightless modules
+    (activations, dropout, containers) are a few per weighted one in real architectures;
+    a configuration asking for far more (``n_layer: 1000000`` next to the tensors of two
+    layers) would take hours and gigabytes to build, even on the meta device.
+    """
+    return 4 * tensors + 256
+
+
+class _TooManyModules(LoadError):
+    pass
+
+
+@contextlib.contextmanager
+def _module_limit(limit: int, where: Path):
+    """Stop building a model (in this thread) once it registers more than ``limit`` submodules."""
+    from torch.nn.modules.module import register_module_module_registration_hook
+
+    thread = threading.get_ident()
+    count = 0
+
+    def hook(module, name, submodule):
+        nonlocal count
+        if threading.get_ident() == thread:
+            count += 1
+            if count > limit:
+                raise _TooManyModules(f"{where}: the saved configuration describes far more modules than the saved "
+                                      f"tensors can fill (over {limit}); refusing to build it")
+
+    handle = register_module_module_registration_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def _model_class(library: str, name: str, meta_path: Path) -> type:
     """A model class by name, only among diffusers' or transformers' exported model classes."""
     if not name.isidentifier():
-        raise LoadError(f"{meta_path}: invalid class name {name!r}")
+        raise LoadError(f"{meta_path}: invalid class name {_clip(name)}")
     if library == "diffusers":
         import diffusers
 
@@ -463,7 +622,7 @@ def _model_class(library: str, name: str, meta_path: Path) -> type:
         module = transformers
     try:
         cls = getattr(module, name)
-    except (AttributeError, ImportError):
+    except Exception:  # lazy modules raise ImportError, RuntimeError... for unavailable backends
         cls = None
     if not (isinstance(cls, type) and issubclass(cls, base)):
         raise LoadError(f"{meta_path}: {name!r} is not a {library} model class")
@@ -499,17 +658,14 @@ def _read_tensors(directory: Path, meta: dict, device, mmap: bool) -> dict[str, 
     mapped tensors compute exactly as freshly allocated ones.  Without ``mmap`` the
     bytes are copied into fresh memory.
     """
-    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     tensors: dict[str, torch.Tensor] = {}
     for name in meta["tensors"]["files"]:
-        path = _inside(directory, name)
-        if not path.is_file():
-            raise LoadError(f"{path}: missing tensor file")
+        path = _tensor_file(directory, name)
         try:
             part = load_file(str(path), device=str(device))
-        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        except Exception as exc:  # SafetensorError, OSError, and torch's errors for odd dtypes
             raise LoadError(f"{path}: corrupt or truncated safetensors file: {exc}") from None
         for key, tensor in part.items():
             if is_padding(key):
@@ -520,6 +676,26 @@ def _read_tensors(directory: Path, meta: dict, device, mmap: bool) -> dict[str, 
             # Misaligned data (a file not written by transformdsl) is copied: see above.
             tensors[key] = tensor if (mmap and aligned) else tensor.clone()
     return tensors
+
+
+def _tensor_file(directory: Path, name: str) -> Path:
+    """A weights file named by the metadata: inside ``directory``, a regular file."""
+    path = _inside(directory, name)
+    if not path.is_file():  # missing, a directory, or a FIFO (which would block reading)
+        raise LoadError(f"{path}: missing tensor file (or not a regular file)")
+    return path
+
+
+def _header_keys(path: Path) -> list[str]:
+    """Tensor names in a safetensors file, from its header (safetensors checks the header's
+    size, JSON, dtypes, shapes and offsets against the file before mapping anything)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return [key for key in f.keys() if not is_padding(key)]
+    except Exception as exc:
+        raise LoadError(f"{path}: corrupt or truncated safetensors file: {exc}") from None
 
 
 def _assign(skeleton: nn.Module, tensors: dict[str, torch.Tensor], meta: dict, directory: Path) -> None:
@@ -582,51 +758,105 @@ def _load_pipeline(directory: Path, meta: dict, device, mmap: bool) -> Any:
     import diffusers
 
     path = directory / META_FILE
-    name = _expect(path, meta.get("pipeline_class"), str, "'pipeline_class'")
-    cls = getattr(diffusers, name, None) if name.isidentifier() else None
-    if not (isinstance(cls, type) and issubclass(cls, diffusers.DiffusionPipeline)):
-        raise LoadError(f"{path}: {name!r} is not a diffusers pipeline class")
-    components_meta = _expect(path, meta.get("components"), dict, "'components'")
-    index_path = _inside(directory, "model_index.json")
+    name = meta["pipeline_class"]  # read_metadata checked the types
     try:
-        index = json.loads(index_path.read_text())
-    except (OSError, ValueError) as exc:
-        raise LoadError(f"{index_path}: cannot read the pipeline index: {exc}") from None
+        cls = getattr(diffusers, name) if name.isidentifier() else None
+    except Exception:  # diffusers' lazy module raises for pipelines whose backend is missing
+        cls = None
+    if not (isinstance(cls, type) and issubclass(cls, diffusers.DiffusionPipeline)):
+        raise LoadError(f"{path}: {_clip(name)} is not a diffusers pipeline class")
+    components_meta: dict[str, str] = meta["components"]
+    index_path = _inside(directory, "model_index.json")
+    if not index_path.is_file():
+        raise LoadError(f"{index_path}: cannot read the pipeline index: missing")
+    index = _read_json(index_path, "pipeline index")
+    _check_pipeline_index(index_path, index, name, components_meta)
     loaded = {}
     for comp, how in components_meta.items():
-        if not isinstance(comp, str) or not comp.isidentifier():
-            raise LoadError(f"{path}: invalid component name {comp!r}")
         folder = _inside(directory, comp)
         if how == "transformdsl":
             loaded[comp] = load_module(folder, read_metadata(folder), None, device, mmap)
-        elif how == "library":
-            entry = index.get(comp)
-            if not (isinstance(entry, list) and len(entry) == 2 and all(isinstance(e, str) for e in entry)):
-                raise LoadError(f"{index_path}: component '{comp}' has no [library, class] entry")
-            loaded[comp] = _load_library_component(entry[0], entry[1], folder, index_path)
         else:
-            raise LoadError(f"{path}: component '{comp}' has unknown storage {how!r}")
+            library, class_name = index[comp]
+            loaded[comp] = _load_library_component(library, class_name, folder, index_path)
     try:
+        # Every component is passed in, so diffusers itself imports and loads nothing.
         return cls.from_pretrained(str(directory), local_files_only=True, **loaded)
     except Exception as exc:
         raise LoadError(f"{directory}: cannot assemble the {name}: {type(exc).__name__}: {exc}") from None
 
 
+def _check_pipeline_index(index_path: Path, index: Any, name: str, components: dict[str, str]) -> None:
+    """``model_index.json`` as diffusers will read it: nothing in it may make diffusers
+    import a module, run custom pipeline code, or load a component itself."""
+    if not isinstance(index, dict):
+        raise LoadError(f"{index_path}: cannot read the pipeline index: not a JSON object")
+    if index.get("_class_name") != name:
+        # A [file, class] pair here is custom pipeline code diffusers would run.
+        raise LoadError(f"{index_path}: model_index.json names {_clip(index.get('_class_name'))}, "
+                        f"the metadata '{name}'")
+    for key, entry in index.items():
+        if key.startswith("_") or not isinstance(entry, (list, dict)):
+            continue  # diffusers' own keys, and scalar pipeline arguments
+        if key not in components and entry not in ([None, None], [None]):
+            raise LoadError(f"{index_path}: component '{key}' of model_index.json is not in the metadata's "
+                            "components; refusing to let diffusers load it")
+    for comp, how in components.items():
+        entry = index.get(comp)
+        if how == "library" and not (isinstance(entry, list) and len(entry) == 2
+                                     and all(isinstance(e, str) for e in entry)):
+            raise LoadError(f"{index_path}: component '{comp}' has no [library, class] entry")
+
+
+def _component_bases() -> tuple[type, ...]:
+    """What a pipeline component stored by its library may be: models, schedulers,
+    tokenizers and processors.  Not pipelines (which load further components and custom
+    code) and not Auto classes (which pick a class from the files)."""
+    import diffusers
+    import transformers
+
+    names = ("PreTrainedModel", "PreTrainedTokenizerBase", "FeatureExtractionMixin", "ImageProcessingMixin",
+             "ProcessorMixin")
+    return (diffusers.ModelMixin, diffusers.SchedulerMixin,
+            *(getattr(transformers, n) for n in names if isinstance(getattr(transformers, n, None), type)))
+
+
 def _load_library_component(library: str, name: str, folder: Path, index_path: Path) -> Any:
     if library not in ("diffusers", "transformers") or not name.isidentifier():
-        raise LoadError(f"{index_path}: component class {library}.{name} is not allowed "
+        raise LoadError(f"{index_path}: component class {_clip(library)[1:-1]}.{_clip(name)[1:-1]} is not allowed "
                         "(only diffusers and transformers classes are loaded)")
-    import importlib
+    import diffusers
+    import transformers
 
-    module = importlib.import_module(library)  # one of two fixed names
-    cls = getattr(module, name, None)
-    if not isinstance(cls, type) or not hasattr(cls, "from_pretrained"):
-        raise LoadError(f"{index_path}: {library}.{name} is not a loadable class")
+    module = diffusers if library == "diffusers" else transformers
+    try:
+        cls = getattr(module, name)
+    except Exception:
+        cls = None
+    if not (isinstance(cls, type) and issubclass(cls, _component_bases())):
+        raise LoadError(f"{index_path}: {library}.{name} is not a loadable component class "
+                        "(a diffusers or transformers model, scheduler, tokenizer or processor)")
+    # The library reads whatever files it wants from the folder: none may lead elsewhere.
+    for inner in sorted(folder.rglob("*")):
+        if inner.is_symlink():
+            raise LoadError(f"{inner}: is a symbolic link; refusing to read it")
     kwargs: dict[str, Any] = {"local_files_only": True}
+    limit = contextlib.nullcontext()
     if issubclass(cls, nn.Module):
         kwargs["use_safetensors"] = True
+        config_path = folder / "config.json"
+        if config_path.is_file():
+            config = _read_json(_inside(folder, "config.json"), "component configuration")
+            if isinstance(config, dict):
+                _check_config(config_path, config)
+        weights = sorted(p.name for p in folder.glob("*.safetensors"))
+        saved = sum(len(_header_keys(_tensor_file(folder, n))) for n in weights)
+        limit = _module_limit(_module_budget(saved), folder)
     try:
-        return cls.from_pretrained(str(folder), **kwargs)
+        with limit:
+            return cls.from_pretrained(str(folder), **kwargs)
+    except LoadError:
+        raise
     except Exception as exc:
         raise LoadError(f"{folder}: cannot load {library}.{name}: {type(exc).__name__}: {exc}") from None
 
@@ -636,19 +866,19 @@ def _load_library_component(library: str, name: str, folder: Path, index_path: P
 
 def inspect(directory: str | os.PathLike) -> dict:
     """What a saved model contains, from headers only (no tensor data is read)."""
-    from safetensors import SafetensorError, safe_open
+    from safetensors import safe_open
 
     directory = Path(directory)
     meta = read_metadata(directory)
     if meta["kind"] == "pipeline":
         parts = {}
         for comp, how in meta["components"].items():
-            parts[comp] = inspect(directory / comp) if how == "transformdsl" else {"storage": how}
+            parts[comp] = inspect(_inside(directory, comp)) if how == "transformdsl" else {"storage": how}
         return {"kind": "pipeline", "format_version": meta["format_version"],
                 "pipeline_class": meta["pipeline_class"], "components": parts}
     by_dtype: dict[str, dict[str, int]] = {}
     for name in meta["tensors"]["files"]:
-        path = _inside(directory, name)
+        path = _tensor_file(directory, name)
         try:
             with safe_open(str(path), "pt") as f:
                 for key in f.keys():
@@ -662,7 +892,7 @@ def inspect(directory: str | os.PathLike) -> dict:
                     entry = by_dtype.setdefault(dtype, {"tensors": 0, "elements": 0, "bytes": 0})
                     entry["tensors"] += 1
                     entry["elements"] += numel
-        except (SafetensorError, OSError) as exc:
+        except Exception as exc:
             raise LoadError(f"{path}: corrupt or truncated safetensors file: {exc}") from None
     sizes = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
              "I16": 2, "I8": 1, "U8": 1, "BOOL": 1, "U16": 2, "U32": 4, "U64": 8}

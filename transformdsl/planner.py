@@ -16,12 +16,12 @@ from typing import Any
 from torch import nn
 
 from .errors import Problem, ScriptError
-from .ir import Script, Selector
+from .ir import Script, Selector, source_lines
 from .parser import make_selector, parse, parse_file
 from .passes.base import Transform
 from .registry import key_matches
 from .selectors import matches, select, suggestions, topmost
-from .tree import ModuleTree, is_below, parameter_bytes
+from .tree import ModuleTree, below_any, parameter_bytes
 from .validate import ValidatedScript, validate
 
 #: Pipeline components that hold the denoiser, in the order they are looked for.
@@ -96,7 +96,7 @@ class Step:
         span = self.statement.span
         if span is None or not source:
             return self.statement.key
-        lines = source.splitlines()
+        lines = source_lines(source)
         if span.line == span.end_line:
             return lines[span.line - 1][span.column - 1 : span.end_column - 1].strip()
         return lines[span.line - 1][span.column - 1 :].strip()
@@ -188,8 +188,11 @@ class Planner:
                 steps.append(step)
         if self.problems:
             raise ScriptError(self.problems, self.script.source)
-        module_count = sum(sum(1 for _ in m.modules()) for m in self.components.values())
-        total = sum(parameter_bytes(m) for m in self.components.values())
+        # The snapshots counted their modules and bytes; components no statement used are walked here.
+        module_count = sum(self.trees[n].module_count if n in self.trees else sum(1 for _ in m.modules())
+                           for n, m in self.components.items())
+        total = sum(self.trees[n].total_bytes if n in self.trees else parameter_bytes(m)
+                    for n, m in self.components.items())
         return Plan(self.script, steps, type(self.model).__name__,
                     {name: type(m).__name__ for name, m in self.components.items()}, module_count, total)
 
@@ -205,15 +208,24 @@ class Planner:
                                          hint=f"components: {names}"))
 
     def _selectors_or_problem(self, selectors: tuple[Selector, ...], tree: ModuleTree,
-                              within: list[str] | None) -> list[list[str]]:
+                              within: list[str] | None, scope: tuple[Selector, ...] = ()) -> list[list[str]]:
         found = []
         for selector in selectors:
             paths = select(selector, tree, within)
             if not paths:
-                close = suggestions(selector, tree)
-                hint = ("nearest names: " + ", ".join(close)) if close else None
-                self.problems.append(Problem(f"selector '{selector.text}' matches no module", [selector.span],
-                                             hint=hint))
+                outside = select(selector, tree, None) if scope else []
+                if outside:
+                    # Not "matches no module, nearest: <itself>": it matches, but not within `in ...`.
+                    where = ", ".join(s.text for s in scope)
+                    more = f" (and {len(outside) - 1} more)" if len(outside) > 1 else ""
+                    self.problems.append(Problem(
+                        f"selector '{selector.text}' matches no module in the scope ('in {where}')",
+                        [selector.span], hint=f"it matches {outside[0] or '<root>'}{more}, outside the scope"))
+                else:
+                    close = suggestions(selector, tree)
+                    hint = ("nearest names: " + ", ".join(close)) if close else None
+                    self.problems.append(Problem(f"selector '{selector.text}' matches no module",
+                                                 [selector.span], hint=hint))
             found.append(paths)
         return found
 
@@ -226,8 +238,10 @@ class Planner:
         else:
             roots = [""]
         # 2. targets: what the statement (or the transform, by default) names, within scope.
-        if statement.target:
-            selected = self._selectors_or_problem(statement.target, tree, roots)
+        if statement.target and len(self.problems) > before:
+            candidates = []  # the scope matched nothing: its error says so; targets are not looked for
+        elif statement.target:
+            selected = self._selectors_or_problem(statement.target, tree, roots, statement.scope)
             candidates = _union(selected)
         elif transform.default_target is None:
             candidates = list(roots)
@@ -247,8 +261,9 @@ class Planner:
             return None
         step = Step(transform, component, [])
         kept = []
+        excluded_below = [(s, frozenset(roots_)) for s, roots_ in exclusions]
         for path in candidates:
-            hit = next((s for s, roots_ in exclusions if any(is_below(path, r) for r in roots_)), None)
+            hit = next((s for s, roots_ in excluded_below if below_any(path, roots_)), None)
             if hit is not None:
                 label = f"except {hit.text}" if hit in statement.exclude else f"default: {hit.text}"
                 step.excluded[label] = step.excluded.get(label, 0) + 1
@@ -328,7 +343,8 @@ def _bytes(tree: ModuleTree, paths: list[str]) -> int:
 
 
 def _common_selector(paths: list[str]) -> str:
-    names = sorted({p.rsplit(".", 1)[-1] for p in paths})
+    # The last segment that is a name: `to_out.0` -> `to_out` (the word `0` would name every block 0).
+    names = sorted({next((s for s in reversed(p.split(".")) if not s.isdigit()), p) for p in paths})
     return ", ".join(names[:3])
 
 

@@ -8,7 +8,7 @@ import re
 from fnmatch import fnmatchcase
 
 from .ir import Selector
-from .tree import ModuleInfo, ModuleTree, class_tokens, is_below, name_tokens
+from .tree import ModuleInfo, ModuleTree, below_any, class_names, class_tokens, name_tokens
 
 
 @functools.lru_cache(maxsize=1024)
@@ -60,16 +60,30 @@ def matches(selector: Selector, info: ModuleInfo) -> bool:
     """Whether ``selector`` names the module ``info`` itself (not its subtree)."""
     kind = selector.kind
     if kind == "class":
-        return any(fnmatchcase(name, selector.pattern) for name in info.class_names)
+        return _class_matches(selector.pattern, info.cls)
     if kind == "path":
         return _path_matches(selector.pattern, info.path)
     if kind == "regex":
         return bool(_compiled(selector.pattern).search(info.path))
     if kind == "name":
-        return bool(info.path) and fnmatchcase(info.name, selector.pattern)
+        return bool(info.path) and _name_matches(selector.pattern, info.name)
     if kind == "word":
-        return _word_matches(selector.pattern, info)
+        return bool(info.path) and _word_matches(selector.pattern, info.name, info.cls.__name__)
     raise ValueError(f"unknown selector kind {kind!r}")  # pragma: no cover
+
+
+# Class, name and word matching depend on (pattern, class or last segment) only, and models
+# repeat the same few names and classes in every block: the answers are cached.
+
+
+@functools.lru_cache(maxsize=65536)
+def _class_matches(pattern: str, cls: type) -> bool:
+    return any(fnmatchcase(name, pattern) for name in class_names(cls))
+
+
+@functools.lru_cache(maxsize=65536)
+def _name_matches(pattern: str, name: str) -> bool:
+    return fnmatchcase(name, pattern)
 
 
 def _contains(haystack: tuple[str, ...], needle: tuple[str, ...]) -> bool:
@@ -77,34 +91,70 @@ def _contains(haystack: tuple[str, ...], needle: tuple[str, ...]) -> bool:
     return n > 0 and any(haystack[i : i + n] == needle for i in range(len(haystack) - n + 1))
 
 
-def _word_matches(word: str, info: ModuleInfo) -> bool:
-    if not info.path:
-        return False
+@functools.lru_cache(maxsize=65536)
+def _word_matches(word: str, name: str, class_name: str) -> bool:
     needle = name_tokens(word)
-    if info.name == word or _contains(name_tokens(info.name), needle):
+    if name == word or _contains(name_tokens(name), needle):
         return True
-    return _contains(class_tokens(info.cls.__name__), needle)
+    return _contains(class_tokens(class_name), needle)
 
 
 def select(selector: Selector, tree: ModuleTree, within: list[str] | None = None) -> list[str]:
     """Paths of the modules ``selector`` names, in tree order (optionally only below ``within``)."""
-    found = []
-    for info in tree:
-        if within is not None and not any(is_below(info.path, root) for root in within):
-            continue
-        if matches(selector, info):
-            found.append(info.path)
-    return found
+    kind = selector.kind
+    if kind in _BY_GROUP:
+        # Decided once per (name, class) group, then put back in tree order.
+        key_test = _BY_GROUP[kind]
+        hits = [infos for (name, cls), infos in tree.groups().items() if key_test(selector.pattern, name, cls)]
+        found = [info.path for infos in hits for info in infos]
+        if within is not None:
+            roots = frozenset(within)
+            found = [path for path in found if below_any(path, roots)]
+        if len(hits) > 1:
+            found.sort(key=tree.position)
+        return found
+    if kind == "path" and "**" not in selector.pattern.split(".") and within is None:
+        # Without `**` a path glob has a fixed number of segments.
+        infos = tree.depths().get(selector.pattern.count(".") + 1, [])
+    else:
+        infos = tree if within is None else tree.within(within)
+    test = _matcher(selector)
+    return [info.path for info in infos if test(info)]
+
+
+#: (pattern, last segment, class) -> whether a selector of that kind names the module.
+_BY_GROUP = {
+    "class": lambda pattern, name, cls: _class_matches(pattern, cls),
+    "name": lambda pattern, name, cls: bool(name) and _name_matches(pattern, name),
+    "word": lambda pattern, name, cls: bool(name) and _word_matches(pattern, name, cls.__name__),
+}
+
+
+def _matcher(selector: Selector):
+    """``matches(selector, info)`` as a function of ``info`` alone (the pattern is compiled once)."""
+    if selector.kind == "path":
+        regex = _path_regex(selector.pattern)
+        return lambda info: bool(info.path) and bool(regex.match(info.path + "."))
+    if selector.kind == "regex":
+        search = _compiled(selector.pattern).search
+        return lambda info: bool(search(info.path))
+    return lambda info: matches(selector, info)
 
 
 def topmost(paths: list[str]) -> list[str]:
     """Drop paths that lie below another path of the list."""
-    result: list[str] = []
-    for path in sorted(paths, key=lambda p: (p.count(".") if p else -1, p)):
-        if not any(is_below(path, kept) for kept in result):
-            result.append(path)
-    order = {p: i for i, p in enumerate(paths)}
-    return sorted(result, key=order.__getitem__)
+    given = set(paths)
+    if "" in given:
+        return [""]
+    order = {p: i for i, p in enumerate(paths)}  # a path given twice sorts at its last place
+    kept = [p for p in given if not below_any(_parent_of(p), given)]
+    return sorted(kept, key=order.__getitem__)
+
+
+def _parent_of(path: str) -> str:
+    """``a.b.c`` -> ``a.b``; a top-level path -> a name no path has (nothing is above it)."""
+    head, dot, _ = path.rpartition(".")
+    return head if dot else "\x00"
 
 
 def suggestions(selector: Selector, tree: ModuleTree, limit: int = 3) -> list[str]:

@@ -61,6 +61,12 @@ class Transform:
     changes_weights: ClassVar[bool] = True
     #: Whether a plan with this transform needs a statement ``in`` clause.
     requires_scope: ClassVar[bool] = False
+    #: The most the transform may change the model's output on its sample input, as a
+    #: relative error ``max|after - before| / max|before|`` (spec.md "Errors", checked by
+    #: ``transform(..., verify=True)``).  ``0.0``: exact up to float rounding (the default:
+    #: a lossy transform must say how lossy); ``None``: no bound.  A transform whose bound
+    #: depends on its options defines ``error_bound`` as a property instead.
+    error_bound: ClassVar[float | None] = 0.0
 
     def __init__(self, statement: Statement, options: Any, common: CommonOptions | None = None):
         self.statement = statement

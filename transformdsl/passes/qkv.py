@@ -1,18 +1,467 @@
-"""``fuse qkv``: one projection (and one matmul) instead of separate q, k and v."""
+"""``fuse qkv``: one projection (and one matmul) instead of separate q, k and v.
+
+What users may rely on (spec.md, "fuse qkv"):
+
+- A fused attention module holds ONE ``nn.Linear`` whose weight (and bias) is the
+  concatenation, along the output dimension and in q, k, v order, of the projections it
+  replaces; the old projections are deleted, so parameter bytes do not change.
+- Names: diffusers ``to_q/to_k/to_v`` → ``to_qkv`` (self-attention) or ``to_k/to_v`` →
+  ``to_kv`` (cross-attention, ``to_q`` kept); ``add_q_proj/add_k_proj/add_v_proj`` →
+  ``to_added_qkv``; transformers ``q_proj/k_proj/v_proj`` → ``qkv_proj``.  These are the
+  state_dict keys a saved model has.
+- Outputs equal the unfused module's (fp32: max abs diff <= 1e-5; bit-equal in our CPU tests
+  with one thread, ~1e-7 apart with several, where the wider matmul is partitioned
+  differently).  A module that cannot be fused exactly is not fused: the plan lists it with
+  the reason.
+
+How a fused module computes, per layout (:data:`LAYOUTS`):
+
+- diffusers ``Attention``: its processor becomes the library's fused counterpart
+  (``AttnProcessor2_0`` → ``FusedAttnProcessor2_0``, ``JointAttnProcessor2_0`` →
+  ``FusedJointAttnProcessor2_0``), only where that counterpart computes the same thing.
+- diffusers ``FluxAttention``: ``fused_projections = True``, which ``FluxAttnProcessor``
+  reads to take its own fused path.
+- transformers ``LlamaAttention``: it has no fused path, so the module's class becomes a
+  subclass whose ``forward`` is Llama's, with one ``qkv_proj`` matmul and a split in place of
+  the three projections (grouped-query attention included: the split sizes differ).
+"""
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+from torch import nn
+
+from ..edit import Edit
+from ..errors import LoadError, TransformError
 from ..options import option
 from ..registry import register
-from .base import Transform
+from ..tree import ModuleInfo, ModuleTree
+from .base import ApplyContext, Transform
+
+#: Version of the record :meth:`QKVFusion.apply` returns (bump on any change of its layout).
+RECORD_VERSION = 1
+
+DIFFUSERS_ATTENTION = "diffusers.models.attention_processor.Attention"
+FLUX_ATTENTION = "diffusers.models.transformers.transformer_flux.FluxAttention"
+LLAMA_ATTENTION = "transformers.models.llama.modeling_llama.LlamaAttention"
+
+#: diffusers processor → its fused counterpart.  Only pairs whose fused processor computes
+#: exactly what the unfused one does (conditions in :func:`_diffusers_attention`).
+FUSED_PROCESSORS = {
+    "AttnProcessor2_0": "FusedAttnProcessor2_0",
+    "JointAttnProcessor2_0": "FusedJointAttnProcessor2_0",
+}
+
+#: Fused Linear → the projections it replaces, concatenated in this order.
+GROUP_SOURCES = {
+    "to_qkv": ("to_q", "to_k", "to_v"),
+    "to_kv": ("to_k", "to_v"),                          # cross-attention: q reads other states
+    "to_added_qkv": ("add_q_proj", "add_k_proj", "add_v_proj"),
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+}
+
+#: Attributes that mean "q, k and v are already projected together".
+ALREADY_FUSED = ("to_qkv", "to_kv", "to_added_qkv", "qkv_proj", "c_attn", "qkv", "Wqkv",
+                 "query_key_value", "in_proj_weight")
+
+#: Separate projections we recognise in layouts this pass has no fused forward for.
+SEPARATE = (("to_q", "to_k", "to_v"), ("q_proj", "k_proj", "v_proj"), ("query", "key", "value"))
+
+#: Fingerprint of the ``LlamaAttention.forward`` that :func:`_fused_llama_class` mirrors
+#: (transformers 5.24, comments and blank lines ignored).  Another forward is not fused:
+#: outputs could silently change.
+LLAMA_FORWARD_FINGERPRINT = "5cab7e5f7ca737e5"
+
+SUPPORTED = ("diffusers Attention (AttnProcessor2_0, JointAttnProcessor2_0), "
+             "FluxAttention (FluxAttnProcessor), transformers LlamaAttention")
 
 
 @dataclass(frozen=True)
 class QKVOptions:
     cross: str = option("kv", "cross-attention: fuse k/v only ('kv') or leave it alone ('skip')",
                         choices=("kv", "skip"))
+
+
+# --------------------------------------------------------------------------- what a fusion is
+
+
+@dataclass(frozen=True)
+class Group:
+    """One fused projection: ``sources`` concatenated, in order, into the Linear ``name``."""
+
+    name: str
+    sources: tuple[str, ...]
+    #: out_features of each source, i.e. how the fused output splits back into q, k, v.
+    splits: tuple[int, ...]
+    in_features: int
+    bias: bool
+
+    @property
+    def out_features(self) -> int:
+        return sum(self.splits)
+
+
+@dataclass(frozen=True)
+class Fusion:
+    """How one attention module is fused: its groups and how it then computes.
+
+    This is also the per-module record (:meth:`to_json`) that :meth:`QKVFusion.rebuild` replays.
+    """
+
+    #: ``self`` (q/k/v), ``cross`` (k/v only; q reads other states) or ``joint`` (also the
+    #: added/context projections).
+    kind: str
+    groups: tuple[Group, ...]
+    #: diffusers processor class installed (one of :data:`FUSED_PROCESSORS`' values), or None.
+    processor: str | None = None
+    #: whether ``fused_projections = True`` is set (diffusers' own flag).
+    fused_projections: bool = False
+    #: ``"llama"``: the module's class becomes one whose forward reads ``qkv_proj``.
+    forward: str | None = None
+
+    def describe(self) -> str:
+        """``to_qkv = to_q+to_k+to_v (32+32+32 x 32)``, for messages."""
+        return "; ".join(f"{g.name} = {'+'.join(g.sources)} ({'+'.join(map(str, g.splits))} x {g.in_features})"
+                         for g in self.groups)
+
+    def to_json(self) -> dict:
+        return {
+            "kind": self.kind,
+            "groups": [{"name": g.name, "sources": list(g.sources), "splits": list(g.splits),
+                        "in_features": g.in_features, "bias": g.bias} for g in self.groups],
+            "processor": self.processor,
+            "fused_projections": self.fused_projections,
+            "forward": self.forward,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> Fusion:
+        """The record written by :meth:`to_json`, checked: only what this pass can produce."""
+        groups = tuple(Group(g["name"], tuple(g["sources"]), tuple(int(s) for s in g["splits"]),
+                             int(g["in_features"]), bool(g["bias"])) for g in data["groups"])
+        fusion = cls(data["kind"], groups, data.get("processor"), bool(data.get("fused_projections")),
+                     data.get("forward"))
+        if (fusion.kind not in ("self", "cross", "joint") or not groups
+                or any(GROUP_SOURCES.get(g.name) != g.sources or len(g.splits) != len(g.sources) for g in groups)
+                or fusion.processor not in (None, *FUSED_PROCESSORS.values())
+                or fusion.forward not in (None, "llama")):
+            raise LoadError(f"fuse qkv: malformed record entry {data!r}")
+        return fusion
+
+
+# --------------------------------------------------------------------------- analysis
+
+
+def analyse(module: nn.Module, options: QKVOptions) -> Fusion | str:
+    """The fusion for ``module``, or the reason it cannot be fused exactly (a plan near miss)."""
+    fused = next((n for n in ALREADY_FUSED
+                  if module._modules.get(n) is not None or module._parameters.get(n) is not None), None)
+    if fused is not None:
+        kind = type(module._modules[fused]).__name__ if fused in module._modules else "parameter"
+        return f"already fused: {fused} ({kind}) projects q, k and v together"
+    for base, layout in LAYOUTS:
+        klass = _base_class(module, base)
+        if klass is None:
+            continue
+        if type(module).forward is not klass.forward:
+            return f"unknown attention layout: {type(module).__name__} overrides {klass.__name__}.forward"
+        return layout(module, options)
+    return _unknown_layout(module)
+
+
+def _base_class(module: nn.Module, qualified: str) -> type | None:
+    """The class of ``module``'s MRO named ``qualified`` (matched by name: no library import)."""
+    for klass in type(module).__mro__:
+        if f"{klass.__module__}.{klass.__qualname__}" == qualified:
+            return klass
+    return None
+
+
+def _unknown_layout(module: nn.Module) -> str:
+    name = type(module).__name__
+    for names in SEPARATE:
+        if all(n in module._modules for n in names):
+            return (f"unknown attention layout: {name}.forward reads {'/'.join(names)} separately and this "
+                    f"pass has no fused forward for it (supported: {SUPPORTED})")
+    return f"unknown attention layout: {name} has no q/k/v projections this pass knows"
+
+
+def _group(module: nn.Module, name: str, equal: bool) -> Group | str:
+    """A :class:`Group` if the projections ``name`` replaces can become one Linear, else the reason.
+
+    ``equal``: the consumer splits the fused output into equal parts (diffusers' processors),
+    so the projections must have the same width.
+    """
+    sources = GROUP_SOURCES[name]
+    linears = []
+    for source in sources:
+        linear = module._modules.get(source)
+        if linear is None:
+            return f"{source} is missing"
+        if type(linear) is not nn.Linear:
+            # Quantized, LoRA-wrapped or otherwise replaced layers compute differently.
+            return f"{source} is a {type(linear).__name__}, not a plain nn.Linear (fuse qkv runs first)"
+        if linear._forward_hooks or linear._forward_pre_hooks or hasattr(linear, "_diffusers_hook") \
+                or hasattr(linear, "_hf_hook"):
+            # Offloading/casting hooks would be lost on the fused Linear.
+            return f"{source} has hooks (offloading, layerwise casting, ...) a fused Linear would not keep"
+        linears.append(linear)
+    first = linears[0]
+    for source, linear in zip(sources[1:], linears[1:]):
+        if linear.in_features != first.in_features:
+            return (f"projections read different inputs: {source} has in_features {linear.in_features}, "
+                    f"{sources[0]} {first.in_features}")
+        if (linear.bias is None) != (first.bias is None):
+            return f"{source} and {sources[0]} differ in having a bias"
+        if linear.weight.dtype != first.weight.dtype or linear.weight.device != first.weight.device:
+            return f"{source} and {sources[0]} differ in dtype or device"
+    splits = tuple(linear.out_features for linear in linears)
+    if equal and len(set(splits)) > 1:
+        return (f"{'/'.join(sources)} have different widths {splits} and the fused processor splits "
+                "its output into equal parts")
+    return Group(name, sources, splits, first.in_features, first.bias is not None)
+
+
+def _groups(module: nn.Module, names: list[str], equal: bool = True) -> tuple[Group, ...] | str:
+    """Every group, or the first reason one of them cannot be made (a module fuses whole or not)."""
+    groups = []
+    for name in names:
+        group = _group(module, name, equal)
+        if isinstance(group, str):
+            return group
+        groups.append(group)
+    return tuple(groups)
+
+
+CROSS_SKIPPED = "cross-attention (k/v read the encoder states): left alone, cross=skip"
+
+
+def _diffusers_attention(module: nn.Module, options: QKVOptions) -> Fusion | str:
+    """diffusers ``Attention``: swap its processor for the library's fused counterpart."""
+    from diffusers.models import attention_processor as ap
+
+    processor = type(module.processor)
+    if processor is ap.AttnProcessor2_0:
+        if module.is_cross_attention:
+            # FusedAttnProcessor2_0 projects q from the hidden states and k/v, through to_kv,
+            # from the encoder states: the same inputs as AttnProcessor2_0.
+            if options.cross == "skip":
+                return CROSS_SKIPPED
+            groups = _groups(module, ["to_kv"])
+            kind = "cross"
+        else:
+            groups = _groups(module, ["to_qkv"])
+            kind = "self"
+        if isinstance(groups, str):
+            return groups
+        return Fusion(kind, groups, processor="FusedAttnProcessor2_0", fused_projections=True)
+    if processor is ap.JointAttnProcessor2_0:
+        reason = _joint_reason(module)
+        if reason:
+            return reason
+        groups = _groups(module, ["to_qkv", "to_added_qkv"])
+        if isinstance(groups, str):
+            return groups
+        return Fusion("joint", groups, processor="FusedJointAttnProcessor2_0", fused_projections=True)
+    return (f"attention processor {processor.__name__} has no exact fused counterpart "
+            f"(fused: {', '.join(FUSED_PROCESSORS)})")
+
+
+def _joint_reason(module: nn.Module) -> str | None:
+    """Why ``FusedJointAttnProcessor2_0`` would not compute what ``JointAttnProcessor2_0`` does."""
+    if module.is_cross_attention:
+        return "joint attention built as cross-attention: unknown layout"
+    if any(getattr(module, n, None) is None for n in GROUP_SOURCES["to_added_qkv"]):
+        # e.g. SD3.5's second attention: FusedJointAttnProcessor2_0 requires encoder states.
+        return "joint processor without add_q_proj/add_k_proj/add_v_proj: FusedJointAttnProcessor2_0 needs them"
+    norms = [n for n in ("norm_q", "norm_k", "norm_added_q", "norm_added_k") if getattr(module, n, None) is not None]
+    if norms:
+        return (f"qk-norm ({', '.join(norms)}): diffusers' FusedJointAttnProcessor2_0 skips it, "
+                "so fusing would change outputs")
+    return None
+
+
+def _flux_attention(module: nn.Module, options: QKVOptions) -> Fusion | str:
+    """diffusers ``FluxAttention``: ``FluxAttnProcessor`` has a fused path, taken when
+    ``fused_projections`` is set; it reads ``to_qkv`` and, with encoder states, ``to_added_qkv``
+    (both split with ``chunk(3)``, hence equal widths)."""
+    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+
+    if type(module.processor) is not FluxAttnProcessor:
+        return f"attention processor {type(module.processor).__name__} has no fused path (FluxAttnProcessor has)"
+    if not getattr(module, "_supports_qkv_fusion", True):
+        return f"{type(module).__name__} does not support q/k/v fusion"
+    names = ["to_qkv"]
+    if module.added_kv_proj_dim is not None:
+        # The fused path reads to_added_qkv whenever encoder states are passed: fuse both or neither.
+        names.append("to_added_qkv")
+    groups = _groups(module, names)
+    if isinstance(groups, str):
+        return groups
+    return Fusion("joint" if len(groups) > 1 else "self", groups, fused_projections=True)
+
+
+def _llama_attention(module: nn.Module, options: QKVOptions) -> Fusion | str:
+    """transformers ``LlamaAttention``: q/k/v may differ in width (grouped-query attention)."""
+    klass = _base_class(module, LLAMA_ATTENTION)
+    if _fingerprint(klass.forward) != LLAMA_FORWARD_FINGERPRINT:
+        return (f"{klass.__name__}.forward of this transformers version differs from the one this pass "
+                "mirrors (transformers 5.24): fusing could change outputs")
+    groups = _groups(module, ["qkv_proj"], equal=False)
+    if isinstance(groups, str):
+        return groups
+    return Fusion("self", groups, forward="llama")
+
+
+def _fingerprint(function: Callable) -> str:
+    """A hash of a function's code, ignoring indentation, blank lines and comments."""
+    try:
+        source = inspect.getsource(function)
+    except (OSError, TypeError):
+        return ""
+    lines = [line.strip() for line in source.splitlines()]
+    code = "\n".join(line for line in lines if line and not line.startswith("#"))
+    return hashlib.sha256(code.encode()).hexdigest()[:16]
+
+
+#: (qualified base class, analysis): tried in order; the first base found in a module's MRO decides.
+LAYOUTS: tuple[tuple[str, Callable[[nn.Module, QKVOptions], Fusion | str]], ...] = (
+    (DIFFUSERS_ATTENTION, _diffusers_attention),
+    (FLUX_ATTENTION, _flux_attention),
+    (LLAMA_ATTENTION, _llama_attention),
+)
+
+
+# --------------------------------------------------------------------------- installing a fusion
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None, like: nn.Linear) -> nn.Linear:
+    """An ``nn.Linear`` around the given tensors, without initialising (or allocating) others."""
+    with torch.device("meta"):
+        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    requires_grad = like.weight.requires_grad
+    linear.weight = nn.Parameter(weight, requires_grad=requires_grad)
+    if bias is not None:
+        linear.bias = nn.Parameter(bias, requires_grad=requires_grad)
+    return linear.train(like.training)
+
+
+def _concatenated(sources: list[nn.Linear], group: Group) -> nn.Linear:
+    """The fused Linear of ``sources`` (new tensors: the sources are left untouched)."""
+    with torch.no_grad():
+        weight = torch.cat([s.weight for s in sources])
+        bias = torch.cat([s.bias for s in sources]) if group.bias else None
+    return _linear(weight, bias, sources[0])
+
+
+def _empty(sources: list[nn.Linear], group: Group) -> nn.Linear:
+    """A Linear of the fused shape with uninitialised tensors (meta on a meta skeleton)."""
+    first = sources[0].weight
+    weight = torch.empty((group.out_features, group.in_features), dtype=first.dtype, device=first.device)
+    bias = torch.empty((group.out_features,), dtype=first.dtype, device=first.device) if group.bias else None
+    return _linear(weight, bias, sources[0])
+
+
+def _install(edit: Edit, module: nn.Module, fusion: Fusion,
+             make: Callable[[list[nn.Linear], Group], nn.Linear]) -> None:
+    """Replace ``fusion``'s projections on ``module`` and switch it to the fused computation."""
+    # Build every new Linear before the first change, so a failure leaves the module as it was.
+    fused = {g.name: make([module._modules[s] for s in g.sources], g) for g in fusion.groups}
+    for group in fusion.groups:
+        for source in group.sources:
+            edit.delattr(module, source)   # not kept beside the fused copy: bytes do not grow
+        edit.setattr(module, group.name, fused[group.name])
+    if fusion.processor is not None:
+        edit.setattr(module, "processor", _fused_processor(fusion.processor)())
+    if fusion.fused_projections:
+        edit.setattr(module, "fused_projections", True)
+    if fusion.forward == "llama":
+        edit.setattr(module, "qkv_split", fusion.groups[0].splits)
+        _set_class(edit, module, _fused_llama_class(type(module)))
+
+
+def _fused_processor(name: str) -> type:
+    if name not in FUSED_PROCESSORS.values():
+        raise LoadError(f"fuse qkv: unknown fused processor {name!r} in the saved record")
+    from diffusers.models import attention_processor as ap
+
+    return getattr(ap, name)
+
+
+def _set_class(edit: Edit, module: nn.Module, klass: type) -> None:
+    """``module.__class__ = klass``, undone by rollback (the Edit restores attributes, not classes)."""
+    old = type(module)
+    edit.on_rollback(lambda: setattr(module, "__class__", old))
+    module.__class__ = klass
+
+
+@functools.cache
+def _fused_llama_class(base: type) -> type:
+    """A subclass of ``base`` (a LlamaAttention) whose forward reads the fused ``qkv_proj``.
+
+    Line for line ``LlamaAttention.forward`` of transformers 5.24 (checked by
+    :data:`LLAMA_FORWARD_FINGERPRINT`), except that one matmul and a split (views, no copy)
+    produce query, key and value.
+    """
+    from transformers.models.llama import modeling_llama as llama
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+
+        query, key, value = self.qkv_proj(hidden_states).split(self.qkv_split, dim=-1)
+        query_states = query.view(hidden_shape).transpose(1, 2)
+        key_states = key.view(hidden_shape).transpose(1, 2)
+        value_states = value.view(hidden_shape).transpose(1, 2)
+
+        cos, sin = position_embeddings
+        query_states, key_states = llama.apply_rotary_pos_emb(query_states, key_states, cos, sin)
+
+        if cache is not None:
+            key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
+
+        attention_interface = llama.ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, llama.eager_attention_forward)
+
+        attn_output, attn_weights = attention_interface(
+            self, query_states, key_states, value_states, attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            **kwargs,
+        )
+
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        attn_output = self.o_proj(attn_output)
+        return attn_output, attn_weights
+
+    # The same keyword handling as the original (``past_key_values`` → ``cache``).
+    from transformers.utils.deprecation import deprecate_kwarg
+
+    forward = deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")(forward)
+    name = FUSED_PREFIX + base.__name__
+    return type(name, (base,), {"forward": forward, "__module__": __name__, "__qualname__": name,
+                                "__doc__": f"{base.__name__} with q/k/v fused into qkv_proj (transformdsl)."})
+
+
+FUSED_PREFIX = "QKVFused"
+
+
+def __getattr__(name: str):
+    """``QKVFusedLlamaAttention`` by name, so that pickle (``torch.save(model)``) finds the class."""
+    if name == FUSED_PREFIX + "LlamaAttention":
+        from transformers.models.llama.modeling_llama import LlamaAttention
+
+        return _fused_llama_class(LlamaAttention)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# --------------------------------------------------------------------------- the transform
 
 
 @register
@@ -23,3 +472,75 @@ class QKVFusion(Transform):
     Options = QKVOptions
     default_target = ("*Attention",)
     runs_before = ("quantize *", "fp8 *", "compile*")
+
+    def candidate(self, info: ModuleInfo, tree: ModuleTree) -> str | None:
+        if info.module is None:
+            return "not in the model yet (added by an earlier statement)"
+        fusion = analyse(info.module, self.options)
+        if isinstance(fusion, str):
+            return fusion
+        if any(f"{info.path}.{s}" not in tree for g in fusion.groups for s in g.sources):
+            # The live module is still unfused, but an earlier statement's plan effect fused it.
+            return "already fused by an earlier statement"
+        return None
+
+    def notes(self, tree: ModuleTree, targets: list[str]) -> list[str]:
+        kinds: dict[str, int] = {}
+        for path in targets:
+            fusion = analyse(tree[path].module, self.options)
+            kinds[fusion.kind] = kinds.get(fusion.kind, 0) + 1
+        if not kinds.get("cross"):
+            return []
+        return [f"{kinds['cross']} cross-attention module(s): k/v fused into to_kv, q kept (cross=kv)"]
+
+    def plan_effect(self, tree: ModuleTree, targets: list[str]) -> None:
+        for path in targets:
+            fusion = analyse(tree[path].module, self.options)
+            for group in fusion.groups:
+                sources = [tree[f"{path}.{s}"] for s in group.sources]
+                for source in sources:
+                    tree.remove(source.path)
+                # The real module gets the fused Linear as its last child: same place here.
+                tree.add(f"{path}.{group.name}", nn.Linear, own_bytes=sum(s.own_bytes for s in sources),
+                         after=path, in_features=group.in_features, out_features=group.out_features,
+                         weight_shape=(group.out_features, group.in_features),
+                         dtype=sources[0].facts.get("dtype"))
+
+    def apply(self, ctx: ApplyContext, targets: list[str]) -> dict:
+        """Fuse each target; returns ``{"version", "modules": [{"path", **Fusion.to_json()}]}``."""
+        fused = []
+        for path in ctx.progress(targets, total=len(targets), desc="fuse qkv"):
+            module = ctx.root.get_submodule(path)
+            fusion = analyse(module, self.options)
+            if isinstance(fusion, str):
+                raise TransformError(f"fuse qkv: {path or '<root>'}: {fusion} (the model changed after planning)")
+            _install(ctx.edit, module, fusion, _concatenated)
+            fused.append({"path": path, **fusion.to_json()})
+        return {"version": RECORD_VERSION, "modules": fused}
+
+    @classmethod
+    def rebuild(cls, root: nn.Module, record: dict, options: QKVOptions) -> None:
+        """Replay ``record`` on a skeleton: same Linears (uninitialised), processors and classes.
+
+        Each module must analyse, on the skeleton, to exactly the recorded fusion: another
+        architecture, or a library version whose attention this pass no longer mirrors, is a
+        :class:`LoadError`, never a model that loads and then computes something else.
+        """
+        if record.get("version") != RECORD_VERSION:
+            raise LoadError(f"fuse qkv: record version {record.get('version')!r}, expected {RECORD_VERSION}")
+        edit = Edit()   # nothing to roll back on a skeleton; the Edit just carries the changes
+        for entry in record["modules"]:
+            path = entry["path"]
+            saved = Fusion.from_json(entry)
+            try:
+                module = root.get_submodule(path)
+            except AttributeError as error:
+                raise LoadError(f"fuse qkv: the model has no module {path!r} to fuse: {error}") from None
+            here = analyse(module, options)
+            if isinstance(here, str):
+                raise LoadError(f"fuse qkv: {path} cannot be fused on this model: {here}")
+            if here != saved:
+                raise LoadError(f"fuse qkv: {path} was saved as {saved.describe()}, "
+                                f"but fuses as {here.describe()} on this model")
+            _install(edit, module, saved, _empty)
+        edit.commit()

@@ -1,0 +1,101 @@
+"""The example scripts and the scripts of spec.md are valid.
+
+Every ``examples/*.tfm`` passes ``transformdsl check`` and plans against each built-in model its
+header names (``# Try: transformdsl explain examples/X.tfm --model NAME``), every statement
+selecting something.  Every ```` ```tfm ```` block of spec.md validates, and no untagged block is
+a script (tag script blocks ```` ```tfm ```` so that this test sees them).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from pathlib import Path
+
+import pytest
+from golden import EXAMPLES, example_models
+
+import transformdsl
+from transformdsl.cli import main
+from transformdsl.errors import ScriptError
+from transformdsl.models import BUILTIN
+from transformdsl.validate import check_text
+
+SPEC = Path(__file__).resolve().parent.parent / "spec.md"
+FILES = sorted(EXAMPLES.glob("*.tfm"))
+PLANS = [(path, model) for path in FILES for model in example_models(path)]
+
+
+@functools.cache
+def tiny(name: str):
+    return BUILTIN[name]()
+
+
+def spec_blocks(info: str | None) -> list[tuple[int, str]]:
+    """(line, text) of spec.md's fenced blocks whose info string is ``info`` (any when None)."""
+    text = SPEC.read_text()
+    blocks = []
+    for match in re.finditer(r"^```([^\n]*)\n(.*?)^```$", text, flags=re.M | re.S):
+        if info is None or match.group(1).strip() == info:
+            blocks.append((text.count("\n", 0, match.start()) + 2, match.group(2)))
+    return blocks
+
+
+def test_there_are_examples():
+    names = {p.stem for p in FILES}
+    assert {"flux_int8", "sd_unet_nf4", "llama_hqq", "fp8_dit", "compile_regional"} <= names
+
+
+@pytest.mark.parametrize("path", FILES, ids=[p.name for p in FILES])
+def test_example_passes_check(path, capsys):
+    assert main(["check", str(path)]) == 0
+    assert capsys.readouterr().out.startswith(f"{path}: ok (")
+
+
+@pytest.mark.parametrize("path", FILES, ids=[p.name for p in FILES])
+def test_example_has_a_comment_header(path):
+    lines = path.read_text().splitlines()
+    assert lines and lines[0].startswith("# "), f"{path.name}: start with a comment saying what the script is for"
+    assert example_models(path), f"{path.name}: name a built-in in the header: '# Try: transformdsl explain " \
+                                 f"examples/{path.name} --model NAME'"
+
+
+@pytest.mark.parametrize("path, model", PLANS, ids=[f"{p.stem}-{m}" for p, m in PLANS])
+def test_example_plans_against_its_models(path, model):
+    plan = transformdsl.plan(tiny(model), path)
+    assert len(plan.steps) == len(transformdsl.parse(path.read_text()))
+    for step in plan.steps:
+        assert step.targets, f"line {step.statement.line} of {path.name} selects nothing on {model}"
+
+
+# --------------------------------------------------------------------------- spec.md
+
+
+SPEC_SCRIPTS = spec_blocks("tfm")
+
+
+def test_spec_has_script_blocks():
+    assert len(SPEC_SCRIPTS) >= 2
+
+
+@pytest.mark.parametrize("line, text", SPEC_SCRIPTS, ids=[f"spec.md:{line}" for line, _ in SPEC_SCRIPTS])
+def test_spec_script_validates(line, text):
+    assert check_text(text, filename=f"spec.md:{line}").steps
+
+
+@pytest.mark.parametrize("line, text", spec_blocks(""), ids=[f"spec.md:{line}" for line, _ in spec_blocks("")])
+def test_untagged_spec_blocks_are_not_scripts(line, text):
+    try:
+        check_text(text)
+    except ScriptError:
+        return
+    pytest.fail(f"spec.md line {line}: this block is a script; open it with ```tfm")
+
+
+@pytest.mark.xfail(reason="spec.md's overview script conflicts on every built-in with transformer_blocks: "
+                          "'quantize int8' and 'fp8 native ... in transformer_blocks.*' both change the blocks' "
+                          "Linear layers (one weight format per module)", strict=True)
+@pytest.mark.parametrize("model", ["flux", "sd3"])
+def test_spec_overview_script_plans_on_a_diffusion_transformer(model):
+    _, text = SPEC_SCRIPTS[0]
+    assert transformdsl.plan(tiny(model), text).steps

@@ -1,0 +1,337 @@
+"""``fuse qkv`` on the built-in tiny models (real diffusers / transformers classes, random weights)."""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import transformdsl
+from transformdsl import models
+from transformdsl.errors import LoadError, TransformError
+from transformdsl.executor import history_of
+from transformdsl.models import run
+from transformdsl.passes import qkv
+from transformdsl.planner import plan
+from transformdsl.tree import ModuleTree, parameter_bytes
+
+ARCHS = ["unet", "sd3", "flux", "llama"]
+DIFFUSERS = ["unet", "sd3", "flux"]
+#: First transformer block of the tiny UNet: 32 channels, text states 32 wide too.
+ATTN1 = "down_blocks.0.attentions.0.transformer_blocks.0.attn1"
+ATTN2 = "down_blocks.0.attentions.0.transformer_blocks.0.attn2"
+
+
+def build(arch: str) -> nn.Module:
+    return models.BUILTIN[arch]()
+
+
+def fuse(model, script: str = "fuse qkv"):
+    """``transformdsl.transform``; returns (the planned step, the record ``apply`` returned)."""
+    step = plan(model, script).steps[0]
+    transformdsl.transform(model, script)
+    return step, history_of(model).steps[0].record
+
+
+def structure(model: nn.Module) -> list:
+    """What rollback and reload must reproduce besides tensors: module types, processors, flags."""
+    return [(name, type(m), type(getattr(m, "processor", None)), m.__dict__.get("fused_projections"),
+             m.__dict__.get("qkv_split")) for name, m in model.named_modules()]
+
+
+def attention_paths(model: nn.Module) -> list[str]:
+    return [n for n, m in model.named_modules() if type(m).__name__.endswith("Attention")]
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+# --------------------------------------------------------------------------- outputs, bytes, layout
+
+
+#: arch → attention name → (attributes that must be plain Linears, attributes that must be gone)
+EXPECTED = {
+    "unet": {"attn1": (["to_qkv"], ["to_q", "to_k", "to_v"]), "attn2": (["to_q", "to_kv"], ["to_k", "to_v"])},
+    "sd3": {"attn": (["to_qkv", "to_added_qkv"], ["to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"])},
+    "flux": {"attn": (["to_qkv"], ["to_q", "to_k", "to_v"])},
+    "llama": {"self_attn": (["qkv_proj"], ["q_proj", "k_proj", "v_proj"])},
+}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fused_outputs_match_and_bytes_do_not_grow(arch):
+    model = build(arch)
+    before, bytes_before = run(model), parameter_bytes(model)
+    step, record = fuse(model)
+    assert step.targets == attention_paths(model) and not step.skipped
+    assert [m["path"] for m in record["modules"]] == step.targets
+    assert max_diff(run(model), before) <= 1e-5
+    assert parameter_bytes(model) == bytes_before        # old projections deleted, not kept beside
+    for path in step.targets:
+        attention = model.get_submodule(path)
+        present, gone = EXPECTED[arch][path.rsplit(".", 1)[-1]]
+        assert all(type(getattr(attention, n)) is nn.Linear for n in present)
+        assert not any(hasattr(attention, n) for n in gone)
+
+
+def test_flux_double_and_single_blocks():
+    model = build("flux")
+    fuse(model)
+    double, single = model.transformer_blocks[0].attn, model.single_transformer_blocks[0].attn
+    assert double.fused_projections and single.fused_projections   # FluxAttnProcessor's fused path
+    assert double.to_added_qkv.weight.shape == (48, 16) and not hasattr(single, "to_added_qkv")
+    assert single.pre_only and not hasattr(single, "to_out")
+
+
+def test_sd3_last_block_is_context_pre_only():
+    model = build("sd3")
+    fuse(model)
+    last = model.transformer_blocks[-1].attn
+    assert last.context_pre_only and last.to_add_out is None and last.to_added_qkv.weight.shape == (96, 32)
+    assert type(last.processor).__name__ == "FusedJointAttnProcessor2_0"
+
+
+def test_llama_grouped_query_attention_and_cache():
+    model = build("llama")
+    reference = copy.deepcopy(model)
+    fuse(model)
+    attention = model.model.layers[0].self_attn
+    assert attention.qkv_split == (64, 32, 32) and attention.qkv_proj.weight.shape == (128, 64)
+    assert isinstance(attention, type(reference.model.layers[0].self_attn))   # still a LlamaAttention
+    # Prefill, then decoding through the key/value cache.
+    (ids,), _ = models.sample_inputs(model)
+    kwargs = dict(max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    got, expected = model.generate(ids, **kwargs), reference.generate(ids, **kwargs)
+    assert torch.equal(got.sequences, expected.sequences)
+    assert max(max_diff(a, b) for a, b in zip(got.logits, expected.logits)) <= 1e-5
+
+
+def test_llama_eager_attention():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**models.LLAMA_CONFIG, attn_implementation="eager")).eval()
+    before = run(model)
+    fuse(model)
+    assert max_diff(run(model), before) <= 1e-5
+
+
+def test_fused_llama_pickles():
+    model = build("llama")
+    fuse(model)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    assert torch.equal(run(torch.load(buffer, weights_only=False)), run(model))
+
+
+@pytest.mark.parametrize("arch", DIFFUSERS)
+def test_matches_diffusers_fuse_qkv_projections(arch):
+    model = build(arch)
+    theirs = copy.deepcopy(model)
+    theirs.fuse_qkv_projections()
+    fuse(model)
+    assert max_diff(run(model), run(theirs)) <= 1e-5
+    # The same fused tensors under the same names; diffusers also keeps the old projections.
+    ours_state, theirs_state = model.state_dict(), theirs.state_dict()
+    assert all(torch.equal(t, theirs_state[k]) for k, t in ours_state.items())
+    assert parameter_bytes(model) < parameter_bytes(theirs)
+
+
+def test_pipeline_unet_and_vae(tmp_path):
+    pipe = models.tiny_sd_pipeline()
+    before = run(pipe)
+    # The VAE's mid-block attention (group norm, residual connection, rescaling) is an Attention too.
+    transformdsl.transform(pipe, "fuse qkv\nfuse qkv component=vae")
+    vae_attention = pipe.vae.decoder.mid_block.attentions[0]
+    assert hasattr(vae_attention, "to_qkv") and not hasattr(vae_attention, "to_q")
+    after = run(pipe)
+    assert max_diff(after, before) <= 1e-5
+    transformdsl.save(pipe, tmp_path / "pipe")
+    assert torch.equal(run(transformdsl.load(tmp_path / "pipe")), after)
+
+
+# --------------------------------------------------------------------------- cross-attention
+
+
+def test_cross_attention_kv_and_skip():
+    kv, skip = build("unet"), build("unet")
+    before = run(kv)
+    step_kv, _ = fuse(kv, "fuse qkv cross=kv")
+    step_skip, _ = fuse(skip, "fuse qkv cross=skip")
+    cross = [p for p in attention_paths(kv) if p.endswith("attn2")]
+    assert set(cross) <= set(step_kv.targets) and not set(cross) & set(step_skip.targets)
+    assert sorted(p for p, _ in step_skip.skipped) == sorted(cross)
+    assert {r for _, r in step_skip.skipped} == {qkv.CROSS_SKIPPED}
+    for model in (kv, skip):
+        assert max_diff(run(model), before) <= 1e-5
+    fused, left = kv.get_submodule(ATTN2), skip.get_submodule(ATTN2)
+    # Here text and hidden states are both 32 wide, so shapes alone would allow a to_qkv; but k/v
+    # read the encoder states: diffusers built this module as cross-attention, q stays apart.
+    assert fused.to_kv.in_features == fused.to_q.in_features == 32
+    assert all(hasattr(left, n) for n in ("to_q", "to_k", "to_v")) and not hasattr(left, "to_kv")
+    assert type(left.processor).__name__ == "AttnProcessor2_0"
+
+
+# --------------------------------------------------------------------------- near misses
+
+
+def test_gpt2_is_a_near_miss():
+    p = plan(build("gpt2"), "fuse qkv")
+    step = p.steps[0]
+    assert step.targets == [] and [path for path, _ in step.skipped] == ["transformer.h.0.attn", "transformer.h.1.attn"]
+    assert {r for _, r in step.skipped} == {"already fused: c_attn (Conv1D) projects q, k and v together"}
+    assert "already fused: c_attn (Conv1D)" in str(p)
+
+
+def test_near_miss_reasons():
+    pipe = models.tiny_sd_pipeline()
+    reasons = {r for _, r in plan(pipe, "fuse qkv component=text_encoder").steps[0].skipped}
+    assert len(reasons) == 1 and reasons.pop().startswith(
+        "unknown attention layout: CLIPAttention.forward reads q_proj/k_proj/v_proj separately")
+
+    llama = build("llama")
+    llama.model.layers[0].self_attn.k_proj = nn.Linear(24, 32, bias=False)     # reads another input
+    llama.model.layers[1].self_attn.v_proj = nn.Sequential(nn.Linear(64, 32))   # not a plain Linear
+    reasons = dict(plan(llama, "fuse qkv").steps[0].skipped)
+    assert reasons["model.layers.0.self_attn"] == "projections read different inputs: k_proj has in_features 24, q_proj 64"
+    assert reasons["model.layers.1.self_attn"] == "v_proj is a Sequential, not a plain nn.Linear (fuse qkv runs first)"
+
+    unet = build("unet")
+    unet.fuse_qkv_projections()          # diffusers' own: to_qkv / to_kv beside to_q, to_k, to_v
+    assert {r.split(" (")[0] for _, r in plan(unet, "fuse qkv").steps[0].skipped} == \
+        {"already fused: to_qkv", "already fused: to_kv"}
+
+    from diffusers import SD3Transformer2DModel
+
+    sd35 = SD3Transformer2DModel(**models.SD3_CONFIG, qk_norm="rms_norm")
+    assert {r for _, r in plan(sd35, "fuse qkv").steps[0].skipped} == {
+        "qk-norm (norm_q, norm_k, norm_added_q, norm_added_k): diffusers' FusedJointAttnProcessor2_0 skips it, "
+        "so fusing would change outputs"}
+
+
+def test_a_second_statement_finds_the_modules_fused():
+    step = plan(build("flux"), "fuse qkv\nfuse qkv in single_transformer_blocks").steps[1]
+    assert not step.targets and {r for _, r in step.skipped} == {"already fused by an earlier statement"}
+
+
+def test_a_llama_forward_of_another_version_is_not_fused(monkeypatch):
+    monkeypatch.setattr(qkv, "LLAMA_FORWARD_FINGERPRINT", "0" * 16)
+    step = plan(build("llama"), "fuse qkv").steps[0]
+    assert not step.targets and "differs from the one this pass mirrors" in step.skipped[0][1]
+
+
+# --------------------------------------------------------------------------- planning
+
+
+def test_plan_effect_lets_quantize_target_the_fused_projection():
+    model = build("unet")
+    targets = plan(model, "fuse qkv; quantize int8").steps[1].targets
+    assert {f"{ATTN1}.to_qkv", f"{ATTN2}.to_kv", f"{ATTN2}.to_q"} <= set(targets)
+    assert not any(t.endswith((".to_k", ".to_v")) or t == f"{ATTN1}.to_q" for t in targets)
+    # The snapshot after plan_effect is the tree apply produces, with the fused Linear's facts.
+    tree = ModuleTree.of(model)
+    step = plan(model, "fuse qkv").steps[0]
+    step.transform.plan_effect(tree, step.targets)
+    info = tree[f"{ATTN1}.to_qkv"]
+    assert info.cls is nn.Linear and info.facts["weight_shape"] == (96, 32)
+    assert (info.facts["in_features"], info.facts["out_features"]) == (32, 96)
+    fuse(model)
+    assert [i.path for i in tree] == [n for n, _ in model.named_modules()]
+    assert info.own_bytes == parameter_bytes(model.get_submodule(f"{ATTN1}.to_qkv"))
+
+
+# --------------------------------------------------------------------------- persistence
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_save_load_is_bit_equal(arch, tmp_path):
+    model = build(arch)
+    fuse(model)
+    transformdsl.save(model, tmp_path / "saved")
+    # load() builds the architecture on the meta device from the saved config, QKVFusion.rebuild
+    # replays the record, then the saved tensors are assigned as they are.
+    reloaded = transformdsl.load(tmp_path / "saved")
+    assert structure(reloaded) == structure(model)
+    assert torch.equal(run(reloaded), run(model))
+
+
+def test_rebuild_on_a_meta_skeleton_computes_nothing():
+    model = build("unet")
+    step, record = fuse(model)
+    from diffusers import UNet2DConditionModel
+
+    with torch.device("meta"):
+        skeleton = UNet2DConditionModel(**models.UNET_CONFIG).eval()
+    qkv.QKVFusion.rebuild(skeleton, json.loads(json.dumps(record)), step.transform.options)
+    assert structure(skeleton) == structure(model)
+    assert skeleton.state_dict().keys() == model.state_dict().keys()
+    assert all(t.is_meta for t in skeleton.state_dict().values())
+
+
+def edit_record(directory, change) -> None:
+    meta_path = directory / "transformdsl.json"
+    meta = json.loads(meta_path.read_text())
+    change(meta["steps"][0]["record"]["modules"][0])
+    meta_path.write_text(json.dumps(meta))
+
+
+def test_load_refuses_what_it_cannot_replay_exactly(tmp_path, monkeypatch):
+    model = build("llama")
+    fuse(model)
+    for name in ("splits", "sources", "version"):
+        transformdsl.save(model, tmp_path / name)
+    # A record that does not fit the architecture (as if saved from another model).
+    edit_record(tmp_path / "splits", lambda entry: entry["groups"][0].update(splits=[64, 64, 64]))
+    with pytest.raises(LoadError, match=r"layers\.0\.self_attn was saved as qkv_proj = q_proj\+k_proj\+v_proj "
+                                         r"\(64\+64\+64 x 64\), but fuses as .* \(64\+32\+32 x 64\)"):
+        transformdsl.load(tmp_path / "splits")
+    # A record naming projections this pass never fuses.
+    edit_record(tmp_path / "sources", lambda entry: entry["groups"][0].update(sources=["q_proj", "o_proj"]))
+    with pytest.raises(LoadError, match="malformed record entry"):
+        transformdsl.load(tmp_path / "sources")
+    # A transformers whose LlamaAttention.forward is not the one the fused forward mirrors.
+    monkeypatch.setattr(qkv, "LLAMA_FORWARD_FINGERPRINT", "0" * 16)
+    with pytest.raises(LoadError, match="cannot be fused on this model: LlamaAttention.forward of this transformers"):
+        transformdsl.load(tmp_path / "version")
+
+
+# --------------------------------------------------------------------------- atomicity
+
+
+def fail_on_call(monkeypatch, name: str, number: int) -> None:
+    """Make ``qkv.<name>`` raise on its ``number``-th call."""
+    original = getattr(qkv, name)
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == number:
+            raise RuntimeError("injected failure")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(qkv, name, failing)
+
+
+@pytest.mark.parametrize("arch, helper", [(a, "_concatenated") for a in ARCHS] + [("unet", "_fused_processor")])
+def test_failure_midway_rolls_back_bit_identically(arch, helper, monkeypatch):
+    model = build(arch)
+    state = model.state_dict(keep_vars=True)
+    shape, before = structure(model), run(model)
+    step = plan(model, "fuse qkv").steps[0]
+    # Fail in the second module, after the first was fused (Linears, processor, class, flags);
+    # with _fused_processor, halfway through the second module (its Linears already swapped).
+    first = qkv.analyse(model.get_submodule(step.targets[0]), step.transform.options)
+    fail_on_call(monkeypatch, helper, len(first.groups) + 1 if helper == "_concatenated" else 2)
+    with pytest.raises(TransformError, match="injected failure; the model was left unchanged"):
+        transformdsl.transform(model, "fuse qkv")
+    assert structure(model) == shape
+    after = model.state_dict(keep_vars=True)
+    assert list(after) == list(state) and all(after[k] is state[k] for k in state)   # the very same tensors
+    assert torch.equal(run(model), before)
+    assert history_of(model) is None

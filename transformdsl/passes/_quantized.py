@@ -1,0 +1,284 @@
+"""The quantized layers ``quantize`` puts in place: thin subclasses of bitsandbytes' and hqq's.
+
+Imported only when a script quantizes (bitsandbytes and hqq take seconds to import).  Each
+class is built by one classmethod, ``build(weight, bias, ...)``, from a float weight laid
+out ``(out_features, in_features)``:
+
+- with a real weight it quantizes (the source tensors are read, never written);
+- with a weight on the meta device it produces the same structure, state_dict keys, shapes
+  and dtypes without computing anything: that is what loading a saved model replays.
+
+What the subclasses change, and why:
+
+- ``state_dict`` holds only tensors (safetensors can store it) and ``_load_from_state_dict``
+  restores the quantized state from exactly those tensors, also with ``assign=True`` (which
+  would otherwise replace bitsandbytes' ``Int8Params``/``Params4bit`` with plain Parameters,
+  and which bitsandbytes refuses for int8 unless the layer was quantized first).
+- ``forward`` never changes the layer: bitsandbytes casts the bias *in place* to the input
+  dtype (``bias.data = ...``), which would change what a later save writes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+#: Log lines bitsandbytes writes that say nothing actionable to our users (narrowly matched).
+_QUIET = {
+    # Once per forward call with fp32/bf16 input: LLM.int8 quantizes activations via fp16 by design.
+    "bitsandbytes.autograd._functions": ("MatMul8bitLt: inputs will be cast from",),
+    # At import on AVX512-BF16 CPUs without the optional `kernels` package (a slower kernel is used).
+    "bitsandbytes.backends.cpu.ops": ("Failed to load CPU gemm_4bit_forward",),
+}
+
+
+class _DropMessages(logging.Filter):
+    """Drops records whose message template starts with one of ``prefixes``."""
+
+    def __init__(self, prefixes: tuple[str, ...]):
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (isinstance(record.msg, str) and record.msg.startswith(self.prefixes))
+
+
+def _quiet_bitsandbytes() -> None:
+    """Install the filters (idempotent), before bitsandbytes is imported."""
+    for name, prefixes in _QUIET.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropMessages) for f in logger.filters):
+            logger.addFilter(_DropMessages(prefixes))
+
+
+_quiet_bitsandbytes()
+
+import bitsandbytes as bnb  # noqa: E402  (after the log filters)
+from bitsandbytes.functional import QuantState  # noqa: E402
+from hqq.core.quantize import HQQLinear, Quantizer, hqq_base_quant_config  # noqa: E402
+
+
+def _frozen(tensor: torch.Tensor | None) -> nn.Parameter | None:
+    """A frozen Parameter over ``tensor``'s storage (no copy)."""
+    return None if tensor is None else nn.Parameter(tensor.detach(), requires_grad=False)
+
+
+def _take(state_dict: dict, prefix: str, names) -> dict:
+    """Pop ``prefix + name`` for each name present (the loader's own copy of the dict)."""
+    return {name: state_dict.pop(prefix + name) for name in names if prefix + name in state_dict}
+
+
+def _load_bias(module: nn.Module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+               error_msgs) -> None:
+    """Let ``nn.Module`` load the plain tensors (the bias) and check for unexpected keys."""
+    nn.Module._load_from_state_dict(module, state_dict, prefix, local_metadata, strict, missing_keys,
+                                    unexpected_keys, error_msgs)
+    # The weight was taken out of the dict beforehand: it is restored by the caller.
+    if prefix + "weight" in missing_keys:
+        missing_keys.remove(prefix + "weight")
+
+
+# =========================================================================== int8
+
+
+class Int8Linear(bnb.nn.Linear8bitLt):
+    """bitsandbytes LLM.int8 linear layer: int8 weight rows with one fp32 scale each (``SCB``).
+
+    state_dict: ``weight`` (int8, out x in), ``bias``, ``SCB`` (fp32, out), ``weight_format``
+    (uint8 0 = row-major), as bitsandbytes writes it.
+    """
+
+    @classmethod
+    def build(cls, weight: torch.Tensor, bias: torch.Tensor | None, threshold: float) -> Int8Linear:
+        out_features, in_features = weight.shape
+        with torch.device("meta"):  # no throwaway random init
+            layer = cls(in_features, out_features, bias=bias is not None, has_fp16_weights=False,
+                        threshold=threshold)
+        # bitsandbytes quantizes from fp16 (as Int8Params does); the copy leaves the source untouched.
+        half = weight.detach().to(torch.float16, copy=True).contiguous()
+        data, scales, _ = bnb.functional.int8_vectorwise_quant(half)
+        layer._set_quantized(data, scales)
+        layer.bias = _frozen(bias)
+        return layer
+
+    def _set_quantized(self, data: torch.Tensor, scales: torch.Tensor) -> None:
+        # The state bitsandbytes' forward sets up on its first call (init_8bit_state), done now.
+        self.weight = bnb.nn.Int8Params(data, requires_grad=False, has_fp16_weights=False)
+        self.state.CB = data
+        self.state.SCB = scales
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.state.is_training = self.training
+        bias = self.bias
+        if bias is not None and bias.dtype != x.dtype:
+            bias = bias.to(x.dtype)  # a cast copy: bitsandbytes would rebind self.bias.data
+        return bnb.matmul(x, self.weight, bias=bias, state=self.state)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        own = _take(state_dict, prefix, ("weight", "SCB", "weight_format"))
+        _load_bias(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        missing = [prefix + k for k in ("weight", "SCB") if k not in own]
+        if missing:
+            missing_keys.extend(missing)
+            return
+        data, scales = own["weight"], own["SCB"]
+        expected = tuple(self.weight.shape)
+        if data.dtype != torch.int8 or tuple(data.shape) != expected:
+            error_msgs.append(f"{prefix}weight: expected an int8 tensor of shape {list(expected)}, got "
+                              f"{str(data.dtype).removeprefix('torch.')}{list(data.shape)}")
+            return
+        if scales.dtype != torch.float32 or tuple(scales.shape) != expected[:1]:
+            error_msgs.append(f"{prefix}SCB: expected float32[{expected[0]}], got "
+                              f"{str(scales.dtype).removeprefix('torch.')}{list(scales.shape)}")
+            return
+        if "weight_format" in own and int(own["weight_format"]) != 0:
+            error_msgs.append(f"{prefix}weight_format: only row-major (0) int8 weights are supported")
+            return
+        self._set_quantized(data.detach(), scales.detach())
+
+
+# =========================================================================== nf4 / fp4
+
+
+class FourBitLinear(bnb.nn.Linear4bit):
+    """bitsandbytes 4-bit linear layer (nf4 or fp4): two weights per byte, one absmax per block.
+
+    state_dict: ``weight`` (uint8, packed), ``bias`` and the quant state as bitsandbytes writes
+    it: ``weight.absmax``, ``weight.quant_map``, ``weight.quant_state.bitsandbytes__<type>``
+    (JSON in a uint8 tensor) and, with double quantization, ``weight.nested_absmax`` and
+    ``weight.nested_quant_map``.
+    """
+
+    STATS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map",
+             "quant_state.bitsandbytes__nf4", "quant_state.bitsandbytes__fp4")
+
+    @classmethod
+    def build(cls, weight: torch.Tensor, bias: torch.Tensor | None, quant_type: str, blocksize: int,
+              double_quant: bool, compute: torch.dtype, nested_offset: float | None = None) -> FourBitLinear:
+        """``nested_offset``: on the meta device with double quantization, the offset recorded at
+        quantization (it is written as text into the quant-state tensor, whose length depends on it)."""
+        out_features, in_features = weight.shape
+        with torch.device("meta"):
+            layer = cls(in_features, out_features, bias=bias is not None, compute_dtype=compute,
+                        compress_statistics=double_quant, quant_type=quant_type)
+        data, state = bnb.functional.quantize_4bit(weight.detach().contiguous(), blocksize=blocksize,
+                                                   compress_statistics=double_quant, quant_type=quant_type,
+                                                   quant_storage=torch.uint8)
+        if weight.is_meta and double_quant:
+            state.offset = torch.tensor(float(nested_offset or 0.0))
+        layer._set_quantized(data, state)
+        # Stored in the compute dtype: the forward then never needs to cast it (bitsandbytes
+        # would cast it in place); bitsandbytes casts it to the compute dtype anyway.
+        layer.bias = _frozen(None if bias is None else bias.detach().to(compute))
+        return layer
+
+    def _set_quantized(self, data: torch.Tensor, state: QuantState) -> None:
+        self.weight = bnb.nn.Params4bit(data, requires_grad=False, quant_state=state, blocksize=state.blocksize,
+                                        compress_statistics=state.nested, quant_type=state.quant_type,
+                                        quant_storage=data.dtype, module=self, bnb_quantized=True)
+        self.quant_state = state
+
+    @property
+    def nested_offset(self) -> float | None:
+        state = self.weight.quant_state
+        return float(state.offset.item()) if state.nested and not state.offset.is_meta else None
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        data = state_dict.pop(prefix + "weight", None)
+        stats = _take(state_dict, prefix + "weight.", self.STATS)
+        _load_bias(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        if data is None:
+            missing_keys.append(prefix + "weight")
+            return
+        expected = self.weight.quant_state
+        try:
+            state = QuantState.from_dict(stats, device=data.device)
+        except (ValueError, KeyError, AssertionError) as exc:
+            error_msgs.append(f"{prefix}weight: invalid 4-bit quant state: {exc}")
+            return
+        found = (state.quant_type, state.blocksize, tuple(state.shape), state.dtype, state.nested)
+        wanted = (expected.quant_type, expected.blocksize, tuple(expected.shape), expected.dtype, expected.nested)
+        if found != wanted or data.dtype != torch.uint8 or tuple(data.shape) != tuple(self.weight.shape):
+            error_msgs.append(f"{prefix}weight: saved 4-bit state {found} does not match this layer's {wanted}")
+            return
+        self._set_quantized(data.detach(), state)
+
+
+# =========================================================================== hqq
+
+
+class HQQLayer(HQQLinear):
+    """hqq's half-quadratic quantized linear layer, as a regular ``nn.Module``.
+
+    ``HQQLinear`` keeps its scales in a dict, encodes Python values into its own state_dict
+    (and ``eval``s a dtype name back on load), ignores ``.to()`` and switches ``forward`` for
+    the whole class through a global backend.  This subclass registers ``W_q``, ``scale``,
+    ``zero`` and ``bias`` as parameters/buffers, so the ordinary state_dict, ``load_state_dict``
+    and ``.to(device)`` work; the non-tensor meta data (bits, group size, shape...) follows
+    from the statement's options and is rebuilt by :meth:`build`.  The forward is hqq's
+    portable PyTorch path (dequantize, then matmul) in ``compute_dtype``; whole-model
+    compilation is the ``compile`` statement's business.
+    """
+
+    @classmethod
+    def build(cls, weight: torch.Tensor, bias: torch.Tensor | None, bits: int, group_size: int, axis: int,
+              compute: torch.dtype) -> HQQLayer:
+        config = hqq_base_quant_config(nbits=bits, group_size=group_size, axis=axis)
+        params = dict(config["weight_quant_params"])
+        if weight.is_meta:
+            params["optimize"] = False  # the optimizer needs values; shapes and dtypes do not depend on it
+        layer = cls(None, config, compute_dtype=compute, device=weight.device, initialize=False)
+        # Quantizer.quantize reads the weight (as float32, no copy when it is float32) and
+        # returns new tensors; hqq's optimizer runs in inference mode, hence the clones below.
+        packed, meta = Quantizer.quantize(weight.detach(), device=weight.device, compute_dtype=compute, **params)
+        scale, zero = meta.pop("scale"), meta.pop("zero")
+        meta.update(quant_scale=False, quant_zero=False, compute_dtype=compute)
+        layer.meta = meta
+        layer.W_q = nn.Parameter(_normal(packed), requires_grad=False)
+        layer.register_buffer("scale", _normal(scale.to(compute)))
+        layer.register_buffer("zero", _normal(zero.to(compute)))
+        del layer.bias  # HQQLinear's plain attribute, replaced by a registered parameter (or None)
+        layer.bias = _frozen(None if bias is None else bias.detach().to(compute))
+        layer.out_features, layer.in_features = weight.shape
+        layer.ready = True
+        return layer
+
+    @classmethod
+    def set_backend(cls, backend) -> None:
+        """hqq's backend switch assigns ``cls.forward`` (called from ``HQQLinear.__init__``): not here."""
+
+    def dequantize(self) -> torch.Tensor:
+        return Quantizer.dequantize(self.W_q, {**self.meta, "scale": self.scale, "zero": self.zero})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.matmul(x.to(self.compute_dtype), self.dequantize().t())
+        if self.bias is not None:
+            out = out + self.bias
+        return out.to(x.dtype)
+
+    # HQQLinear overrides these to encode meta data or to do nothing; plain nn.Module behaviour
+    # is right for registered tensors.
+    state_dict = nn.Module.state_dict
+    load_state_dict = nn.Module.load_state_dict
+    _load_from_state_dict = nn.Module._load_from_state_dict
+    to = nn.Module.to
+    cpu = nn.Module.cpu
+    cuda = nn.Module.cuda
+    type = nn.Module.type
+    half = nn.Module.half
+    float = nn.Module.float
+    bfloat16 = nn.Module.bfloat16
+    double = nn.Module.double
+
+
+def _normal(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor usable outside inference mode (hqq computes its scales under ``inference_mode``)."""
+    return tensor.clone() if tensor.is_inference() else tensor
+
+
+#: The classes this module defines (a layer of one of them is already quantized).
+QUANTIZED_CLASSES = (Int8Linear, FourBitLinear, HQQLayer)
