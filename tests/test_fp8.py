@@ -79,6 +79,12 @@ def same(a: dict, b: dict) -> bool:
 # --------------------------------------------------------------------------- quantization
 
 
+def test_docstring_examples():
+    import doctest
+
+    assert doctest.testmod(fp8).failed == 0
+
+
 def test_quantize_round_trips_to_within_one_e4m3_step():
     w = torch.randn(64, 128) * 0.02
     values, scale = fp8.quantize(w, E4M3, dims=(1,))
@@ -308,7 +314,7 @@ def test_layers_that_cannot_run_natively_fall_back_to_upcast_and_are_listed():
     p = plan(_odd_model(), "fp8 native")
     notes = "\n".join(p.steps[0].notes)
     assert sorted(p.steps[0].targets) == ["fits", "odd_in", "odd_out"]
-    assert "1 layer(s) multiply natively" in notes
+    assert "1 layer(s) native: torch._scaled_mm" in notes
     assert "2 layer(s) cannot run torch._scaled_mm on a GPU" in notes
     assert "odd_in: inner dimension K=40 is not a multiple of 16" in notes
     assert "odd_out: outer dimension N=24 is not a multiple of 16" in notes
@@ -387,6 +393,15 @@ def test_outputs_stay_within_bounds_of_the_bf16_model(bf16_models, name, mode):
         with fp8.cpu_scaled_mm(cpu_mm):
             error = rel_error(models.run(out_model), ref)
         assert error < BOUND[mode], f"{name} {mode} cpu_mm={cpu_mm}: {error:.4f}"
+
+
+@pytest.mark.parametrize("name, script", [("unet", "fp8 storage dtype=e5m2"), ("flux", SCRIPTS["both"]),
+                                          ("sd3", "fp8 native scaling=row")])
+def test_verify_holds_the_declared_error_bounds(bf16_models, name, script):
+    model = copy.deepcopy(bf16_models[name][0])
+    logged = []
+    transformdsl.transform(model, script, verify=True, log=logged.append)
+    assert any("within the bound" in line for line in logged), logged
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
