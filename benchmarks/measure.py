@@ -18,6 +18,7 @@ Protocol, for every side alike:
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import logging
 import multiprocessing
@@ -79,6 +80,16 @@ def rss() -> int:
 def peak_rss() -> int:
     """Highest resident set size since the last :func:`reset_peak`, bytes."""
     return _status()["VmHWM"]
+
+
+def release_free_memory() -> None:
+    """Hand freed heap memory back to the system (glibc ``malloc_trim``), so that "RSS after"
+    counts memory in use rather than what the allocator happened to keep."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def reset_peak() -> None:
@@ -307,7 +318,7 @@ def _measure(job: Job) -> dict:
         steady = (latency(lambda: workloads.forward(model, inputs), job.repeats, job.warmup)
                   if job.latency and not duel else None)
     peak = peak_rss() - base
-    gc.collect()
+    release_free_memory()
     facts.update(transform_s=transform_s, first_call_s=first_s, latency_s=steady, peak_rss=peak,
                  rss_after=rss() - base, weight_bytes=weight_bytes(model),
                  layers=changed_layers(before, model), error=relative_error(output, reference))

@@ -162,7 +162,7 @@ of the steady forwards after it; **weights** the bytes of every parameter, buffe
 tensor (quantization state included), each storage once (for compile, the transform time in the
 ratio tables includes the first call, where compilation happens); **peak RSS** the highest resident memory
 from the start of the transform to the end of the latency runs, and **RSS after** what stays
-resident, both above the process's memory before it read the model; **layers** counts modules
+resident once freed heap memory is handed back (`malloc_trim`), both above the process's memory before it read the model; **layers** counts modules
 replaced, added or holding low-precision weights; **error** is the RMS of the difference to the
 original fp32 output over the RMS of that output.  Ratios are ours ÷ by hand: below 1 we are
 faster or smaller.  The **latency ratio** comes from calls of our model and of the by-hand one made
