@@ -73,9 +73,15 @@ def _regional_scope(workload) -> str:
 
 
 def _hqq(workload) -> str:
-    """4-bit hqq in groups of 64, or of 16 on the tiny models (their layers are 16 or 32 wide),
-    as the by-hand side picks (:func:`baselines.hqq_group_size`)."""
-    return f"quantize hqq bits=4 group_size={16 if workload.size == 'tiny' else 64}"
+    """4-bit hqq in the groups the by-hand side picks (:func:`baselines.hqq_group_size`): 64,
+    or less on the tiny models, whose layers can be 16 or 32 wide."""
+    if workload.config is None:
+        import workloads
+
+        group = hand.hqq_group_size(workloads.build(workload))  # the built-in: milliseconds
+    else:
+        group = 64
+    return f"quantize hqq bits=4 group_size={group}"
 
 
 COMPARISONS: list[Comparison] = [
@@ -94,9 +100,11 @@ COMPARISONS: list[Comparison] = [
     # hqq's optimizer costs about a second per million weights here: minutes per side at width 3072.
     Comparison("quantize hqq", _hqq,
                (Baseline("hqq HQQLinear by hand", hand.hqq_4bit),), sizes=("tiny", "medium")),
+    # bf16 matmuls are slow on CPUs without bf16 units: at width 3072 only the diffusers baseline.
     Comparison("fp8 storage", "fp8 storage", (
         LAYERWISE,
-        Baseline("torchao Float8WeightOnlyConfig", hand.torchao_float8_weight_only, needs="torchao"),
+        Baseline("torchao Float8WeightOnlyConfig", hand.torchao_float8_weight_only, needs="torchao",
+                 sizes=("tiny", "medium")),
     ), dtype=torch.bfloat16),
     Comparison("fp8 native", "fp8 native", (), dtype=torch.bfloat16,
                no_baseline="torchao's fp8 matmul (Float8DynamicActivationFloat8WeightConfig) needs CUDA "
@@ -108,7 +116,7 @@ COMPARISONS: list[Comparison] = [
     Comparison("fuse qkv + fp8 storage", "fuse qkv; fp8 storage",
                (Baseline("fuse_qkv_projections() + enable_layerwise_casting", hand.chain(
                    hand.diffusers_fuse_qkv, hand.diffusers_layerwise_fp8), DIFFUSERS),),
-               families=DIFFUSERS, dtype=torch.bfloat16),
+               families=DIFFUSERS, dtype=torch.bfloat16, sizes=("tiny", "medium")),
     *(Comparison(f"fuse {chain}", f"fuse {chain}", (), sizes=("tiny",), no_baseline=ELEMENTWISE)
       for chain in ("bias_act_dropout", "bias_dropout_residual", "bias_dropout_residual_layernorm")),
     # Cold compilation costs a minute or more per process on a busy 2-core machine: the tiny Flux only.

@@ -60,6 +60,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--in-process", action="store_true",
                         help="run jobs in this process (for the smoke test; peak RSS then means little)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds one job may take")
+    parser.add_argument("--report-only", action="store_true",
+                        help="measure nothing: write RESULTS.md and the charts again from results/run.json")
     return parser.parse_args(argv)
 
 
@@ -154,6 +156,11 @@ def execute(jobs: list[Job], runner, label: str) -> list[dict]:
 def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
     out = args.out or (HERE / "_work" / "quick" if args.quick else HERE)
+    if args.report_only:
+        from report import write_report
+
+        data = json.loads((out / "results" / "run.json").read_text())
+        return write_report(data["rows"], data["scaling"], data["meta"], out)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     started, load_before = time.time(), os.getloadavg()
@@ -171,7 +178,7 @@ def main(argv: list[str] | None = None) -> Path:
         scaling_rows = execute(scaling, runner, "scaling")
     finally:
         gc.unfreeze()
-    meta = {"command": "make bench" if not sys.argv[1:] else "benchmarks/run.py " + " ".join(sys.argv[1:]),
+    meta = {"command": ".venv/bin/python benchmarks/run.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "quick": args.quick, "seconds": time.time() - started, "threads": args.threads,
             "load_before": load_before, "load_after": os.getloadavg(), "in_process": args.in_process,
             "torchao": "torchao" in needed_backends(jobs) and workloads.TORCHAO_SITE.is_dir()}
