@@ -161,10 +161,6 @@ def test_option_given_twice_points_at_both():
 # --------------------------------------------------------------------------- rules between statements
 
 
-INT8_RULE_GONE = pytest.mark.xfail(
-    reason="spec.md's ordering section promises a rule against 'quantize int8 threshold>0' with 'compile "
-           "fullgraph=true'; the quantize pass dropped it and its own section says 'compile has no rule against "
-           "any mode' (measured): the spec contradicts itself", strict=True)
 
 
 def test_two_compile_statements():
@@ -175,39 +171,18 @@ def test_two_compile_statements():
     assert [s.line for s in problem.spans] == [1, 3]
 
 
-@INT8_RULE_GONE
-def test_int8_outliers_and_fullgraph_name_both_lines_and_the_fix():
-    error = error_of("quantize int8 threshold=6 except norm\nfuse qkv\ncompile fullgraph=true")
-    (problem,) = error.problems
-    assert (error.line, error.column) == (1, 1)
-    assert problem.message.startswith("'quantize int8' (line 1) and 'compile' (line 3) cannot be combined: ")
-    assert "fullgraph=false" in problem.message
-    assert [(s.line, s.column) for s in problem.spans] == [(1, 1), (3, 1)]
-    rendered = str(error).splitlines()
-    assert rendered[1:] == [
-        "   1 | quantize int8 threshold=6 except norm",
-        "       ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^",
-        "   3 | compile fullgraph=true",
-        "       ^^^^^^^^^^^^^^^^^^^^^^",
-    ]
-
-
-@INT8_RULE_GONE
+# bitsandbytes 0.50 registers fake kernels that give the outlier count a dynamic size,
+# so LLM.int8 with outliers compiles with fullgraph=true (measured on CPU, spec.md
+# "quantize"): the rule users learned on older versions is not declared.
 @pytest.mark.parametrize("text", [
+    "quantize int8 threshold=6 except norm\nfuse qkv\ncompile fullgraph=true",
     "compile fullgraph=true\nquantize int8 threshold=6",
     "quantize int8 threshold=0.5; compile regional in *TransformerBlock fullgraph=true",
-])
-def test_int8_outliers_and_fullgraph_in_any_order_or_form(text):
-    (problem,) = error_of(text).problems
-    assert "cannot be combined" in problem.message and "fullgraph=false" in problem.message
-
-
-@pytest.mark.parametrize("text", [
     "quantize int8 threshold=6\ncompile fullgraph=false",
     "quantize int8\ncompile fullgraph=true",
     "quantize nf4\ncompile fullgraph=true",
 ])
-def test_int8_rule_only_applies_to_outliers_with_fullgraph(text):
+def test_quantization_and_fullgraph_compile_combine(text):
     assert problems(text) == []
 
 

@@ -726,7 +726,10 @@ def _assign(skeleton: nn.Module, tensors: dict[str, torch.Tensor], meta: dict, d
         got = tensors[key]
         if want is None or not isinstance(want, torch.Tensor):
             continue
-        if tuple(got.shape) != tuple(want.shape) or got.dtype != want.dtype:
+        # A model cast to another float precision (bfloat16, float16) is the same model;
+        # any other dtype difference (int8, float8, packed data) is not.
+        same_kind = got.dtype == want.dtype or (got.dtype in _PRECISIONS and want.dtype in _PRECISIONS)
+        if tuple(got.shape) != tuple(want.shape) or not same_kind:
             raise LoadError(f"{directory}: tensor '{key}' is {_describe(got)} in the file but the model expects "
                             f"{_describe(want)}; was it saved from another model?")
     state = {k: v for k, v in tensors.items() if k not in nonpersistent}
@@ -747,6 +750,9 @@ def _assign(skeleton: nn.Module, tensors: dict[str, torch.Tensor], meta: dict, d
 def _owner(root: nn.Module, name: str) -> tuple[nn.Module, str]:
     path, _, attr = name.rpartition(".")
     return (root.get_submodule(path) if path else root), attr
+
+
+_PRECISIONS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def _describe(tensor: torch.Tensor) -> str:

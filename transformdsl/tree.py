@@ -22,14 +22,14 @@ _SEGMENT_TOKENS = re.compile(r"[a-z]+|[A-Z][a-z]*|\d+")
 
 
 @functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=4096)
 def class_names(cls: type) -> tuple[str, ...]:
-    """The class's name and its bases' names, up to (excluding) ``nn.Module``."""
-    names = []
-    for klass in cls.__mro__:
-        if klass in (nn.Module, object):
-            break
-        names.append(klass.__name__)
-    return tuple(names)
+    """The class's name and all its bases' names, ``nn.Module`` and ``object`` excepted.
+
+    Mixins listed after ``nn.Module`` count too (diffusers' ``FluxAttention(nn.Module,
+    AttentionModuleMixin)``).
+    """
+    return tuple(k.__name__ for k in cls.__mro__ if k not in (nn.Module, object))
 
 
 @functools.lru_cache(maxsize=65536)

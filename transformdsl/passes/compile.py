@@ -1,14 +1,36 @@
-"""``compile`` and ``compile regional``: torch.compile, whole-model or per block."""
+"""``compile`` and ``compile regional``: torch.compile, whole-model or per block.
+
+Both compile in place with ``nn.Module.compile``: the module object, its class, its
+state_dict keys and the pipeline holding it stay the same; only the module's
+``_compiled_call_impl`` attribute is set (through the edit log, so a rollback uncompiles).
+Compilation itself is lazy: it happens at the first call, not during ``transform()``.
+
+``compile regional in SELECTOR`` compiles each selected block on its own.  All blocks of
+one class run the same code, and dynamo treats their parameters as inputs, so repeated
+blocks share one compiled graph: the compile time is that of one block, not of the model.
+
+Compiled artefacts are not portable (they depend on torch, the compiler and the device),
+so nothing compiled is saved: the record names the compiled modules and the options,
+and :meth:`finalize` compiles them again after ``load()``.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
 
 from ..options import option
 from ..registry import register
-from .base import Transform
+from ..tree import ModuleInfo, ModuleTree
+from .base import ApplyContext, Transform
 
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+_DYNAMIC = {"auto": None, "true": True, "false": False}
+#: Containers without a forward of their own: compiling them compiles nothing.
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
 
 @dataclass(frozen=True)
@@ -17,6 +39,26 @@ class CompileOptions:
     mode: str = option("default", "torch.compile mode", choices=MODES)
     dynamic: str = option("auto", "dynamic shapes: auto, true or false", choices=("auto", "true", "false"))
     backend: str = option("inductor", "torch.compile backend", choices=("inductor", "eager", "aot_eager"))
+
+
+def compile_kwargs(options: Any) -> dict:
+    """The ``torch.compile`` keyword arguments for the options (a dataclass or its dict)."""
+    if isinstance(options, dict):
+        options = CompileOptions(**options)
+    kwargs = {"fullgraph": options.fullgraph, "dynamic": _DYNAMIC[options.dynamic], "backend": options.backend}
+    if options.mode != "default":  # only inductor takes a mode (check() enforces it)
+        kwargs["mode"] = options.mode
+    return kwargs
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """Whether ``module.compile()`` was called on this module."""
+    return module.__dict__.get("_compiled_call_impl") is not None
+
+
+def compile_in_place(module: nn.Module, kwargs: dict) -> None:
+    """``module.compile(**kwargs)``: the module stays the same object (only its call is wrapped)."""
+    module.compile(**kwargs)
 
 
 class _Compile(Transform):
@@ -31,6 +73,43 @@ class _Compile(Transform):
             return "a model is compiled once; keep one compile statement"
         return None
 
+    def candidate(self, info: ModuleInfo, tree: ModuleTree) -> str | None:
+        if issubclass(info.cls, _CONTAINERS):
+            return (f"a {info.cls.__name__} has no forward of its own; select the blocks inside it "
+                    f"(e.g. in {info.path}.*)" if info.path else "the root has no forward of its own")
+        if info.module is not None and is_compiled(info.module):
+            return "already compiled (torch.compile)"
+        return None
+
+    def check(self, info: ModuleInfo, tree: ModuleTree) -> str | None:
+        if self.options.mode != "default" and self.options.backend != "inductor":
+            return f"mode={self.options.mode} needs backend=inductor"
+        return None
+
+    def notes(self, tree: ModuleTree, targets: list[str]) -> list[str]:
+        if not targets:
+            return []
+        return ["compiles lazily: the first call after transform() (or load()) pays the compile time"]
+
+    def apply(self, ctx: ApplyContext, targets: list[str]) -> dict:
+        kwargs = compile_kwargs(self.options)
+        for path in ctx.progress(targets, total=len(targets), desc=self.key()):
+            module = ctx.root.get_submodule(path)
+            ctx.edit.touch(module)  # saves __dict__: a rollback removes _compiled_call_impl
+            compile_in_place(module, kwargs)
+        return {"targets": list(targets), "options": dataclasses.asdict(self.options)}
+
+    @classmethod
+    def rebuild(cls, root: nn.Module, record: dict, options: Any) -> None:
+        """Nothing structural: compiling changes no module and no state_dict key."""
+
+    @classmethod
+    def finalize(cls, root: nn.Module, record: dict, options: Any) -> None:
+        """Compile the recorded modules again (compiled artefacts are never saved)."""
+        kwargs = compile_kwargs(record.get("options") or options)
+        for path in record["targets"]:
+            compile_in_place(root.get_submodule(path), kwargs)
+
 
 @register
 class WholeCompile(_Compile):
@@ -42,3 +121,19 @@ class RegionalCompile(_Compile):
     mode = "regional"
     summary = "torch.compile each selected block; repeated blocks share one graph"
     requires_scope = True
+
+    def candidate(self, info: ModuleInfo, tree: ModuleTree) -> str | None:
+        if info.path == "":
+            return "regional compilation compiles blocks, not the root; use 'compile' for the whole model"
+        return super().candidate(info, tree)
+
+    def notes(self, tree: ModuleTree, targets: list[str]) -> list[str]:
+        classes: dict[str, int] = {}
+        for path in targets:
+            name = tree[path].cls.__name__
+            classes[name] = classes.get(name, 0) + 1
+        shared = ", ".join(f"{n} × {name}" for name, n in classes.items())
+        lines = super().notes(tree, targets)
+        if targets:
+            lines.append(f"{shared}: blocks of one class share one compiled graph (per input shape and dtype)")
+        return lines
