@@ -752,7 +752,7 @@ def _owner(root: nn.Module, name: str) -> tuple[nn.Module, str]:
     return (root.get_submodule(path) if path else root), attr
 
 
-_PRECISIONS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_PRECISIONS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _describe(tensor: torch.Tensor) -> str:

@@ -22,7 +22,6 @@ _SEGMENT_TOKENS = re.compile(r"[a-z]+|[A-Z][a-z]*|\d+")
 
 
 @functools.lru_cache(maxsize=4096)
-@functools.lru_cache(maxsize=4096)
 def class_names(cls: type) -> tuple[str, ...]:
     """The class's name and all its bases' names, ``nn.Module`` and ``object`` excepted.
 

@@ -1,15 +1,606 @@
-"""``fp8 storage`` and ``fp8 native``: weights in float8, upcast per layer or multiplied natively."""
+"""``fp8 storage`` and ``fp8 native``: weights in float8, upcast per layer or multiplied natively.
+
+``fp8 storage`` replaces each selected ``Linear``/``Conv``/``Embedding`` (and GPT-2's ``Conv1D``)
+with a module that keeps its weight as a float8 *buffer* plus one float32 scale per output
+channel, and upcasts the weight to the ``compute`` dtype inside ``forward``.  Keeping the
+fp8 tensor as a plain buffer and doing the cast in ``forward`` (not in a hook) is what lets
+``torch.compile(fullgraph=True)`` trace it; a buffer rather than a ``Parameter`` keeps
+diffusers' ``ModelMixin.dtype`` (its first floating *parameter*) at the model's real dtype.
+
+``fp8 native`` replaces each selected ``nn.Linear`` with :class:`FP8Linear` in native mode:
+float8 e4m3 weight with a tensor-wise or row-wise scale, activations quantized dynamically
+at every call, and ``torch._scaled_mm``.  Where that cannot run it falls back to the same
+upcast as storage, and the plan says so:
+
+- a layer whose shapes break the CUDA kernel rules (:func:`cuda_scaled_mm_problems`) is
+  stored in fp8 and upcast (listed in the plan with the reason; an error with ``strict=true``);
+- a device without fp8 tensor cores (CPU, CUDA before compute capability 8.9, ROCm) upcasts
+  every native layer (a plan note; an error with ``strict=true``).  On CPU,
+  :data:`CPU_SCALED_MM` (or :func:`cpu_scaled_mm`) runs ``torch._scaled_mm``'s CPU reference
+  instead: slow, but the exact code path a GPU takes, after the CUDA rules are checked here
+  (the CPU kernel itself accepts layouts and sizes that CUDA rejects).
+
+Every module here returns its output in its *input's* dtype, so a layer can be dropped into a
+model of any dtype; ``compute`` is the dtype the matmul (or convolution) runs in.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
 
 from ..options import option
 from ..registry import register
-from .base import Transform
+from ..tree import ModuleInfo, ModuleTree
+from .base import ApplyContext, Transform
 
-#: diffusers' layerwise-casting defaults (``DEFAULT_SKIP_MODULES_PATTERN``).
+#: diffusers' layerwise-casting defaults (``diffusers.hooks.layerwise_casting.DEFAULT_SKIP_MODULES_PATTERN``
+#: in diffusers 0.42: ``("pos_embed", "patch_embed", "norm", "^proj_in$", "^proj_out$")``, matched with
+#: ``re.search`` on the module path).  The words match the same names here; the anchored regexes
+#: stay regexes.  Excluding a module excludes its subtree, as in diffusers.
 DEFAULT_EXCEPT = ("norm", "pos_embed", "patch_embed", "re:^proj_in$", "re:^proj_out$")
+
+#: float8 formats by option value.
+FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+#: The format ``fp8 native`` uses for weights and activations (the one every fp8 GEMM accepts).
+NATIVE_DTYPE = torch.float8_e4m3fn
+#: Lower bound on ``amax`` before dividing by it: an all-zero row gets scale ~0, values 0.
+_TINY = 1e-12
+
+#: Run ``torch._scaled_mm``'s CPU reference for ``fp8 native`` layers on CPU (else upcast).
+#: Read at every forward (``torch.compile`` guards on it).  See :func:`cpu_scaled_mm`.
+CPU_SCALED_MM = False
+
+
+@contextlib.contextmanager
+def cpu_scaled_mm(enabled: bool = True):
+    """Within the block, native layers on CPU run ``torch._scaled_mm``'s CPU reference.
+
+    >>> with cpu_scaled_mm():
+    ...     has_fp8_matmul(torch.device("cpu"))
+    True
+    >>> has_fp8_matmul(torch.device("cpu"))
+    False
+    """
+    global CPU_SCALED_MM
+    previous, CPU_SCALED_MM = CPU_SCALED_MM, enabled
+    try:
+        yield
+    finally:
+        CPU_SCALED_MM = previous
+
+
+# --------------------------------------------------------------------------- quantization
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    return float(torch.finfo(dtype).max)
+
+
+def quantize(tensor: torch.Tensor, dtype: torch.dtype, dims: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, scale)`` with ``values * scale ≈ tensor``; new tensors, ``tensor`` untouched.
+
+    ``dims`` are the dimensions reduced for one scale (``None``: one scale for the whole
+    tensor); the scale keeps every dimension (size 1 where reduced) so it broadcasts.  The
+    scale maps the largest magnitude onto the format's maximum, which uses the whole range
+    (e4m3 saturates at ±448 and turns subnormal below 2^-6, where many unscaled weights,
+    typically ~0.02, would lose bits) and keeps e5m2 (max 57344) from overflowing to inf.
+
+    >>> v, s = quantize(torch.tensor([[1.0, -2.0], [0.0, 0.5]]), torch.float8_e4m3fn, dims=(1,))
+    >>> (v.float() * s).tolist()
+    [[1.0, -2.0], [0.0, 0.5]]
+    """
+    limit = fp8_max(dtype)
+    t32 = tensor.detach().float()
+    if dims is None:
+        amax = t32.abs().amax().reshape([1] * tensor.dim())
+    else:
+        amax = t32.abs().amax(dim=dims, keepdim=True)
+    scale = amax.clamp(min=_TINY) / limit
+    values = (t32 / scale).clamp(-limit, limit).to(dtype).contiguous()
+    return values, scale.contiguous()
+
+
+def quantize_activation(a: torch.Tensor, scaling: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic e4m3 quantization of a 2-D activation: row-major values and a float32 scale
+    of shape (1, 1) (``tensor``) or (M, 1) (``row``), as ``torch._scaled_mm`` wants them."""
+    values, scale = quantize(a, NATIVE_DTYPE, dims=(1,) if scaling == "row" else None)
+    # ``quantize`` keeps the input's strides when it is dense; CUDA wants A row-major.
+    return values.contiguous(), scale
+
+
+def dequantize(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The weight in ``dtype`` (a new tensor): the cast and the multiply fuse under compile."""
+    return values.to(dtype) * scale.to(dtype)
+
+
+# --------------------------------------------------------------------------- the CUDA rules
+
+
+def cuda_scaled_mm_problems(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                            bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> list[str]:
+    """What ``torch._scaled_mm`` on CUDA (cuBLASLt on sm89/sm90, CUTLASS row-wise) would reject.
+
+    The CPU implementation accepts most of these, so a layer that passes on CPU could still
+    fail on a GPU: this function is the single place the GPU rules live (torch 2.13,
+    ``aten/src/ATen/native/cuda/ScaledBlas.cpp`` and ``RowwiseScaledMM.cu``).  It only reads
+    shapes, strides and dtypes, so it also works on meta tensors.
+
+    >>> a = torch.empty(8, 40, dtype=torch.float8_e4m3fn, device="meta")
+    >>> b = torch.empty(64, 40, dtype=torch.float8_e4m3fn, device="meta").t()
+    >>> one = torch.empty(1, 1, device="meta")
+    >>> cuda_scaled_mm_problems(a, b, one, one)
+    ['inner dimension K=40 is not a multiple of 16']
+    """
+    problems = []
+    if a.dim() != 2 or b.dim() != 2:
+        return [f"operands must be 2-D matrices (got A {a.dim()}-D, B {b.dim()}-D)"]
+    (m, k), (k2, n) = a.shape, b.shape
+    if k != k2:
+        return [f"shapes cannot be multiplied ({m}x{k} and {k2}x{n})"]
+    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+    if a.dtype not in fp8 or b.dtype not in fp8:
+        problems.append(f"operands must be float8_e4m3fn or float8_e5m2 (got {a.dtype}, {b.dtype})")
+    elif a.dtype == b.dtype == torch.float8_e5m2:
+        problems.append("two float8_e5m2 operands are not supported")
+    if k % 16:
+        problems.append(f"inner dimension K={k} is not a multiple of 16")
+    if n % 16:
+        problems.append(f"outer dimension N={n} is not a multiple of 16")
+    # Layout: cuBLASLt on sm90 only does row-major A times column-major B ("TN").
+    if not (a.stride(1) == 1 and (m <= 1 or a.stride(0) >= k)):
+        problems.append(f"A must be row-major (got strides {tuple(a.stride())})")
+    if not (b.stride(0) == 1 and (n <= 1 or b.stride(1) >= k)):
+        problems.append(f"B must be column-major, i.e. the transpose of a contiguous (N, K) weight "
+                        f"(got strides {tuple(b.stride())})")
+    problems.extend(_scale_problems(m, n, scale_a, scale_b, b, out_dtype))
+    if bias is not None:
+        if out_dtype == torch.float32:
+            problems.append("a fused bias is not supported with a float32 output")
+        elif bias.dtype != out_dtype or bias.dtype not in (torch.bfloat16, torch.float16):
+            problems.append(f"the bias must be {out_dtype} like the output (got {bias.dtype})")
+        if bias.dim() != 1 or bias.numel() != n:
+            problems.append(f"the bias must have shape ({n},) (got {tuple(bias.shape)})")
+    return problems
+
+
+def _scale_problems(m: int, n: int, scale_a: torch.Tensor, scale_b: torch.Tensor, b: torch.Tensor,
+                    out_dtype: torch.dtype) -> list[str]:
+    if scale_a.dtype != torch.float32 or scale_b.dtype != torch.float32:
+        return [f"scales must be float32 (got {scale_a.dtype}, {scale_b.dtype})"]
+    if scale_a.numel() == 1 and scale_b.numel() == 1:
+        return []  # tensor-wise
+    rowwise = (scale_a.dim() == 2 and tuple(scale_a.shape) == (m, 1) and scale_a.is_contiguous()
+               and scale_b.dim() == 2 and tuple(scale_b.shape) == (1, n) and (n <= 1 or scale_b.stride(1) == 1))
+    if not rowwise:
+        return [f"scales must both be single values (tensor-wise) or ({m}, 1) and (1, {n}) contiguous (row-wise); "
+                f"got {tuple(scale_a.shape)} and {tuple(scale_b.shape)}"]
+    problems = []
+    # Row-wise runs CUTLASS's f8f8bf16_rowwise on sm89 (and with cuBLAS < 12.9): bf16 out, e4m3 B.
+    if out_dtype != torch.bfloat16:
+        problems.append(f"row-wise scaling needs a bfloat16 output (got {out_dtype})")
+    if b.dtype != torch.float8_e4m3fn:
+        problems.append(f"row-wise scaling needs a float8_e4m3fn B (got {b.dtype})")
+    return problems
+
+
+def native_layer_problems(in_features: int, out_features: int, scaling: str, compute: torch.dtype,
+                          bias: bool) -> list[str]:
+    """The CUDA rules applied to the operands :class:`FP8Linear` builds for this layer shape.
+
+    Checked on meta tensors shaped exactly as in :meth:`FP8Linear._scaled_mm_forward`, so the
+    plan-time check and the runtime call cannot disagree.
+    """
+    return list(_native_layer_problems(in_features, out_features, scaling, compute, bias))
+
+
+@functools.lru_cache(maxsize=256)
+def _native_layer_problems(in_features: int, out_features: int, scaling: str, compute: torch.dtype,
+                           bias: bool) -> tuple[str, ...]:
+    # Cached: a model has a handful of distinct layer shapes, checked several times while planning.
+    m = 16  # the token count is free; any M passes the rules
+    a = torch.empty(m, in_features, dtype=NATIVE_DTYPE, device="meta")
+    weight = torch.empty(out_features, in_features, dtype=NATIVE_DTYPE, device="meta")
+    shape_a, shape_w = ((m, 1), (out_features, 1)) if scaling == "row" else ((1, 1), (1, 1))
+    scale_a = torch.empty(shape_a, device="meta")
+    scale_w = torch.empty(shape_w, device="meta")
+    fused = torch.empty(out_features, dtype=compute, device="meta") if bias and _fuses_bias(compute) else None
+    return tuple(cuda_scaled_mm_problems(a, weight.t(), scale_a, scale_w.t(), fused, compute))
+
+
+def _fuses_bias(compute: torch.dtype) -> bool:
+    """Whether the bias goes into the ``_scaled_mm`` epilogue (CUDA: bf16/fp16 outputs only)."""
+    return compute in (torch.bfloat16, torch.float16)
+
+
+# --------------------------------------------------------------------------- devices
+
+
+@torch.compiler.assume_constant_result
+def _cuda_has_fp8_matmul(index: int) -> bool:
+    """fp8 tensor cores: compute capability 8.9 (Ada) or 9.0+ (Hopper, Blackwell).  ROCm's
+    MI300 multiplies the *fnuz* fp8 variants instead, which these modules do not store."""
+    if torch.version.hip is not None:
+        return False
+    return torch.cuda.get_device_capability(index) >= (8, 9)
+
+
+def has_fp8_matmul(device: torch.device) -> bool:
+    """Whether native layers run ``torch._scaled_mm`` on ``device`` (cheap; traceable by compile)."""
+    if device.type == "cuda":
+        return _cuda_has_fp8_matmul(device.index if device.index is not None else 0)
+    return device.type == "cpu" and CPU_SCALED_MM
+
+
+def device_fp8_problem(device: torch.device) -> str | None:
+    """Why ``device`` cannot run ``torch._scaled_mm`` natively, or ``None`` (for messages)."""
+    if has_fp8_matmul(device):
+        return None
+    if device.type == "cuda":
+        index = device.index if device.index is not None else 0
+        major, minor = torch.cuda.get_device_capability(index)
+        return f"cuda:{index} (compute capability {major}.{minor}) has no fp8 matmul (needs 8.9+)"
+    if device.type == "cpu":
+        return "cpu has no fp8 matmul"
+    return f"{device.type} has no fp8 matmul here"
+
+
+# --------------------------------------------------------------------------- modules
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+class FP8Module(nn.Module):
+    """Base of the fp8 layers: ``weight`` (float8 buffer), ``weight_scale`` (float32 buffer,
+    one value per output channel or per tensor, shaped to broadcast against ``weight``) and
+    an optional ``bias`` (the original parameter, unchanged).
+
+    State-dict keys: ``weight``, ``weight_scale`` and ``bias``, whatever the dtype, so a saved
+    model reloads with ``load_state_dict(..., assign=True)`` into :meth:`empty` skeletons.
+    """
+
+    weight: torch.Tensor
+    weight_scale: torch.Tensor
+
+    def _init_fp8(self, weight: torch.Tensor, scale: torch.Tensor, bias: nn.Parameter | None,
+                  compute: torch.dtype) -> None:
+        self.register_buffer("weight", weight)
+        self.register_buffer("weight_scale", scale)
+        self.bias = bias
+        self.compute_dtype = compute
+
+    def _apply(self, fn, recurse: bool = True):
+        """``.to(device)`` moves the fp8 weight and its scale; ``.to(dtype)``, ``.half()``... leave
+        their dtypes alone (diffusers pipelines call ``pipe.to("cuda", torch.bfloat16)``, which
+        would otherwise upcast every stored weight and round the float32 scales).  The bias
+        follows the model's dtype as usual."""
+        kept = {name: self._buffers[name] for name in ("weight", "weight_scale")}
+        super()._apply(fn, recurse)
+        for name, before in kept.items():
+            after = self._buffers[name]
+            if after is not None and before is not None and after.dtype != before.dtype:
+                self._buffers[name] = before.to(after.device)  # the device move only, from the original
+        return self
+
+    def upcast_weight(self) -> torch.Tensor:
+        return dequantize(self.weight, self.weight_scale, self.compute_dtype)
+
+    def _bias(self, dtype: torch.dtype) -> torch.Tensor | None:
+        return None if self.bias is None else self.bias.to(dtype)
+
+    def extra_repr(self) -> str:
+        return (f"weight={self.weight.dtype}{tuple(self.weight.shape)}, "
+                f"scale={tuple(self.weight_scale.shape)}, compute={self.compute_dtype}")
+
+
+class FP8Linear(FP8Module):
+    """``nn.Linear`` with a float8 weight.
+
+    ``native=False``: upcast the weight and run ``F.linear`` in ``compute``.
+    ``native=True``: quantize the input (e4m3, ``scaling`` tensor/row) and run
+    ``torch._scaled_mm`` where the device has an fp8 matmul, else upcast (or raise if ``strict``).
+    """
+
+    def __init__(self, in_features: int, out_features: int, weight: torch.Tensor, scale: torch.Tensor,
+                 bias: nn.Parameter | None, compute: torch.dtype, native: bool = False, scaling: str = "row",
+                 strict: bool = False):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self._init_fp8(weight, scale, bias, compute)
+        self.native = native
+        self.scaling = scaling
+        self.strict = strict
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, dtype: torch.dtype, compute: torch.dtype, *, native: bool = False,
+                    scaling: str = "row", strict: bool = False) -> FP8Linear:
+        """Quantize ``linear``'s weight (left untouched) into a new layer.
+
+        The weight gets one scale per output row, except a native layer with ``scaling="tensor"``
+        (one scale: what tensor-wise ``_scaled_mm`` takes).
+        """
+        per_tensor = native and scaling == "tensor"
+        weight, scale = quantize(linear.weight, dtype, dims=None if per_tensor else (1,))
+        return cls(linear.in_features, linear.out_features, weight, scale, linear.bias, compute,
+                   native=native, scaling=scaling, strict=strict)
+
+    @classmethod
+    def empty(cls, linear: nn.Module, dtype: torch.dtype, compute: torch.dtype, *, native: bool = False,
+              scaling: str = "row", strict: bool = False) -> FP8Linear:
+        """A skeleton on ``linear``'s device (meta when loading): shapes and dtypes only."""
+        device = linear.weight.device
+        weight = torch.empty(linear.out_features, linear.in_features, dtype=dtype, device=device)
+        rows = 1 if native and scaling == "tensor" else linear.out_features
+        scale = torch.empty(rows, 1, dtype=torch.float32, device=device)
+        return cls(linear.in_features, linear.out_features, weight, scale, linear.bias, compute,
+                   native=native, scaling=scaling, strict=strict)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native:
+            if has_fp8_matmul(x.device):
+                return self._scaled_mm_forward(x)
+            if self.strict:
+                raise RuntimeError(f"fp8 native (strict=true): {device_fp8_problem(x.device)}")
+        return self._upcast_forward(x)
+
+    def _upcast_forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = self.compute_dtype
+        return F.linear(x.to(c), self.upcast_weight(), self._bias(c)).to(x.dtype)
+
+    def _scaled_mm_forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        a = x.reshape(-1, self.in_features)
+        if a.shape[0] == 0:  # amax of nothing is undefined; the product is empty anyway
+            return x.new_empty(*lead, self.out_features)
+        a8, scale_a = quantize_activation(a, self.scaling)
+        b = self.weight.t()  # (K, N) column-major: the transpose of the contiguous (N, K) weight
+        scale_b = self.weight_scale.t()  # (1, 1) or (1, N)
+        fused = _fuses_bias(self.compute_dtype) and self.bias is not None
+        bias = self._bias(self.compute_dtype) if fused else None
+        if x.device.type != "cuda" and not torch.compiler.is_compiling():
+            # The CPU kernel is permissive: hold it to the GPU's rules so what runs here runs there.
+            problems = cuda_scaled_mm_problems(a8, b, scale_a, scale_b, bias, self.compute_dtype)
+            if problems:
+                raise RuntimeError("torch._scaled_mm operands a GPU would reject: " + "; ".join(problems))
+        out = torch._scaled_mm(a8, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=self.compute_dtype)
+        if self.bias is not None and not fused:
+            out = out + self.bias.to(out.dtype)
+        return out.reshape(*lead, self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        mode = f"native, scaling={self.scaling}" if self.native else "upcast"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {mode}, " + super().extra_repr()
+
+
+class FP8Conv(FP8Module):
+    """``nn.Conv1d/2d/3d`` with a float8 weight, upcast per forward (all padding modes)."""
+
+    def __init__(self, conv: nn.Module, weight: torch.Tensor, scale: torch.Tensor, compute: torch.dtype):
+        super().__init__()
+        self.dims = len(conv.kernel_size)
+        for name in ("in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation", "groups",
+                     "padding_mode", "_reversed_padding_repeated_twice"):
+            setattr(self, name, getattr(conv, name))
+        self._init_fp8(weight, scale, conv.bias, compute)
+
+    @classmethod
+    def from_conv(cls, conv: nn.Module, dtype: torch.dtype, compute: torch.dtype) -> FP8Conv:
+        weight, scale = quantize(conv.weight, dtype, dims=tuple(range(1, conv.weight.dim())))
+        return cls(conv, weight, scale, compute)
+
+    @classmethod
+    def empty(cls, conv: nn.Module, dtype: torch.dtype, compute: torch.dtype) -> FP8Conv:
+        w = conv.weight
+        scale_shape = (w.shape[0],) + (1,) * (w.dim() - 1)
+        return cls(conv, torch.empty(w.shape, dtype=dtype, device=w.device),
+                   torch.empty(scale_shape, dtype=torch.float32, device=w.device), compute)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = self.compute_dtype
+        conv = (F.conv1d, F.conv2d, F.conv3d)[self.dims - 1]
+        padding = self.padding
+        inp = x.to(c)
+        if self.padding_mode != "zeros":  # as nn.ConvNd._conv_forward does
+            inp = F.pad(inp, self._reversed_padding_repeated_twice, mode=self.padding_mode)
+            padding = 0
+        out = conv(inp, self.upcast_weight(), self._bias(c), self.stride, padding, self.dilation, self.groups)
+        return out.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
+                + super().extra_repr())
+
+
+class FP8Embedding(FP8Module):
+    """``nn.Embedding`` with float8 rows and one scale per row: gathers fp8 rows, then upcasts
+    only those (the table is never upcast as a whole)."""
+
+    def __init__(self, embedding: nn.Embedding, weight: torch.Tensor, scale: torch.Tensor, compute: torch.dtype):
+        super().__init__()
+        self.num_embeddings = embedding.num_embeddings
+        self.embedding_dim = embedding.embedding_dim
+        self.padding_idx = embedding.padding_idx
+        self._init_fp8(weight, scale, None, compute)
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding, dtype: torch.dtype, compute: torch.dtype) -> FP8Embedding:
+        weight, scale = quantize(embedding.weight, dtype, dims=(1,))
+        return cls(embedding, weight, scale, compute)
+
+    @classmethod
+    def empty(cls, embedding: nn.Embedding, dtype: torch.dtype, compute: torch.dtype) -> FP8Embedding:
+        w = embedding.weight
+        return cls(embedding, torch.empty(w.shape, dtype=dtype, device=w.device),
+                   torch.empty(w.shape[0], 1, dtype=torch.float32, device=w.device), compute)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = F.embedding(ids, self.weight)
+        return dequantize(rows, F.embedding(ids, self.weight_scale), self.compute_dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, " + super().extra_repr()
+
+
+class FP8Conv1D(FP8Module):
+    """transformers' ``Conv1D`` (GPT-2: a linear layer with its weight stored as (in, out))."""
+
+    def __init__(self, conv1d: nn.Module, weight: torch.Tensor, scale: torch.Tensor, compute: torch.dtype):
+        super().__init__()
+        self.nf = conv1d.nf
+        self.nx = conv1d.weight.shape[0]
+        self._init_fp8(weight, scale, conv1d.bias, compute)
+
+    @classmethod
+    def from_conv1d(cls, conv1d: nn.Module, dtype: torch.dtype, compute: torch.dtype) -> FP8Conv1D:
+        weight, scale = quantize(conv1d.weight, dtype, dims=(0,))  # one scale per output column
+        return cls(conv1d, weight, scale, compute)
+
+    @classmethod
+    def empty(cls, conv1d: nn.Module, dtype: torch.dtype, compute: torch.dtype) -> FP8Conv1D:
+        w = conv1d.weight
+        return cls(conv1d, torch.empty(w.shape, dtype=dtype, device=w.device),
+                   torch.empty(1, w.shape[1], dtype=torch.float32, device=w.device), compute)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = self.compute_dtype
+        return F.linear(x.to(c), self.upcast_weight().t(), self._bias(c)).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"nx={self.nx}, nf={self.nf}, " + super().extra_repr()
+
+
+# --------------------------------------------------------------------------- which layers
+
+
+#: Convolutions ``fp8 storage`` converts (ConvTranspose is not: its forward takes an output size).
+_CONV_CLASSES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+def _kind(cls: type) -> str | None:
+    """The layer kind fp8 knows for exactly this class (subclasses such as bitsandbytes'
+    ``Linear8bitLt`` are not plain layers: their weight is not an ordinary tensor)."""
+    if cls is nn.Linear:
+        return "linear"
+    if cls in _CONV_CLASSES:
+        return "conv"
+    if cls is nn.Embedding:
+        return "embedding"
+    if cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers."):
+        return "conv1d"
+    return None
+
+
+def _weight_owners(tree: ModuleTree) -> dict[int, list[str]]:
+    """id(weight tensor) → paths of the live modules holding it (to spot tied weights)."""
+    owners: dict[int, list[str]] = {}
+    for info in tree:
+        module = info.module
+        weight = module._parameters.get("weight") if module is not None else None
+        if weight is not None:
+            owners.setdefault(id(weight), []).append(info.path)
+    return owners
+
+
+def _shared_with(info: ModuleInfo, tree: ModuleTree, cache: dict) -> list[str]:
+    key = id(tree)
+    if cache.get("tree") != key:
+        cache.clear()
+        cache.update(tree=key, owners=_weight_owners(tree))
+    weight = info.module._parameters.get("weight") if info.module is not None else None
+    if weight is None:
+        return []
+    return [p for p in cache["owners"].get(id(weight), []) if p != info.path]
+
+
+def _layer_reason(info: ModuleInfo, tree: ModuleTree, cache: dict, kinds: tuple[str, ...], verb: str) -> str | None:
+    """Why a selected module cannot get an fp8 weight (a near miss), or ``None``."""
+    if info.module is not None and isinstance(info.module, FP8Module):
+        return "already has a float8 weight"
+    kind = _kind(info.cls)
+    if kind not in kinds:
+        names = {"linear": "Linear", "conv": "Conv1d/2d/3d", "embedding": "Embedding", "conv1d": "Conv1D"}
+        return f"{verb} changes {', '.join(names[k] for k in kinds)} layers, not {info.cls.__name__}"
+    module = info.module
+    dtype = info.facts.get("dtype") if module is None else getattr(module, "weight", None).dtype
+    if dtype is not None and dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"weight dtype {dtype} is not float32/bfloat16/float16"
+    shared = _shared_with(info, tree, cache)
+    if shared:
+        return f"weight is tied to {', '.join(shared[:2])}: an fp8 copy would keep both in memory"
+    if kind == "embedding" and module is not None and module.max_norm is not None:
+        return "Embedding with max_norm renormalises its weight in place at forward"
+    return None
+
+
+def _features(info: ModuleInfo) -> tuple[int, int]:
+    """(in_features, out_features) of a Linear, from the live module or planning facts."""
+    if info.module is not None:
+        return info.module.in_features, info.module.out_features
+    facts = info.facts
+    if "in_features" in facts and "out_features" in facts:
+        return facts["in_features"], facts["out_features"]
+    out_features, in_features = facts["weight_shape"]
+    return in_features, out_features
+
+
+def _has_bias(info: ModuleInfo) -> bool:
+    return info.module is None or info.module.bias is not None
+
+
+def _model_device(tree: ModuleTree, targets: list[str]) -> torch.device | None:
+    for path in [*targets, ""]:
+        info = tree.get(path)
+        module = info.module if info is not None else None
+        if module is None:
+            continue
+        for tensor in module.parameters():
+            return tensor.device
+    return None
+
+
+def _fp8_bytes(info: ModuleInfo, scale_values: int) -> int:
+    """Bytes of the layer once converted: 1 per weight, 4 per scale, the bias unchanged."""
+    shape = info.facts.get("weight_shape")
+    if shape is None and info.module is not None:
+        shape = tuple(info.module.weight.shape)
+    if shape is None:
+        return info.own_bytes
+    weight = 1
+    for d in shape:
+        weight *= d
+    bias = info.module.bias if info.module is not None and getattr(info.module, "bias", None) is not None else None
+    bias_bytes = bias.numel() * bias.element_size() if bias is not None else 0
+    return weight + 4 * scale_values + bias_bytes
+
+
+def _channel_count(info: ModuleInfo) -> int:
+    """Number of per-output-channel scales storage keeps for this layer."""
+    shape = info.facts.get("weight_shape") or (tuple(info.module.weight.shape) if info.module is not None else (1,))
+    return shape[1] if _kind(info.cls) == "conv1d" else shape[0]
+
+
+def _set(root: nn.Module, path: str, module: nn.Module) -> None:
+    """Put ``module`` at ``path`` on a skeleton (loading: no undo log needed)."""
+    root.set_submodule(path, module)
+
+
+def _ratio_note(before: int, after: int) -> str:
+    from ..explain import human_bytes
+
+    ratio = after / before if before else 1.0
+    return f"selected layers: {human_bytes(before)} → {human_bytes(after)} ({ratio:.2f}x)"
+
+
+# --------------------------------------------------------------------------- fp8 storage
 
 
 @dataclass(frozen=True)
@@ -24,10 +615,80 @@ class FP8Storage(Transform):
     mode = "storage"
     summary = "store weights in float8, upcast per layer at forward"
     Options = StorageOptions
-    default_target = ("Linear", "Conv1d", "Conv2d", "Conv3d", "Conv1D")
+    default_target = ("Linear", "Conv1d", "Conv2d", "Conv3d", "Embedding", "Conv1D")
     default_except = DEFAULT_EXCEPT
     runs_after = ("fuse *",)
     exclusive = "weights"
+
+    KINDS = ("linear", "conv", "embedding", "conv1d")
+    #: ``max|after - before| / max|before|`` bound per format (spec.md "fp8"): about twice the worst
+    #: measured on the built-in models (e4m3 0.096, e5m2 0.24: the UNet, whose convolutions count).
+    BOUNDS = {"e4m3": 0.2, "e5m2": 0.4}
+
+    @property
+    def error_bound(self) -> float | None:  # depends on the options (see Transform.error_bound)
+        return self.BOUNDS[self.options.dtype]
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._cache: dict = {}
+
+    def candidate(self, info: ModuleInfo, tree: ModuleTree) -> str | None:
+        return _layer_reason(info, tree, self._cache, self.KINDS, "fp8 storage")
+
+    def plan_effect(self, tree: ModuleTree, targets: list[str]) -> None:
+        for path in targets:
+            info = tree[path]
+            tree.replace(path, info.cls, own_bytes=_fp8_bytes(info, _channel_count(info)))
+
+    def notes(self, tree: ModuleTree, targets: list[str]) -> list[str]:
+        if not targets:
+            return []
+        fmt = FP8_DTYPES[self.options.dtype]
+        before = sum(tree[p].own_bytes for p in targets)
+        after = sum(_fp8_bytes(tree[p], _channel_count(tree[p])) for p in targets)
+        return [f"weights stored as {str(fmt).removeprefix('torch.')} with a float32 scale per output channel, "
+                f"upcast to {self.options.compute} at each forward; " + _ratio_note(before, after)]
+
+    def apply(self, ctx: ApplyContext, targets: list[str]) -> dict:
+        fmt, compute = FP8_DTYPES[self.options.dtype], _dtype(self.options.compute)
+        layers = {}
+        for path in ctx.progress(targets, total=len(targets), desc="fp8 storage"):
+            old = ctx.root.get_submodule(path)
+            kind = _kind(type(old))
+            ctx.edit.replace(ctx.root, path, _convert(old, kind, fmt, compute))
+            layers[path] = {"kind": kind}
+        return {"format": 1, "dtype": self.options.dtype, "compute": self.options.compute, "layers": layers}
+
+    @classmethod
+    def rebuild(cls, root: nn.Module, record: dict, options: Any) -> None:
+        fmt, compute = FP8_DTYPES[record["dtype"]], _dtype(record["compute"])
+        for path, spec in record["layers"].items():
+            _set(root, path, _empty(root.get_submodule(path), spec["kind"], fmt, compute))
+
+
+def _convert(old: nn.Module, kind: str, fmt: torch.dtype, compute: torch.dtype) -> FP8Module:
+    """A new fp8 module computed from ``old`` (which is left untouched)."""
+    if kind == "linear":
+        return FP8Linear.from_linear(old, fmt, compute)
+    if kind == "conv":
+        return FP8Conv.from_conv(old, fmt, compute)
+    if kind == "embedding":
+        return FP8Embedding.from_embedding(old, fmt, compute)
+    return FP8Conv1D.from_conv1d(old, fmt, compute)
+
+
+def _empty(old: nn.Module, kind: str, fmt: torch.dtype, compute: torch.dtype) -> FP8Module:
+    if kind == "linear":
+        return FP8Linear.empty(old, fmt, compute)
+    if kind == "conv":
+        return FP8Conv.empty(old, fmt, compute)
+    if kind == "embedding":
+        return FP8Embedding.empty(old, fmt, compute)
+    return FP8Conv1D.empty(old, fmt, compute)
+
+
+# --------------------------------------------------------------------------- fp8 native
 
 
 @dataclass(frozen=True)
@@ -36,6 +697,12 @@ class NativeOptions:
     activation: str = option("dynamic", "how activations are scaled", choices=("dynamic",))
     compute: str = option("bfloat16", "output dtype of the fp8 matmul", kind="dtype")
     strict: bool = option(False, "error instead of upcasting where the device has no fp8 matmul")
+
+    def __post_init__(self):
+        # Row-wise scaling runs CUTLASS's f8f8bf16_rowwise on sm89: bfloat16 output only.
+        if self.scaling == "row" and self.compute != "bfloat16":
+            raise ValueError(f"scaling=row needs compute=bfloat16 (the row-wise fp8 kernels write bfloat16), "
+                             f"got compute={self.compute}")
 
 
 @register
@@ -47,5 +714,99 @@ class FP8Native(Transform):
     default_target = ("Linear",)
     default_except = DEFAULT_EXCEPT
     runs_after = ("fuse *",)
+    # The planner lets a statement give modules up only to one that claimed them *earlier*:
+    # running first is what makes ``overrides`` take ``fp8 storage``'s shared layers.
+    runs_before = ("fp8 storage",)
     exclusive = "weights"
     overrides = ("fp8 storage",)
+    #: ``max|after - before| / max|before|`` bound (spec.md "fp8"): worst measured on the built-in
+    #: models 0.091 (tiny Llama, float32 model), weight and input both in e4m3.
+    error_bound = 0.15
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._cache: dict = {}
+
+    @property
+    def compute(self) -> torch.dtype:
+        return _dtype(self.options.compute)
+
+    def layer_problems(self, info: ModuleInfo) -> list[str]:
+        """Why this Linear cannot run ``torch._scaled_mm`` on a GPU (empty if it can)."""
+        in_features, out_features = _features(info)
+        return native_layer_problems(in_features, out_features, self.options.scaling, self.compute,
+                                     _has_bias(info))
+
+    def candidate(self, info: ModuleInfo, tree: ModuleTree) -> str | None:
+        return _layer_reason(info, tree, self._cache, ("linear",), "fp8 native")
+
+    def check(self, info: ModuleInfo, tree: ModuleTree) -> str | None:
+        if not self.options.strict:
+            return None
+        problems = self.layer_problems(info)
+        if problems:
+            return "; ".join(problems) + " (strict=true: no upcast fallback)"
+        device = _model_device(tree, [info.path])
+        problem = device_fp8_problem(device) if device is not None else None
+        if problem:
+            return f"{problem} (strict=true: no upcast fallback)"
+        return None
+
+    def scale_count(self, info: ModuleInfo) -> int:
+        """Scales kept for this layer: one per output row (row-wise, or a fallback layer) or one."""
+        if self.options.scaling == "row" or self.layer_problems(info):
+            return _features(info)[1]
+        return 1
+
+    def plan_effect(self, tree: ModuleTree, targets: list[str]) -> None:
+        for path in targets:
+            info = tree[path]
+            tree.replace(path, info.cls, own_bytes=_fp8_bytes(info, self.scale_count(info)))
+
+    def notes(self, tree: ModuleTree, targets: list[str]) -> list[str]:
+        if not targets:
+            return []
+        fallback = {p: self.layer_problems(tree[p]) for p in targets}
+        fallback = {p: r for p, r in fallback.items() if r}
+        native = len(targets) - len(fallback)
+        notes = [f"{native} layer(s) native: torch._scaled_mm on e4m3 weights and inputs, {self.options.scaling}-wise "
+                 f"scales (dynamic for inputs), {self.options.compute} output"]
+        if fallback:
+            shown = "; ".join(f"{p}: {', '.join(r)}" for p, r in list(fallback.items())[:4])
+            more = f" (+{len(fallback) - 4} more)" if len(fallback) > 4 else ""
+            notes.append(f"{len(fallback)} layer(s) cannot run torch._scaled_mm on a GPU and are stored in fp8 "
+                         f"with upcast instead: {shown}{more}")
+        device = _model_device(tree, targets)
+        problem = device_fp8_problem(device) if device is not None else None
+        if problem:
+            hint = (" (set transformdsl.passes.fp8.CPU_SCALED_MM = True to run torch._scaled_mm's slow CPU "
+                    "reference instead)") if device.type == "cpu" else ""
+            notes.append(f"fallback: {problem}; native layers upcast their fp8 weights to {self.options.compute} "
+                         f"on it{hint}; strict=true makes this an error")
+        before = sum(tree[p].own_bytes for p in targets)
+        after = sum(_fp8_bytes(tree[p], self.scale_count(tree[p])) for p in targets)
+        notes.append(_ratio_note(before, after))
+        return notes
+
+    def apply(self, ctx: ApplyContext, targets: list[str]) -> dict:
+        layers = {}
+        for path in ctx.progress(targets, total=len(targets), desc="fp8 native"):
+            old = ctx.root.get_submodule(path)
+            problems = native_layer_problems(old.in_features, old.out_features, self.options.scaling,
+                                             self.compute, old.bias is not None)
+            # A layer that cannot run natively is plain storage-with-upcast (per-row scales).
+            new = FP8Linear.from_linear(old, NATIVE_DTYPE, self.compute, native=not problems,
+                                        scaling=self.options.scaling, strict=self.options.strict)
+            ctx.edit.replace(ctx.root, path, new)
+            layers[path] = {"kind": "linear", "native": not problems}
+            if problems:
+                layers[path]["fallback"] = "; ".join(problems)
+        return {"format": 1, "scaling": self.options.scaling, "compute": self.options.compute,
+                "strict": self.options.strict, "layers": layers}
+
+    @classmethod
+    def rebuild(cls, root: nn.Module, record: dict, options: Any) -> None:
+        compute, scaling = _dtype(record["compute"]), record["scaling"]
+        for path, spec in record["layers"].items():
+            _set(root, path, FP8Linear.empty(root.get_submodule(path), NATIVE_DTYPE, compute, native=spec["native"],
+                                             scaling=scaling, strict=record["strict"]))
