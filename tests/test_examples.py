@@ -109,10 +109,18 @@ def test_untagged_spec_blocks_are_not_scripts(line, text):
     assert not script, f"spec.md line {line}: this block is a script; open it with ```tfm"
 
 
-@pytest.mark.xfail(reason="spec.md's overview script conflicts on every built-in with transformer_blocks: "
-                          "'quantize int8' and 'fp8 native ... in transformer_blocks.*' both change the blocks' "
-                          "Linear layers (one weight format per module)", strict=True)
 @pytest.mark.parametrize("model", ["flux", "sd3"])
 def test_spec_overview_script_plans_on_a_diffusion_transformer(model):
     _, text = SPEC_SCRIPTS[0]
-    assert transformdsl.plan(tiny(model), text).steps
+    assert [s.transform.key() for s in transformdsl.plan(tiny(model), text).steps] == [
+        "fuse qkv", "quantize int8", "fp8 native", "compile"]
+
+
+@pytest.mark.parametrize("model", ["flux", "sd3"])
+def test_one_weight_format_per_module_names_both_lines_and_the_fix(model):
+    text = "quantize int8 except norm\nfp8 native Linear in transformer_blocks.*"
+    with pytest.raises(ScriptError) as error:
+        transformdsl.plan(tiny(model), text)
+    (problem,) = error.value.problems
+    assert [s.line for s in problem.spans] == [1, 2]
+    assert "except" in problem.hint
