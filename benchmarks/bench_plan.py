@@ -63,7 +63,7 @@ def timings(fn, repeats: int) -> tuple[list[float], list[float]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=21)
+    parser.add_argument("--repeats", type=int, default=41)
     parser.add_argument("--profile", action="store_true", help="print the top of a cProfile of planning")
     args = parser.parse_args(argv)
 

@@ -147,12 +147,16 @@ def test_conflict_hint_names_layers_not_indices():
     assert hint == "narrow one statement, e.g. add 'except add_k_proj, add_q_proj, add_v_proj' to line 2"
 
 
-def test_fp8_native_takes_layers_from_fp8_storage_and_says_so():
-    plan = plan_text("flux", "fp8 native Linear in transformer_blocks.*\nfp8 storage")
-    native, storage = plan.steps
+@pytest.mark.parametrize("text, native_line", [
+    ("fp8 native Linear in transformer_blocks.*\nfp8 storage", 1),
+    ("fp8 storage\nfp8 native Linear in transformer_blocks.*", 2),  # native still runs first
+])
+def test_fp8_native_takes_layers_from_fp8_storage_and_says_so(text, native_line):
+    native, storage = plan_text("flux", text).steps
+    assert (native.transform.key(), native.statement.line) == ("fp8 native", native_line)
     assert native.targets and not set(native.targets) & set(storage.targets)
     assert sorted(p for p, _ in storage.overridden) == sorted(native.targets)
-    assert f"{len(native.targets)} module(s) left to line(s) 1, which take precedence" in storage.notes
+    assert f"{len(native.targets)} module(s) left to line(s) {native_line}, which take precedence" in storage.notes
 
 
 # --------------------------------------------------------------------------- pipelines

@@ -215,12 +215,7 @@ def test_execution_order_comes_from_declarations(text):
     assert [(t.key(), t.statement.line) for t in steps] == ORDER[text]
 
 
-@pytest.mark.parametrize("text", [
-    pytest.param("fp8 storage\nfp8 native Linear", marks=pytest.mark.xfail(
-        reason="spec claim false on main: FP8Native declares no runs_before=('fp8 storage',) "
-               "(the fp8 pass being landed adds it)", strict=False)),
-    "fp8 native Linear\nfp8 storage",
-])
+@pytest.mark.parametrize("text", ["fp8 storage\nfp8 native Linear", "fp8 native Linear\nfp8 storage"])
 def test_fp8_native_runs_before_fp8_storage(text):
     # spec.md: "fp8 native before fp8 storage" (that is what lets native take the layers it names).
     steps = check_text(text).steps

@@ -70,6 +70,9 @@ def run_demo(model_name: str | None = None, script_path: str | None = None, out:
     print(f"  latency:    {before_ms:.2f} ms -> {after_ms:.2f} ms ({after_ms / before_ms:.2f}x, median of 9, "
           f"{torch.get_num_threads()} threads)")
     print(f"  outputs:    max abs diff {diff:.3g} (relative {diff / scale:.3g})")
+    if after_ms > before_ms and not torch.cuda.is_available():
+        print("  (on a CPU, quantized and fp8 layers dequantize on every call: they save memory, not time;\n"
+              "   see benchmarks/ for GPU figures and for compile, which does speed CPUs up)")
 
     print("\n-- save and reload")
     directory = Path(out) if out else Path(tempfile.mkdtemp(prefix="transformdsl-demo-")) / "model"

@@ -764,8 +764,13 @@ class FP8Native(Transform):
             tree.replace(path, info.cls, own_bytes=_fp8_bytes(info, self.scale_count(info)))
 
     def notes(self, tree: ModuleTree, targets: list[str]) -> list[str]:
+        # GPT-2's projections are linear layers that are not nn.Linear: say so, never skip silently.
+        conv1d = [i.path for i in tree if "Conv1D" in i.class_names and i.path not in targets]
+        unhandled = ([f"{len(conv1d)} transformers Conv1D layer(s) (linear layers with a transposed weight, "
+                      f"e.g. {conv1d[0]}) are not nn.Linear and do not run natively; 'fp8 storage' handles them"]
+                     if conv1d else [])
         if not targets:
-            return []
+            return unhandled
         fallback = {p: self.layer_problems(tree[p]) for p in targets}
         fallback = {p: r for p, r in fallback.items() if r}
         native = len(targets) - len(fallback)
@@ -786,7 +791,7 @@ class FP8Native(Transform):
         before = sum(tree[p].own_bytes for p in targets)
         after = sum(_fp8_bytes(tree[p], self.scale_count(tree[p])) for p in targets)
         notes.append(_ratio_note(before, after))
-        return notes
+        return unhandled + notes
 
     def apply(self, ctx: ApplyContext, targets: list[str]) -> dict:
         layers = {}
