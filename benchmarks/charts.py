@@ -87,8 +87,8 @@ def draw_reload(rows: list[dict], path: Path) -> str | None:
     ax.set_xscale("log")
     _plain_log_axis(ax.xaxis)
     ax.set_xlabel("seconds (log scale)")
-    ax.set_title("Reloading a transformed model: load vs reading the same bytes vs transforming again",
-                 fontsize=10, pad=24)
+    ax.set_title(f"Reloading a transformed {picked[0]['workload']} ({picked[0]['params'] / 1e6:.0f} M parameters): "
+                 "load vs reading the same bytes vs transforming again", fontsize=10, pad=24)
     _legend_on_top(ax, 3)
     ax.grid(axis="x", which="major", alpha=0.3)
     return _save(fig, path)

@@ -7,7 +7,7 @@ already imported torch and the libraries, so every configuration starts from the
 
 Protocol, for every side alike:
 
-1. read the original model (``from_pretrained``, every page touched), run it once: the reference;
+1. read the original model (``from_pretrained``, every byte read), run it once: the reference;
 2. cast it to the comparison's dtype if it has one (bf16 for fp8 jobs), not timed;
 3. reset the peak-RSS counter; transform (timed); first call (timed: includes compilation);
 4. steady latency: median of ``repeats`` calls after ``warmup`` calls, torch threads fixed;
@@ -273,7 +273,7 @@ def measure(job: Job) -> dict:
 
 
 def _read(job: Job, comparison: Comparison | None):
-    """The original model (every page read), its facts, and the sample input in the job's dtype."""
+    """The original model (every byte read), its facts, and the sample input in the job's dtype."""
     with torch.no_grad():  # not inference_mode: the transforms could not change its tensors after
         model, read_s = _timed(lambda: workloads.read(job.workload))
         _, touch_s = _timed(lambda: _touch(model))

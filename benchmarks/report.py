@@ -174,18 +174,34 @@ def verdict(r: dict[str, float | None]) -> str:
 
 # ---------------------------------------------------------------------- sections
 
+def torchao_line(meta: dict) -> str:
+    """Which torchao the torchao rows used (it is not part of the project's environment)."""
+    from workloads import TORCHAO_SITE
+
+    version = meta.get("torchao_version")
+    if version is None:
+        found = sorted(TORCHAO_SITE.glob("torchao-*.dist-info"))
+        version = found[-1].name.removeprefix("torchao-").removesuffix(".dist-info") if found else None
+    if not meta.get("torchao") or version is None:
+        return ("torchao rows: not measured (torchao is not in the project's environment; "
+                "`pip install --no-deps --target benchmarks/_work/torchao-site torchao` enables them).")
+    return (f"torchao {version} was installed with `--no-deps` into `benchmarks/_work/torchao-site` and put on "
+            "the path of these jobs only (installed in the project's environment, diffusers would import it, "
+            "and torch._dynamo with it, on every import).")
+
+
 def method(meta: dict) -> str:
     load = "/".join(f"{x:.1f}" for x in meta["load_before"])
     load_after = "/".join(f"{x:.1f}" for x in meta["load_after"])
     where = "in this process (smoke run)" if meta["in_process"] else "each in a fresh process"
     return f"""
-Command: `{meta['command'].strip()}`{' (`make bench`)' if meta['command'].strip().endswith('run.py') else ''} — this run took {meta['seconds']:.0f} s; {meta['threads']} torch threads;
+Command: `{meta['command'].strip()}`{' (`make bench`)' if meta['command'].strip().endswith('run.py') else ''} — this run took {meta['seconds']:.0f} s; torch threads: {meta['threads']};
 load average (1/5/15 min) {load} before, {load_after} after (other work on the machine inflates
-times; ratios compare runs made one right after the other).
+times; ratios compare runs made one right after the other).  {torchao_line(meta)}
 
 How each figure is measured ({where}, forked from one server that imported the libraries, so every
 configuration starts from the same memory): the original model is read with `from_pretrained` (random
-weights, seed 0, every page touched) and run once for the reference output; fp8 jobs then cast it to
+weights, seed 0, every byte read) and run once for the reference output; fp8 jobs then cast it to
 bfloat16, as users do.  **transform** is the wall time of `transformdsl.transform(model, script)` or
 of the by-hand code; **first call** the next forward (it includes compilation); **latency** the median
 of the steady forwards after it; **weights** the bytes of every parameter, buffer and state_dict
@@ -374,7 +390,7 @@ def write_report(rows: list[dict], scaling: list[dict], meta: dict, out: Path) -
     out.mkdir(parents=True, exist_ok=True)
     points = scaling_points(scaling)
     figures = charts.draw_all(rows, points, out / "charts")
-    text = header("Benchmarks: transformdsl against doing it by hand")
+    text = header("Benchmarks: transformdsl against doing it by hand", meta.get("measured_at"), meta["threads"])
     text += method(meta)
     text += "\n## What is compared\n" + compared_section(rows)
     text += "\n## Ours ÷ by hand, at realistic width\n"
@@ -393,8 +409,8 @@ def write_report(rows: list[dict], scaling: list[dict], meta: dict, out: Path) -
     text += "\n## Every configuration\n" + detail(rows) + status_section(rows)
     text += ("\n## Reload against the floor and against transforming again\n\n"
              "**floor**: `safetensors.torch.load_file` of the same files (reading the same bytes); **load**: "
-             "`transformdsl.load(dir)` then every page touched (it maps the file); **transform again**: "
-             "`from_pretrained` of the original (every page touched) plus the transform time above.\n")
+             "`transformdsl.load(dir)` (it maps the file), then every byte read on both sides; **transform again**: "
+             "`from_pretrained` of the original (every byte read) plus the transform time above.\n")
     text += reload_section(rows)
     if "reload" in figures:
         text += f"\n![reload]({figures['reload']})\n"

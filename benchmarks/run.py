@@ -141,6 +141,15 @@ def make_runner(args: argparse.Namespace, jobs: list[Job]):
     return Isolated(need, paths, timeout_s=args.timeout)
 
 
+def torchao_version() -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version("torchao")
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def execute(jobs: list[Job], runner, label: str) -> list[dict]:
     rows = []
     for i, job in enumerate(jobs, 1):
@@ -178,10 +187,11 @@ def main(argv: list[str] | None = None) -> Path:
         scaling_rows = execute(scaling, runner, "scaling")
     finally:
         gc.unfreeze()
-    meta = {"command": ".venv/bin/python benchmarks/run.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    meta = {"measured_at": time.time(), "command": ".venv/bin/python benchmarks/run.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "quick": args.quick, "seconds": time.time() - started, "threads": args.threads,
             "load_before": load_before, "load_after": os.getloadavg(), "in_process": args.in_process,
-            "torchao": "torchao" in needed_backends(jobs) and workloads.TORCHAO_SITE.is_dir()}
+            "torchao": "torchao" in needed_backends(jobs) and workloads.TORCHAO_SITE.is_dir(),
+            "torchao_version": torchao_version()}
     raw = out / "results" / "run.json"
     raw.parent.mkdir(parents=True, exist_ok=True)
     raw.write_text(json.dumps({"meta": meta, "rows": rows, "scaling": scaling_rows}, indent=1, default=str))
