@@ -43,19 +43,19 @@ NOTES: list[tuple[str, str, str, str]] = [
     ("quantize int8", "", "transform",
      "Our layer quantizes exactly as bitsandbytes' `Int8Params` does (through an fp16 copy of each weight); "
      "torchao quantizes from float32 directly.  At this width the fixed cost of planning also weighs."),
-    ("quantize nf4", "", "peak RSS",
-     "At width 768 the peaks are a few hundred MB and move by tens of MB from run to run with the "
-     "allocator's timing (other rows move the other way); what stays resident afterwards is the same, "
-     "and at width 3072 the peaks are level."),
-    ("quantize hqq", "", "peak RSS",
-     "At width 768 the peaks are a few hundred MB and move by tens of MB from run to run with the "
-     "allocator's timing; what stays resident afterwards is the same."),
+    # After the specific notes: peaks at width 768 (hundreds of MB) that change side from run to run.
+    ("*", "", "peak RSS medium",
+     "At width 768 the peaks are a few hundred MB above the process's start and move by tens of MB from "
+     "run to run with the allocator's timing, in both directions (earlier runs had other rows on this side "
+     "of the limit); what stays resident afterwards (RSS after) is the same on both sides, and at width "
+     "3072 the quantization peaks are level."),
 ]
 
 
-def note(comparison: str, baseline: str, metric: str) -> str | None:
+def note(comparison: str, baseline: str, metric: str, size: str) -> str | None:
+    """The first explanation that fits; a metric written ``"peak RSS medium"`` fits that size only."""
     for c, words, m, text in NOTES:
-        if c == comparison and words in baseline and m in (metric, "*"):
+        if c in (comparison, "*") and words in baseline and m in (metric, f"{metric} {size}"):
             return text
     return None
 
@@ -343,8 +343,9 @@ def scaling_section(points: dict[str, list[dict]]) -> str:
             f = fit(params, ys)
             shape = ("a straight line" if f["r2"] >= 0.98 else
                      "fixed costs dominate at these sizes" if f["exponent"] < 0.7 else "not a straight line")
-            out.append(f"- {what}: {sig(f['slope'] * 1e3)} ms per million parameters + {sig(f['intercept'] * 1e3)}"
-                       f" ms, R² = {f['r2']:.3f}; growth exponent (log-log slope) {f['exponent']:.2f} "
+            sign = "+" if f["intercept"] >= 0 else "−"
+            out.append(f"- {what}: {sig(f['slope'] * 1e3)} ms per million parameters {sign} "
+                       f"{sig(abs(f['intercept']) * 1e3)} ms, R² = {f['r2']:.3f}; growth exponent (log-log slope) {f['exponent']:.2f} "
                        f"(1 = linear): {shape}\n")
     return "".join(out)
 
@@ -365,7 +366,7 @@ def gaps_section(rows: list[dict]) -> str:
     for ours, hand in pairs(rows):
         r = ratios(ours, hand)
         for metric in behind(r):
-            why = note(ours["comparison"], hand["side"], metric) or "Not explained yet."
+            why = note(ours["comparison"], hand["side"], metric, ours["size"]) or "Not explained yet."
             groups[why].append(f"  - {ours['workload']}, {ours['comparison']} vs {hand['side']}: "
                                f"{metric} {times(r[metric])}")
     if not groups:
