@@ -28,7 +28,9 @@ def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> 
     return statistics.median(times)
 
 
-def header(title: str) -> str:
+def header(title: str, measured_at: float | None = None, threads: int | None = None) -> str:
+    """Title, when and where it was measured (``measured_at``: a Unix time, default now; ``threads``:
+    the torch threads the measurements used, default this process's), library versions."""
     import torch
 
     versions = []
@@ -38,8 +40,9 @@ def header(title: str) -> str:
         except metadata.PackageNotFoundError:
             pass
     cpu = platform.processor() or platform.machine()
-    return (f"# {title}\n\nMeasured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {cpu}, "
-            f"{os.cpu_count()} cores, {torch.get_num_threads()} torch threads; {', '.join(versions)}.\n"
+    when = time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(measured_at))
+    return (f"# {title}\n\nMeasured {when} on {cpu}, "
+            f"{os.cpu_count()} cores, {threads or torch.get_num_threads()} torch threads; {', '.join(versions)}.\n"
             "Every figure below is written by the script that measured it.\n")
 
 

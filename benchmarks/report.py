@@ -1,0 +1,426 @@
+"""RESULTS.md and the charts, from the rows :mod:`measure` returned.  Nothing here is typed by
+hand except words: every figure comes from a row."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+from common import header, table
+from comparisons import BY_NAME, COMPARISONS
+from measure import ORIGINAL, OURS
+
+HERE = Path(__file__).resolve().parent
+MB = 1e6
+#: Ratios (ours / by hand) above these are "behind".  Latency and peak RSS get a margin: they are
+#: measured in different processes on a shared 2-core machine; bytes are exact.
+LIMITS = {"latency": 1.05, "weights": 1.005, "peak RSS": 1.10, "transform": 1.5}
+
+#: Why we are behind a baseline where we are: (comparison, words in the baseline's label, metric,
+#: explanation).  Shown only when the run measured that gap.  Words only: the figures are in the tables.
+ATOMIC = ("`transform()` is atomic: every replaced layer stays referenced by the undo log until the whole "
+          "script has succeeded, so for a moment the bf16 originals and their fp8 copies are both resident; "
+          "diffusers' layerwise casting (and torchao's `quantize_`) convert one layer after the other and keep "
+          "no way back.  The quantization rows do not show it because their fp32 originals come from "
+          "`from_pretrained`'s memory-mapped file and stay resident on both sides.  What stays resident "
+          "afterwards (RSS after) is the same.  Releasing originals early would give up the rollback: a "
+          "design choice, reported to the lead, not changed here.")
+SCALED_FP8 = ("Ours computes one scale per output channel before casting (as torchao's weight-only float8 "
+              "does), so that small weights keep their precision instead of falling into float8's subnormal "
+              "range; diffusers casts the weights as they are.  A one-off cost, which reloading skips (below).")
+NOTES: list[tuple[str, str, str, str]] = [
+    ("fp8 storage", "", "peak RSS", ATOMIC),
+    ("fuse qkv + fp8 storage", "", "peak RSS", ATOMIC),
+    ("fp8 storage", "layerwise", "transform", SCALED_FP8),
+    ("fuse qkv + fp8 storage", "layerwise", "transform", SCALED_FP8),
+    ("quantize int8", "W8A16", "latency",
+     "Not the same algorithm: `quantize int8` is bitsandbytes' LLM.int8, which also quantizes every call's "
+     "activations to int8; torchao's weight-only int8 keeps them in float, which on this CPU is faster at "
+     "some widths (and more accurate: error column).  Against the same algorithm done by hand "
+     "(bitsandbytes) we are at parity.  A weight-only int8 mode for `quantize` would close it (reported)."),
+    ("quantize int8", "", "transform",
+     "Our layer quantizes exactly as bitsandbytes' `Int8Params` does (through an fp16 copy of each weight); "
+     "torchao quantizes from float32 directly.  At this width the fixed cost of planning also weighs."),
+    ("quantize nf4", "", "peak RSS",
+     "At width 768 the peaks are a few hundred MB and move by tens of MB from run to run with the "
+     "allocator's timing (other rows move the other way); what stays resident afterwards is the same, "
+     "and at width 3072 the peaks are level."),
+    ("quantize hqq", "", "peak RSS",
+     "At width 768 the peaks are a few hundred MB and move by tens of MB from run to run with the "
+     "allocator's timing; what stays resident afterwards is the same."),
+]
+
+
+def note(comparison: str, baseline: str, metric: str) -> str | None:
+    for c, words, m, text in NOTES:
+        if c == comparison and words in baseline and m in (metric, "*"):
+            return text
+    return None
+
+NOT_MEASURED = """\
+- **pruna** (0.3.4): not installable beside this stack: it pins `hqq==0.2.7.post1` and `torchao<0.17`
+  and pulls about forty packages (openvino, datasets, torchvision, lightning...) that would replace
+  pinned versions here.  Its quantizers and compilers for these models wrap the libraries measured
+  above (bitsandbytes, hqq, torchao, torch.compile).
+- **torchao int4** on the CPU: every `Int4WeightOnlyConfig` packing format of torchao 0.18 needs CUDA,
+  XPU or the `mslk` kernels; only int8 and float8 weight-only (and int8 dynamic) run on the CPU.
+- **fp8 native by hand** on the CPU: torchao's fp8 matmul config refuses devices below CUDA compute
+  capability 8.9; the GPU section compares it.
+- **GPT-2**: its projections are `Conv1D`, which the by-hand `nn.Linear` replacement loops above do not
+  cover (transformdsl's `quantize` does); left out of the by-hand comparison.
+"""
+
+
+# ---------------------------------------------------------------------- formatting
+
+def sig(x: float | None, digits: int = 3) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    if x == 0:
+        return "0"
+    return f"{x:.{digits}g}" if abs(x) < 10 ** digits else f"{x:.0f}"
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def times(x: float | None) -> str:
+    return "–" if x is None else f"{x:.2f}×"
+
+
+def ok(row: dict) -> bool:
+    return row.get("status") == "ok"
+
+
+def script_text(comparison) -> str:
+    """Our script as the page shows it (per-model scripts: as written for the medium Flux)."""
+    if isinstance(comparison.script, str):
+        return comparison.script
+    from workloads import flux
+
+    return comparison.script_for(flux("medium", 6))
+
+
+def compared_section(rows: list[dict]) -> str:
+    """Each comparison that ran: our script and the by-hand ways."""
+    lines = []
+    names = dict.fromkeys(r["comparison"] for r in rows if r["comparison"] in BY_NAME)
+    for name in names:
+        c = BY_NAME[name]
+        hands = "; ".join(f"{b.label} (`{b.fn.__name__}`)" for b in c.baselines) or f"none: {c.no_baseline}"
+        lines.append(f"- **{name}**: `{script_text(c)}` — by hand: {hands}")
+    return "\n" + "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------- grouping
+
+def by_workload(rows: list[dict]) -> dict[str, list[dict]]:
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for row in rows:
+        groups[row["workload"]].append(row)
+    return groups
+
+
+def pairs(rows: list[dict]):
+    """(ours, baseline) rows of each comparison on each workload, both measured."""
+    index = {(r["workload"], r["comparison"], r["side"]): r for r in rows}
+    for row in rows:
+        if row["side"] in (OURS, ORIGINAL) or not ok(row):
+            continue
+        ours = index.get((row["workload"], row["comparison"], OURS))
+        if ours and ok(ours):
+            yield ours, row
+
+
+def interleaved(hand: dict) -> float | None:
+    """Ours ÷ by hand latency from calls made in turn in one process (see measure._duel)."""
+    duel = hand.get("duel")
+    return duel.get("ratio") if isinstance(duel, dict) else None
+
+
+def setup_s(row: dict) -> float:
+    """The one-off cost of the transform: for compile, the first call (compilation) included."""
+    compiles = "compile" in row["comparison"]
+    return row["transform_s"] + (row["first_call_s"] if compiles else 0.0)
+
+
+def ratios(ours: dict, hand: dict) -> dict[str, float | None]:
+    """Ours ÷ by hand per metric; latency from the interleaved calls when there are some."""
+    separate = ratio(ours["latency_s"], hand["latency_s"])
+    return {"transform": ratio(setup_s(ours), setup_s(hand)),
+            "weights": ratio(ours["weight_bytes"], hand["weight_bytes"]),
+            "peak RSS": ratio(ours["peak_rss"], hand["peak_rss"]),
+            "latency": interleaved(hand) or separate}
+
+
+def latency_cell(ours: dict, hand: dict) -> str:
+    value = interleaved(hand)
+    return times(value) if value else times(ratio(ours["latency_s"], hand["latency_s"])) + " †"
+
+
+def behind(r: dict[str, float | None]) -> list[str]:
+    return [metric for metric, limit in LIMITS.items() if r.get(metric) is not None and r[metric] > limit]
+
+
+def verdict(r: dict[str, float | None]) -> str:
+    lagging = [m for m in behind(r) if m in ("latency", "weights")]
+    if not lagging:
+        return "yes"
+    return "behind: " + ", ".join(f"{m} +{(r[m] - 1) * 100:.0f}%" for m in lagging)
+
+
+# ---------------------------------------------------------------------- sections
+
+def torchao_line(meta: dict) -> str:
+    """Which torchao the torchao rows used (it is not part of the project's environment)."""
+    from workloads import TORCHAO_SITE
+
+    version = meta.get("torchao_version")
+    if version is None:
+        found = sorted(TORCHAO_SITE.glob("torchao-*.dist-info"))
+        version = found[-1].name.removeprefix("torchao-").removesuffix(".dist-info") if found else None
+    if not meta.get("torchao") or version is None:
+        return ("torchao rows: not measured (torchao is not in the project's environment; "
+                "`pip install --no-deps --target benchmarks/_work/torchao-site torchao` enables them).")
+    return (f"torchao {version} was installed with `--no-deps` into `benchmarks/_work/torchao-site` and put on "
+            "the path of these jobs only (installed in the project's environment, diffusers would import it, "
+            "and torch._dynamo with it, on every import).")
+
+
+def method(meta: dict) -> str:
+    load = "/".join(f"{x:.1f}" for x in meta["load_before"])
+    load_after = "/".join(f"{x:.1f}" for x in meta["load_after"])
+    where = "in this process (smoke run)" if meta["in_process"] else "each in a fresh process"
+    return f"""
+Command: `{meta['command'].strip()}`{' (`make bench`)' if meta['command'].strip().endswith('run.py') else ''} — this run took {meta['seconds']:.0f} s; torch threads: {meta['threads']};
+load average (1/5/15 min) {load} before, {load_after} after (other work on the machine inflates
+times; ratios compare runs made one right after the other).  {torchao_line(meta)}
+
+How each figure is measured ({where}, forked from one server that imported the libraries, so every
+configuration starts from the same memory): the original model is read with `from_pretrained` (random
+weights, seed 0, every byte read) and run once for the reference output; fp8 jobs then cast it to
+bfloat16, as users do.  **transform** is the wall time of `transformdsl.transform(model, script)` or
+of the by-hand code; **first call** the next forward (it includes compilation); **latency** the median
+of the steady forwards after it; **weights** the bytes of every parameter, buffer and state_dict
+tensor (quantization state included), each storage once (for compile, the transform time in the
+ratio tables includes the first call, where compilation happens); **peak RSS** the highest resident memory
+from the start of the transform to the end of the latency runs, and **RSS after** what stays
+resident once freed heap memory is handed back (`malloc_trim`), both above the process's memory before it read the model; **layers** counts modules
+replaced, added or holding low-precision weights; **error** is the RMS of the difference to the
+original fp32 output over the RMS of that output.  Ratios are ours ÷ by hand: below 1 we are
+faster or smaller.  The **latency ratio** comes from calls of our model and of the by-hand one made
+in turn in one process (the by-hand job builds ours too; median of the pair ratios), so that both
+see the same load; a ratio marked † is from the two separate processes instead.
+"""
+
+
+def headline(rows: list[dict]) -> str:
+    lines = []
+    for ours, hand in pairs(rows):
+        r = ratios(ours, hand)
+        lines.append({"model": ours["workload"], "transform": ours["comparison"], "by hand": hand["side"],
+                      "layers (ours/hand)": f"{ours['layers']}/{hand['layers']}",
+                      "transform time": times(r["transform"]), "weights": times(r["weights"]),
+                      "peak RSS": times(r["peak RSS"]), "latency": latency_cell(ours, hand),
+                      "error (ours/hand)": f"{sig(ours['error'], 2)} / {sig(hand['error'], 2)}",
+                      "as fast and as small": verdict(r)})
+    if not lines:
+        return "\nNo comparison could be measured on both sides yet.\n"
+    columns = ["model", "transform", "by hand", "layers (ours/hand)", "transform time", "weights", "peak RSS",
+               "latency", "error (ours/hand)", "as fast and as small"]
+    return "\n" + table(lines, columns) + "\n"
+
+
+def detail(rows: list[dict]) -> str:
+    out = []
+    for workload, group in by_workload(rows).items():
+        original = next((r for r in group if r["side"] == ORIGINAL and ok(r)), None)
+        title = f"\n### {workload}"
+        if original:
+            title += (f" — {sig(original['params'] / 1e6)} M parameters, {sig(original['weight_bytes'] / MB)} MB, "
+                      f"latency {sig(original['latency_s'] * 1e3)} ms, read in {sig(original['read_s'])} s")
+        lines = []
+        for r in group:
+            if r["side"] == ORIGINAL:
+                continue
+            who = "**transformdsl**" if r["side"] == OURS else r["side"]
+            if not ok(r):
+                lines.append({"transform": r["comparison"], "who": who, "status": r["status"]})
+                continue
+            vs_original = ratio(r["latency_s"], original["latency_s"]) if original else None
+            lines.append({"transform": r["comparison"], "who": who, "layers": r["layers"],
+                          "transform s": sig(r["transform_s"]), "first call s": sig(r["first_call_s"]),
+                          "latency ms": sig(r["latency_s"] * 1e3), "latency ÷ original": times(vs_original),
+                          "weights MB": sig(r["weight_bytes"] / MB),
+                          "peak RSS MB": sig(r["peak_rss"] / MB), "RSS after MB": sig(r["rss_after"] / MB),
+                          "error": sig(r["error"], 2), "status": "ok"})
+        out.append(title + "\n\n" + table(lines, ["transform", "who", "layers", "transform s", "first call s",
+                                                   "latency ms", "latency ÷ original", "weights MB", "peak RSS MB",
+                                                   "RSS after MB", "error", "status"]) + "\n")
+    return "".join(out)
+
+
+def unpaired_section(rows: list[dict]) -> str:
+    """Comparisons measured on our side only, and why there is no by-hand way to compare with."""
+    lines = []
+    for comparison in COMPARISONS:
+        measured = sorted({r["workload"] for r in rows if r["comparison"] == comparison.name and r["side"] == OURS})
+        if not measured:
+            continue
+        families = {r["family"] for r in rows if r["comparison"] == comparison.name and r["side"] == OURS}
+        missing = [f for f in sorted(families) if not any(f in b.families for b in comparison.baselines)]
+        if missing and comparison.no_baseline:
+            lines.append(f"- `{comparison.name}` on {', '.join(missing)}: {comparison.no_baseline}; "
+                         "measured against the original model only (tables below).")
+    return ("\nNo by-hand baseline:\n\n" + "\n".join(lines) + "\n") if lines else ""
+
+
+def reload_rows(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if r["side"] == OURS and ok(r) and isinstance(r.get("reload"), dict)]
+
+
+def reload_section(rows: list[dict]) -> str:
+    lines = []
+    for r in reload_rows(rows):
+        re_ = r["reload"]
+        if "status" in re_:
+            lines.append({"model": r["workload"], "script": r["comparison"], "bit-exact": re_["status"]})
+            continue
+        again = r["read_s"] + r["transform_s"]
+        lines.append({"model": r["workload"], "script": r["comparison"], "file MB": sig(re_["file_bytes"] / MB),
+                      "save s": sig(re_["save_s"]), "floor s": sig(re_["floor_s"]), "load s": sig(re_["load_s"]),
+                      "load ÷ floor": times(ratio(re_["load_s"], re_["floor_s"])),
+                      "transform again s": sig(again), "load ÷ again": times(ratio(re_["load_s"], again)),
+                      "bit-exact": "yes" if re_["exact"] else "NO"})
+    if not lines:
+        return "\nNo saved model could be reloaded yet.\n"
+    return "\n" + table(lines, ["model", "script", "file MB", "save s", "floor s", "load s", "load ÷ floor",
+                                "transform again s", "load ÷ again", "bit-exact"]) + "\n"
+
+
+def fit(xs: list[float], ys: list[float]) -> dict:
+    """Least squares ``y = a + b x``, its R², and the exponent of ``y ~ x^k`` (log-log slope)."""
+    n = len(xs)
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    a = my - b * mx
+    ss_tot = sum((y - my) ** 2 for y in ys) or 1e-30
+    r2 = 1 - sum((y - a - b * x) ** 2 for x, y in zip(xs, ys)) / ss_tot
+    lx, ly = [math.log(x) for x in xs], [math.log(max(y, 1e-9)) for y in ys]
+    mlx, mly = statistics.fmean(lx), statistics.fmean(ly)
+    k = sum((x - mlx) * (y - mly) for x, y in zip(lx, ly)) / (sum((x - mlx) ** 2 for x in lx) or 1e-30)
+    return {"intercept": a, "slope": b, "r2": r2, "exponent": k, "n": n}
+
+
+def scaling_points(scaling: list[dict]) -> dict[str, list[dict]]:
+    """Per scaling script, its rows on the Flux widths, smallest first."""
+    points: dict[str, list[dict]] = defaultdict(list)
+    for r in scaling:
+        if ok(r) and "status" not in r.get("reload", {"status": 1}):
+            points[r["comparison"]].append(r)
+    return {k: sorted(v, key=lambda r: r["params"]) for k, v in points.items() if len(v) >= 3}
+
+
+def scaling_section(points: dict[str, list[dict]]) -> str:
+    if not points:
+        return "\nNot enough sizes measured yet.\n"
+    out = []
+    for name, pts in points.items():
+        lines = [{"size": p["size"], "parameters (M)": sig(p["params"] / 1e6), "transform s": sig(p["transform_s"]),
+                  "save s": sig(p["reload"]["save_s"]), "load s": sig(p["reload"]["load_s"]),
+                  "floor s": sig(p["reload"]["floor_s"]),
+                  "transform ms / M params": sig(p["transform_s"] * 1e3 / (p["params"] / 1e6)),
+                  "load ms / M params": sig(p["reload"]["load_s"] * 1e3 / (p["params"] / 1e6))} for p in pts]
+        out.append(f"\n`{script_text(BY_NAME[name])}` on Flux (1 double + 1 single block, heads of 128):\n\n"
+                   + table(lines, list(lines[0])) + "\n")
+        params = [p["params"] / 1e6 for p in pts]
+        for what, ys in (("transform", [p["transform_s"] for p in pts]),
+                         ("load", [p["reload"]["load_s"] for p in pts])):
+            f = fit(params, ys)
+            shape = ("a straight line" if f["r2"] >= 0.98 else
+                     "fixed costs dominate at these sizes" if f["exponent"] < 0.7 else "not a straight line")
+            out.append(f"- {what}: {sig(f['slope'] * 1e3)} ms per million parameters + {sig(f['intercept'] * 1e3)}"
+                       f" ms, R² = {f['r2']:.3f}; growth exponent (log-log slope) {f['exponent']:.2f} "
+                       f"(1 = linear): {shape}\n")
+    return "".join(out)
+
+
+def gpu_section() -> str:
+    page = HERE / "results" / "gpu.md"
+    if page.exists():
+        text = page.read_text()
+        return "\n" + text.split("\n", 1)[1] if text.startswith("# ") else text
+    return ("\nNot yet measured: no GPU was available to this run.  `python benchmarks/gpu.py` on a CUDA "
+            "machine (H100/H200 class; a few minutes) writes `benchmarks/results/gpu.md`, which the next "
+            "`make bench` puts here.\n")
+
+
+def gaps_section(rows: list[dict]) -> str:
+    """Every ratio past its limit, grouped under its explanation (each explanation once)."""
+    groups: dict[str, list[str]] = defaultdict(list)
+    for ours, hand in pairs(rows):
+        r = ratios(ours, hand)
+        for metric in behind(r):
+            why = note(ours["comparison"], hand["side"], metric) or "Not explained yet."
+            groups[why].append(f"  - {ours['workload']}, {ours['comparison']} vs {hand['side']}: "
+                               f"{metric} {times(r[metric])}")
+    if not groups:
+        return "\nNowhere: on every measured comparison we are within the margins above.\n"
+    return "".join(f"\n- {why}\n" + "\n".join(lines) + "\n" for why, lines in groups.items())
+
+
+def status_section(rows: list[dict]) -> str:
+    missing = sorted({(r["comparison"], r["side"], r["status"]) for r in rows if not ok(r)})
+    if not missing:
+        return ""
+    lines = [f"- {c} ({'transformdsl' if s == OURS else s}): {st}" for c, s, st in missing]
+    return "\n### Rows that could not be measured\n\n" + "\n".join(dict.fromkeys(lines)) + "\n"
+
+
+# ---------------------------------------------------------------------- page
+
+def write_report(rows: list[dict], scaling: list[dict], meta: dict, out: Path) -> Path:
+    """Write ``out/RESULTS.md`` and ``out/charts/*.png``; return the page's path."""
+    import charts
+
+    out.mkdir(parents=True, exist_ok=True)
+    points = scaling_points(scaling)
+    figures = charts.draw_all(rows, points, out / "charts")
+    text = header("Benchmarks: transformdsl against doing it by hand", meta.get("measured_at"), meta["threads"])
+    text += method(meta)
+    text += "\n## What is compared\n" + compared_section(rows)
+    text += "\n## Ours ÷ by hand, at realistic width\n"
+    text += headline([r for r in rows if r["size"] != "tiny"])
+    for name in ("ratios", "ratios-medium"):
+        if name in figures:
+            text += f"\n![ours ÷ by hand]({figures[name]})\n"
+    text += "\n## Ours ÷ by hand, tiny built-in models\n"
+    text += "\nOn models this small, fixed per-call costs (hooks, Python dispatch) dominate the latency.\n"
+    text += headline([r for r in rows if r["size"] == "tiny"])
+    text += unpaired_section(rows)
+    text += "\n## Where we are behind, and why\n" + gaps_section([r for r in rows if r["size"] != "tiny"])
+    text += ("\nOn the tiny models (not listed here) every figure is a few milliseconds: our transform "
+             "time there is mostly planning (validation, the module-tree snapshot), a fixed cost, and "
+             "latencies move with the load of the machine.\n")
+    text += "\n## Every configuration\n" + detail(rows) + status_section(rows)
+    text += ("\n## Reload against the floor and against transforming again\n\n"
+             "**floor**: `safetensors.torch.load_file` of the same files (reading the same bytes); **load**: "
+             "`transformdsl.load(dir)` (it maps the file), then every byte read on both sides; **transform again**: "
+             "`from_pretrained` of the original (every byte read) plus the transform time above.\n")
+    text += reload_section(rows)
+    if "reload" in figures:
+        text += f"\n![reload]({figures['reload']})\n"
+    text += "\n## Cost against model size\n" + scaling_section(points)
+    if "scaling" in figures:
+        text += f"\n![scaling]({figures['scaling']})\n"
+    text += "\n## GPU\n" + gpu_section()
+    text += "\n## Not measured\n\n" + NOT_MEASURED
+    text += f"\nComparisons are declared in `benchmarks/comparisons.py` ({len(COMPARISONS)} entries), the by-hand "
+    text += "code in `benchmarks/baselines.py`; raw numbers in `results/run.json`.\n"
+    page = out / "RESULTS.md"
+    page.write_text(text)
+    return page

@@ -1,0 +1,61 @@
+"""The benchmark harness (benchmarks/run.py) runs end to end on its smallest configuration.
+
+In this process, on the tiny Flux, one comparison (``quantize int8`` against bitsandbytes by
+hand): the page, the raw numbers and the reload check are produced.  No timing is asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+@pytest.fixture
+def harness(tmp_path, monkeypatch):
+    """The benchmark modules, with their working folder in tmp_path and torch's threads restored."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import run
+    import workloads
+
+    monkeypatch.setattr(workloads, "WORK", tmp_path / "work")
+    threads = torch.get_num_threads()
+    with warnings.catch_warnings():
+        yield run
+    torch.set_num_threads(threads)
+
+
+def test_smallest_configuration_runs(harness, tmp_path):
+    out = tmp_path / "out"
+    page = harness.main(["--quick", "--in-process", "--only", "quantize int8", "--repeats", "1", "--out", str(out)])
+
+    data = json.loads((out / "results" / "run.json").read_text())
+    rows = {row["side"]: row for row in data["rows"]}
+    assert set(rows) == {"original", "transformdsl", "bitsandbytes Linear8bitLt by hand"}
+    for row in rows.values():
+        assert row["status"] == "ok" or row["status"].startswith("not available yet"), row.get("traceback")
+    ours, by_hand = rows["transformdsl"], rows["bitsandbytes Linear8bitLt by hand"]
+    if ours["status"] == "ok":
+        assert ours["layers"] == by_hand["layers"]  # the same job on both sides
+        assert ours["reload"]["exact"] is True
+        assert ours["error"] < 0.05 and by_hand["error"] < 0.05
+
+    text = page.read_text()
+    assert text.startswith("# Benchmarks")
+    assert "| flux-tiny | quantize int8 |" in text
+    assert "## GPU" in text
+
+
+def test_gpu_script_skips_without_cuda(harness, tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: gpu.py would run for minutes")
+    import gpu
+
+    assert gpu.main(["--out", str(tmp_path)]) is None
+    assert "skipped" in capsys.readouterr().out
+    assert not list(tmp_path.iterdir())
