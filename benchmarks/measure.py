@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 import workloads
+from common import median_time
 from comparisons import BY_NAME, Comparison
 from workloads import Workload
 
@@ -198,14 +199,7 @@ def _best_of(fn, repeats: int) -> float:
 
 def latency(fn, repeats: int, warmup: int) -> float:
     """Median wall time of ``fn()`` in seconds over ``repeats`` calls, after ``warmup`` calls."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_time(fn, repeats=repeats, warmup=warmup)
 
 
 # ---------------------------------------------------------------------- the job
