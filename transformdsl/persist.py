@@ -497,6 +497,19 @@ def _rebuild_options(cls, values: dict, path: Path, key: str, common: bool = Fal
         raise LoadError(f"{path}: step '{key}' has invalid options: {exc}") from None
 
 
+@contextlib.contextmanager
+def _step_errors(meta_path: Path, raw: dict, what: str, where: str = ""):
+    """Turn a transform's failure while loading into a LoadError naming the step."""
+    try:
+        yield
+    except LoadError:
+        raise
+    except Exception as exc:
+        place = f" {where}" if where else ""
+        raise LoadError(f"{meta_path}: {what} '{raw['key']}' (line {raw.get('line')}){place}: "
+                        f"{type(exc).__name__}: {exc}") from None
+
+
 def load_module(directory: Path, meta: dict, model: Any, device: str | torch.device, mmap: bool = True) -> nn.Module:
     meta_path = directory / META_FILE
     # Headers first: a corrupt file is reported before anything is built, and the
@@ -509,24 +522,14 @@ def load_module(directory: Path, meta: dict, model: Any, device: str | torch.dev
         cls = registry.get(raw["key"])
         options = _rebuild_options(cls, raw["options"], meta_path, raw["key"])
         _rebuild_options(cls, raw["common"], meta_path, raw["key"], common=True)
-        try:
+        with _step_errors(meta_path, raw, "cannot replay", "on this architecture"):
             cls.rebuild(skeleton, raw["record"], options)
-        except LoadError:
-            raise
-        except Exception as exc:
-            raise LoadError(f"{meta_path}: cannot replay '{raw['key']}' (line {raw.get('line')}) on this "
-                            f"architecture: {type(exc).__name__}: {exc}") from None
         steps.append((cls, raw, options))
     tensors = _read_tensors(directory, meta, device, mmap and torch.device(device).type == "cpu")
     _assign(skeleton, tensors, meta, directory)
     for cls, raw, options in steps:
-        try:
+        with _step_errors(meta_path, raw, "cannot finish"):
             cls.finalize(skeleton, raw["record"], options)
-        except LoadError:
-            raise
-        except Exception as exc:
-            raise LoadError(f"{meta_path}: cannot finish '{raw['key']}' (line {raw.get('line')}): "
-                            f"{type(exc).__name__}: {exc}") from None
     left = [n for n, t in list(skeleton.named_parameters()) + list(skeleton.named_buffers()) if t.is_meta]
     if left:
         raise LoadError(f"{directory}: the saved tensors do not cover {len(left)} tensor(s) of the model: "

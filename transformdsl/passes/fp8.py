@@ -667,25 +667,21 @@ class FP8Storage(Transform):
             _set(root, path, _empty(root.get_submodule(path), spec["kind"], fmt, compute))
 
 
+def _layer_class(kind: str) -> type[FP8Module]:
+    """The fp8 module class for a layer kind (``linear``, ``conv``, ``embedding``, ``conv1d``)."""
+    return {"linear": FP8Linear, "conv": FP8Conv, "embedding": FP8Embedding}.get(kind, FP8Conv1D)
+
+
 def _convert(old: nn.Module, kind: str, fmt: torch.dtype, compute: torch.dtype) -> FP8Module:
     """A new fp8 module computed from ``old`` (which is left untouched)."""
-    if kind == "linear":
-        return FP8Linear.from_linear(old, fmt, compute)
-    if kind == "conv":
-        return FP8Conv.from_conv(old, fmt, compute)
-    if kind == "embedding":
-        return FP8Embedding.from_embedding(old, fmt, compute)
-    return FP8Conv1D.from_conv1d(old, fmt, compute)
+    build = {FP8Linear: FP8Linear.from_linear, FP8Conv: FP8Conv.from_conv,
+             FP8Embedding: FP8Embedding.from_embedding, FP8Conv1D: FP8Conv1D.from_conv1d}[_layer_class(kind)]
+    return build(old, fmt, compute)
 
 
 def _empty(old: nn.Module, kind: str, fmt: torch.dtype, compute: torch.dtype) -> FP8Module:
-    if kind == "linear":
-        return FP8Linear.empty(old, fmt, compute)
-    if kind == "conv":
-        return FP8Conv.empty(old, fmt, compute)
-    if kind == "embedding":
-        return FP8Embedding.empty(old, fmt, compute)
-    return FP8Conv1D.empty(old, fmt, compute)
+    """The same structure, nothing computed (for loading)."""
+    return _layer_class(kind).empty(old, fmt, compute)
 
 
 # --------------------------------------------------------------------------- fp8 native
