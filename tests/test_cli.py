@@ -172,7 +172,7 @@ def test_inspect_not_a_save(capsys, tmp_path):
 def test_help(capsys):
     status, out, _ = cli(capsys, "--help")
     assert status == 0
-    assert out.startswith("usage: transformdsl [-h] COMMAND ...")
+    assert out.startswith("usage: transformdsl [-h] [--version] COMMAND ...")
     for command in ("check", "explain", "apply", "inspect", "demo"):
         assert command in out
 

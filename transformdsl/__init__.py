@@ -7,36 +7,49 @@
 
 Public surface: :func:`parse`, :func:`plan`, :func:`transform`, :func:`save`, :func:`load`
 and the errors :class:`TransformError`, :class:`ScriptError`, :class:`LoadError`.
+
+``import transformdsl`` imports neither torch nor the model libraries: each public name is the
+function itself (same signature, same docstring: ``help(transformdsl.transform)`` shows every
+parameter), imported from its module the first time it is used.
 """
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING
+
 from .errors import LoadError, ScriptError, TransformError
-from .parser import parse
-from .planner import Plan, plan
 
 __version__ = "0.1.0"
 
+#: public name -> the module that defines it (imported on first access).
+_LAZY = {
+    "parse": "parser",
+    "plan": "planner",
+    "Plan": "planner",
+    "transform": "executor",
+    "save": "persist",
+    "load": "persist",
+}
 
-def transform(model, script, **kwargs):
-    """Validate, plan and execute ``script`` on ``model``; see :func:`transformdsl.executor.transform`."""
-    from .executor import transform as _transform
-
-    return _transform(model, script, **kwargs)
-
-
-def save(model, directory, **kwargs):
-    """Save a transformed model; see :func:`transformdsl.persist.save`."""
-    from .persist import save as _save
-
-    return _save(model, directory, **kwargs)
+if TYPE_CHECKING:  # pragma: no cover
+    from .executor import transform
+    from .parser import parse
+    from .persist import load, save
+    from .planner import Plan, plan
 
 
-def load(directory, model=None, **kwargs):
-    """Load a saved model; see :func:`transformdsl.persist.load`."""
-    from .persist import load as _load
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups are plain attribute reads
+    return value
 
-    return _load(directory, model=model, **kwargs)
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 
 __all__ = ["parse", "plan", "transform", "save", "load", "Plan",

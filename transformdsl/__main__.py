@@ -1,5 +1,12 @@
 """``python -m transformdsl`` is the ``transformdsl`` command."""
 
-from .cli import main
+import sys
 
-raise SystemExit(main())
+try:
+    from .cli import main
+
+    status = main()
+except KeyboardInterrupt:  # Ctrl-C while the command line itself is being imported
+    print("interrupted", file=sys.stderr)
+    status = 130
+raise SystemExit(status)

@@ -36,6 +36,12 @@ def _read_script(path: str):
 def _model(spec: str):
     from .models import resolve_model
 
+    directory = os.path.expanduser(spec)
+    if os.path.isfile(os.path.join(directory, "transformdsl.json")):
+        # A transformdsl save (``apply --out``): loaded as `load` would, its transforms replayed.
+        from .persist import load
+
+        return load(directory)
     try:
         return resolve_model(spec)
     except ValueError as exc:
@@ -44,12 +50,13 @@ def _model(spec: str):
 
 
 def cmd_check(args) -> int:
+    from .catalog import transforms
     from .validate import validate
 
     status = 0
     for name in args.files:
         try:
-            validated = validate(_read_script(name))
+            validated = validate(_read_script(name), transforms())  # the declarations only: no torch
         except ScriptError as exc:
             _err(str(exc))
             status = 1
@@ -87,6 +94,8 @@ def cmd_apply(args) -> int:
         save(model, args.out)
         if not args.quiet:
             print(f"saved to {args.out}")
+    else:
+        _err("note: no --out DIR given: the transformed model was checked and discarded, not saved")
     return 0
 
 
@@ -188,7 +197,10 @@ def cmd_demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="transformdsl", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("check", help="parse and validate scripts (no model needed)")
@@ -208,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", metavar="FILE")
     p.add_argument("--model", required=True, metavar="SPEC", help=model_help)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="no warnings or progress bars from the model libraries")
     p.set_defaults(func=cmd_explain)
 
     p = sub.add_parser("apply", help="transform a model and save it")
@@ -217,7 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true",
                    help="compare the model's output on a sample input before and after; fail (and leave the "
                         "model unchanged) if it moved beyond the script's error bound")
-    p.add_argument("-q", "--quiet", action="store_true")
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="print only errors: no plan, no per-statement lines, no progress bars, no warnings "
+                        "from the model libraries")
     p.set_defaults(func=cmd_apply)
 
     p = sub.add_parser("inspect", help="show what a saved model contains")
@@ -233,11 +249,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _quiet_libraries() -> None:
+    """``-q``: no progress bars, warnings or info lines from transformers, diffusers, torch and friends."""
+    import logging
+    import warnings
+
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+    os.environ["DIFFUSERS_VERBOSITY"] = "error"
+    os.environ["TQDM_DISABLE"] = "1"
+    os.environ["PYTHONWARNINGS"] = "ignore"  # for any subprocess (compile workers)
+    warnings.simplefilter("ignore")
+    logging.disable(logging.WARNING)
+
+
 def main(argv: list[str] | None = None) -> int:
-    _offline()
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    """Run the command line; returns the exit status (130 after Ctrl-C, with one line on stderr)."""
     try:
+        _offline()
+        args = build_parser().parse_args(argv)
+        if getattr(args, "quiet", False):
+            _quiet_libraries()
         return args.func(args)
     except ScriptError as exc:
         _err(str(exc))

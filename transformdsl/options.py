@@ -12,24 +12,32 @@ import dataclasses
 from dataclasses import MISSING, dataclass, field
 from typing import Any
 
-import torch
-
 from .errors import Problem, did_you_mean
 from .ir import Statement
 
-#: Spellings accepted for dtype options, and the torch dtype they mean.
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
+#: Spellings accepted for dtype options, and the canonical name each one means.  Torch-free, so
+#: that validating a script (``transformdsl check``) never imports torch.
+DTYPE_NAMES: dict[str, str] = {
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
 }
 
-DTYPE_CANONICAL = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+def __getattr__(name: str):
+    # ``DTYPES`` (spelling -> torch dtype) imports torch on first use only.
+    if name == "DTYPES":
+        import torch
+
+        table = {spelling: getattr(torch, canonical) for spelling, canonical in DTYPE_NAMES.items()}
+        globals()["DTYPES"] = table
+        return table
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def option(default: Any, doc: str, *, choices: tuple | None = None, min: float | None = None,
@@ -120,10 +128,10 @@ def coerce(f: dataclasses.Field, value: Any) -> Any:
     meta = f.metadata
     kind = meta.get("kind") or _type_name(f.type)
     if kind == "dtype":
-        if not isinstance(value, str) or value.lower() not in DTYPES:
-            raise ValueError(f"expected a dtype ({', '.join(sorted(set(DTYPE_CANONICAL.values())))}), got {value!r}"
-                             + (did_you_mean(str(value), DTYPES) if isinstance(value, str) else ""))
-        value = DTYPE_CANONICAL[DTYPES[value.lower()]]
+        if not isinstance(value, str) or value.lower() not in DTYPE_NAMES:
+            raise ValueError(f"expected a dtype ({', '.join(sorted(set(DTYPE_NAMES.values())))}), got {value!r}"
+                             + (did_you_mean(str(value), DTYPE_NAMES) if isinstance(value, str) else ""))
+        value = DTYPE_NAMES[value.lower()]
     elif kind == "bool":
         if not isinstance(value, bool):
             raise ValueError(f"expected true or false, got {value!r}")

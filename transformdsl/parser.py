@@ -53,6 +53,8 @@ def parse(text: str, filename: str | None = None) -> Script:
     """
     if not isinstance(text, str):
         raise TypeError(f"parse() takes script text (str), not {type(text).__name__}")
+    # A UTF-8 byte-order mark (some Windows editors write one) is not part of the script.
+    text = text.removeprefix("\ufeff")
     if len(text) > MAX_SCRIPT_CHARS:
         span = Span(filename, 1, 1, 1, 2)
         raise ScriptError([Problem(f"script is {len(text)} characters; the limit is {MAX_SCRIPT_CHARS}", [span])], text)

@@ -20,9 +20,16 @@ def register(cls: type[Transform]) -> type[Transform]:
     return cls
 
 
-def _load() -> dict[str, type[Transform]]:
-    from . import passes  # noqa: F401  (importing registers every pass)
+_loaded = False
 
+
+def _load() -> dict[str, type[Transform]]:
+    global _loaded
+    if not _loaded:
+        from .passes import load_all
+
+        load_all()  # importing a pass module registers its transforms
+        _loaded = True
     return _TRANSFORMS
 
 
@@ -36,8 +43,13 @@ def get(key: str) -> type[Transform] | None:
 
 def verbs() -> dict[str, list[str | None]]:
     """verb → its modes (``None`` for the mode-less form)."""
+    return verbs_of(_load())
+
+
+def verbs_of(transforms: dict[str, type[Transform]]) -> dict[str, list[str | None]]:
+    """verb → its modes, among ``transforms`` (registry key → class)."""
     out: dict[str, list[str | None]] = {}
-    for cls in _load().values():
+    for cls in transforms.values():
         out.setdefault(cls.verb, []).append(cls.mode)
     return out
 

@@ -6,6 +6,7 @@ Every problem in the script is collected and reported together in one :class:`Sc
 from __future__ import annotations
 
 import heapq
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from . import registry
@@ -24,15 +25,16 @@ class ValidatedScript:
     steps: tuple[Transform, ...]
 
 
-def bind(statement: Statement, problems: list[Problem]) -> Transform | None:
+def bind(statement: Statement, problems: list[Problem],
+         transforms: Mapping[str, type[Transform]] | None = None) -> Transform | None:
     """The transform instance for one statement, or ``None`` (problems appended)."""
-    verbs = registry.verbs()
+    verbs = registry.verbs() if transforms is None else registry.verbs_of(transforms)
     if statement.verb not in verbs:
         problems.append(Problem(f"unknown verb '{statement.verb}'{did_you_mean(statement.verb, verbs)}",
                                 [statement.verb_span], hint="verbs: " + ", ".join(sorted(verbs))))
         return None
     modes = verbs[statement.verb]
-    cls = registry.get(statement.key)
+    cls = registry.get(statement.key) if transforms is None else transforms.get(statement.key)
     if cls is None:
         named = sorted(m for m in modes if m)
         if statement.mode is None:
@@ -53,13 +55,15 @@ def bind(statement: Statement, problems: list[Problem]) -> Transform | None:
     return cls(statement, options, common)
 
 
-def validate(script: Script) -> ValidatedScript:
+def validate(script: Script, transforms: Mapping[str, type[Transform]] | None = None) -> ValidatedScript:
     """Bind every statement, check pairwise rules and order the statements.
 
+    ``transforms`` (registry key → class) defaults to the registry; ``transformdsl check`` passes
+    :func:`transformdsl.catalog.transforms`, the same declarations without torch.
     Raises :class:`ScriptError` listing every problem found.
     """
     problems: list[Problem] = []
-    bound = [bind(s, problems) for s in script.statements]
+    bound = [bind(s, problems, transforms) for s in script.statements]
     transforms = [t for t in bound if t is not None]
     for a in transforms:
         for b in transforms:

@@ -39,6 +39,7 @@ from ..options import option
 from ..registry import register
 from ..tree import ModuleInfo, ModuleTree
 from .base import ApplyContext, Transform
+from .option_rules import NativeOptions  # torch-free: `check` runs its rules
 
 #: diffusers' layerwise-casting defaults (``diffusers.hooks.layerwise_casting.DEFAULT_SKIP_MODULES_PATTERN``
 #: in diffusers 0.42: ``("pos_embed", "patch_embed", "norm", "^proj_in$", "^proj_out$")``, matched with
@@ -685,20 +686,6 @@ def _empty(old: nn.Module, kind: str, fmt: torch.dtype, compute: torch.dtype) ->
 
 
 # --------------------------------------------------------------------------- fp8 native
-
-
-@dataclass(frozen=True)
-class NativeOptions:
-    scaling: str = option("tensor", "weight/activation scale granularity", choices=("tensor", "row"))
-    activation: str = option("dynamic", "how activations are scaled", choices=("dynamic",))
-    compute: str = option("bfloat16", "output dtype of the fp8 matmul", kind="dtype")
-    strict: bool = option(False, "error instead of upcasting where the device has no fp8 matmul")
-
-    def __post_init__(self):
-        # Row-wise scaling runs CUTLASS's f8f8bf16_rowwise on sm89: bfloat16 output only.
-        if self.scaling == "row" and self.compute != "bfloat16":
-            raise ValueError(f"scaling=row needs compute=bfloat16 (the row-wise fp8 kernels write bfloat16), "
-                             f"got compute={self.compute}")
 
 
 @register

@@ -32,6 +32,7 @@ from ..options import DTYPES, option
 from ..registry import register
 from ..tree import ModuleInfo, ModuleTree
 from .base import ApplyContext, Transform
+from .option_rules import HQQOptions  # torch-free: `check` runs its rules
 
 #: Linear layers (GPT-2's transposed ``Conv1D`` included).
 LINEAR_TARGETS = ("Linear", "Conv1D")
@@ -343,20 +344,6 @@ class FP4Quantization(_FourBit):
 
 #: Rows of quantized values hqq packs into one stored row, per bit width (3-bit: 10 per int32).
 _HQQ_ROWS_PER_PACK = {1: 8, 2: 4, 3: 10, 4: 2, 8: 1}
-
-
-@dataclass(frozen=True)
-class HQQOptions:
-    bits: int = option(4, "bits per weight", choices=(1, 2, 3, 4, 8))
-    group_size: int = option(64, "weights per quantization group (a multiple of 8 that divides in_features)", min=8)
-    axis: int = option(1, "axis the groups run along (1: along a row's inputs; 0: down a column)", choices=(0, 1))
-    compute: str = option("float32", "dtype the matmul runs in", kind="dtype")
-
-    def __post_init__(self):
-        if self.group_size % 8:
-            below = max(8, self.group_size // 8 * 8)
-            raise ValueError(f"hqq group_size must be a multiple of 8, got {self.group_size}; "
-                             f"try {below} or {below + 8}")
 
 
 @register

@@ -1,0 +1,192 @@
+"""What a new user meets in the first hour (issue 14): an instant command line, honest messages.
+
+The command line is run in subprocesses where what is measured is the process itself (which
+modules it imports, how it answers Ctrl-C), in-process otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from golden import EXAMPLES
+
+import transformdsl
+from transformdsl import catalog
+from transformdsl.cli import main
+from transformdsl.errors import ScriptError
+from transformdsl.parser import parse, parse_file
+from transformdsl.validate import validate
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+
+
+def cli(capsys, *argv) -> tuple[int, str, str]:
+    try:
+        status = main([str(a) for a in argv])
+    except SystemExit as exit_:
+        status = exit_.code
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+# --------------------------------------------------------------------------- an instant command line
+
+#: Runs the command line in a fresh interpreter, then reports which heavy libraries it imported.
+_PROBE = """
+import sys
+from transformdsl.cli import main
+try:
+    status = main(sys.argv[1:])
+except SystemExit as exit_:
+    status = exit_.code
+heavy = sorted(m for m in ("torch", "diffusers", "transformers", "bitsandbytes", "hqq", "numpy")
+               if m in sys.modules)
+print("IMPORTED", ",".join(heavy), file=sys.stderr)
+sys.exit(status)
+"""
+
+
+@pytest.mark.parametrize("argv", [
+    ["check", *sorted(str(p) for p in EXAMPLES.glob("*.tfm"))],
+    ["fmt", "--check", *sorted(str(p) for p in EXAMPLES.glob("*.tfm"))],
+    ["--help"],
+    ["--version"],
+    ["check", "--help"],
+], ids=["check", "fmt", "help", "version", "check-help"])
+def test_light_commands_import_no_model_library(argv):
+    done = subprocess.run([sys.executable, "-c", _PROBE, *argv], capture_output=True, text=True, env=ENV,
+                          cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == "IMPORTED", done.stderr
+
+
+def test_import_transformdsl_imports_no_torch():
+    code = "import sys, transformdsl; transformdsl.parse('quantize int8'); sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], env=ENV, cwd=ROOT, timeout=60).returncode == 0
+
+
+def test_public_functions_show_their_real_signatures_and_docs():
+    from transformdsl import executor, persist, planner
+
+    assert transformdsl.transform is executor.transform
+    assert transformdsl.save is persist.save and transformdsl.load is persist.load
+    assert transformdsl.plan is planner.plan and transformdsl.Plan is planner.Plan
+    parameters = inspect.signature(transformdsl.transform).parameters
+    assert {"model", "script", "progress", "log", "verify", "verify_inputs"} <= set(parameters)
+    assert "max_shard_size" in inspect.signature(transformdsl.save).parameters
+    assert {"device", "mmap", "model"} <= set(inspect.signature(transformdsl.load).parameters)
+    for name in ("parse", "plan", "transform", "save", "load"):
+        function = getattr(transformdsl, name)
+        assert "kwargs" not in str(inspect.signature(function)), name
+        assert len(inspect.getdoc(function)) > 80, name
+    assert set(transformdsl.__all__) <= set(dir(transformdsl))
+
+
+def test_version(capsys):
+    status, out, _ = cli(capsys, "--version")
+    assert (status, out) == (0, f"transformdsl {transformdsl.__version__}\n")
+
+
+# --------------------------------------------------------------------------- the catalog `check` uses
+
+
+def test_catalog_matches_the_registry():
+    on_disk = json.loads(catalog.PATH.read_text(encoding="utf-8"))
+    assert on_disk == json.loads(json.dumps(catalog.generate())), (
+        "transformdsl/catalog.json is out of date: run `python -m transformdsl.catalog --write`")
+
+
+_SCRIPTS = [
+    "fp8 native scaling=row compute=float16",
+    "quantize hqq group_size=12 bits=5\nquantize hqq group_size=64 compute=bf16",
+    "compile\ncompile regional in x",
+    "quantize int9\nfuse qkvv\nfrobnicate",
+    "quantize int8 threshold=-1 has_fp16_weights=maybe",
+    "fp8 storage dtype=e4m3 compute=half\nfp8 native\ncompile fullgraph=true mode=max-autotune",
+    "fuse qkv\nquantize nf4 compute=bfloat16 double_quant=true component=unet default_except=false",
+    "compile regional",
+    "fuse bias_act_dropout backend=triton",
+]
+
+
+@pytest.mark.parametrize("text", _SCRIPTS + [p.read_text() for p in sorted(EXAMPLES.glob("*.tfm"))])
+def test_catalog_validates_exactly_as_the_registry(text):
+    def outcome(transforms):
+        try:
+            validated = validate(parse(text), transforms)
+        except ScriptError as exc:
+            return str(exc)
+        return [(t.key(), dataclasses.asdict(t.options), t.common, t.statement) for t in validated.steps]
+
+    declared = outcome(catalog.transforms())
+    assert declared == outcome(None)
+
+
+# --------------------------------------------------------------------------- input and exits
+
+
+def test_a_byte_order_mark_is_accepted(tmp_path, capsys):
+    path = tmp_path / "bom.tfm"
+    path.write_bytes("\ufefffuse qkv in *Attention\nquantize int8\n".encode())
+    assert [s.key for s in parse_file(path).statements] == ["fuse qkv", "quantize int8"]
+    assert cli(capsys, "check", path)[0] == 0
+    bad = tmp_path / "bad.tfm"
+    bad.write_bytes("\ufeffquantize int9\n".encode())
+    status, _, err = cli(capsys, "check", bad)
+    assert status == 1 and err.startswith(f"{bad}:1:10: unknown mode 'int9'")
+
+
+def test_every_example_is_in_canonical_form(capsys):
+    status, out, _ = cli(capsys, "fmt", "--check", *sorted(EXAMPLES.glob("*.tfm")))
+    assert (status, out) == (0, "")
+
+
+# From the first line of transformdsl on (the interpreter's own start-up, before any of it runs, is Python's).
+@pytest.mark.parametrize("delay", [0.4, 1.2, 3.0])
+def test_ctrl_c_at_any_moment_exits_130_with_one_line(delay):
+    process = subprocess.Popen([sys.executable, "-m", "transformdsl", "explain", str(EXAMPLES / "demo.tfm"),
+                                "--model", "gpt2"], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    time.sleep(delay)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=120)
+    if process.returncode == 0:  # finished before the signal: nothing to check
+        pytest.skip("the command finished first")
+    assert (process.returncode, err) == (130, "interrupted\n")
+
+
+def test_quiet_silences_the_model_libraries(tmp_path):
+    # Building the tiny pipeline makes transformers warn (torchvision) and reloading it makes
+    # diffusers draw a progress bar: -q shows neither.
+    out = tmp_path / "sd"
+    for argv in (["apply", "-q", EXAMPLES / "sd_pipeline.tfm", "--model", "sd-pipeline", "--out", out],
+                 ["explain", "-q", EXAMPLES / "sd_pipeline.tfm", "--model", out]):
+        done = subprocess.run([sys.executable, "-m", "transformdsl", *map(str, argv)], capture_output=True,
+                              text=True, env=ENV, cwd=ROOT, timeout=300)
+        assert (done.returncode, done.stderr) == (0, ""), argv
+
+
+def test_apply_without_out_says_the_result_is_discarded(capsys):
+    status, out, err = cli(capsys, "apply", EXAMPLES / "gpt2_int8.tfm", "--model", "gpt2")
+    assert status == 0 and "line 6: quantize int8 threshold=6.0" in out
+    assert err == "note: no --out DIR given: the transformed model was checked and discarded, not saved\n"
+
+
+def test_model_may_be_a_transformdsl_save(capsys, tmp_path):
+    saved = tmp_path / "gpt2-int8"
+    assert cli(capsys, "apply", "-q", EXAMPLES / "gpt2_int8.tfm", "--model", "gpt2", "--out", saved)[0] == 0
+    status, out, err = cli(capsys, "explain", "--json", EXAMPLES / "gpt2_int8.tfm", "--model", saved)
+    # The save is loaded with its transforms: its layers are int8 already, so nothing is left to do.
+    assert (status, err) == (0, "")
+    step = json.loads(out)["steps"][0]
+    assert step["targets"] == [] and len(step["skipped"]) == 8
