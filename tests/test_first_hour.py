@@ -7,6 +7,7 @@ modules it imports, how it answers Ctrl-C), in-process otherwise.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import json
 import os
@@ -190,3 +191,161 @@ def test_model_may_be_a_transformdsl_save(capsys, tmp_path):
     assert (status, err) == (0, "")
     step = json.loads(out)["steps"][0]
     assert step["targets"] == [] and len(step["skipped"]) == 8
+
+
+# --------------------------------------------------------------------------- hints that work
+
+
+def apply_hint(text: str, hint: str) -> str:
+    """The script with a checked hint's edits made ("add 'except X' to line 1 and 'in X' to line 2")."""
+    import re
+
+    lines = text.splitlines()
+    for clause, selectors, line in re.findall(r"'(except|in) ([^']+)' to line (\d+)", hint):
+        lines[int(line) - 1] += f" {clause} {selectors}"
+    return "\n".join(lines)
+
+
+@functools.cache
+def tiny(name: str):
+    from transformdsl.models import BUILTIN
+
+    return BUILTIN[name]()
+
+
+@pytest.mark.parametrize("model, text", [
+    ("flux", "quantize int8\nquantize nf4"),
+    ("flux", "quantize int8 except norm\nfp8 native Linear in transformer_blocks.*"),
+    ("llama", "quantize int8\nquantize nf4 in model.layers.1"),
+    ("flux", "fp8 storage in transformer_blocks\nquantize nf4"),
+    ("llama", "quantize hqq\nquantize int8 in *Attention"),
+])
+def test_a_conflict_gets_one_hint_and_it_works(model, text):
+    with pytest.raises(ScriptError) as info:
+        transformdsl.plan(tiny(model), text)
+    (problem,) = info.value.problems
+    assert problem.hint.endswith("(checked: the script then plans)"), problem.hint
+    fixed = transformdsl.plan(tiny(model), apply_hint(text, problem.hint))
+    assert all(step.targets for step in fixed.steps)
+
+
+def test_int8_and_nf4_on_flux_split_the_model_in_one_round():
+    with pytest.raises(ScriptError) as info:
+        transformdsl.plan(tiny("flux"), "quantize int8\nquantize nf4")
+    assert info.value.problems[0].hint == (
+        "split the model between them: add 'except transformer_blocks.*' to line 1 and 'in transformer_blocks.*' "
+        "to line 2 (checked: the script then plans)")
+
+
+def test_the_documented_conflict_fix_is_the_one_suggested():
+    with pytest.raises(ScriptError) as info:
+        transformdsl.plan(tiny("flux"), "quantize int8 except norm\nfp8 native Linear in transformer_blocks.*")
+    assert info.value.problems[0].hint.startswith("add 'except transformer_blocks.*' to line 1")
+
+
+@pytest.mark.parametrize("model, text, first", [
+    ("llama", "compile regional in *TransformerBlock", "*DecoderLayer"),
+    ("gpt2", "compile regional in *TransformerBlock", "GPT2Block"),
+    ("flux", "quantize int8 in nothing_here", "transformer_blocks.*"),
+    ("llama", "quantize int8 in nothing_here", "layers"),
+    ("flux", "quantize int8 except nrm", "norm"),
+])
+def test_selector_suggestions_cover_class_globs_and_scopes_and_all_work(model, text, first):
+    with pytest.raises(ScriptError) as info:
+        transformdsl.plan(tiny(model), text)
+    (problem,) = info.value.problems
+    names = problem.hint.removeprefix("nearest names: ").split(", ")
+    assert names[0] == first
+    wrong = problem.message.split("'")[1]
+    for name in names:
+        assert transformdsl.plan(tiny(model), text.replace(wrong, name)).steps[0].targets, name
+
+
+def test_an_except_offered_for_unsuitable_modules_works():
+    text = "quantize hqq group_size=64 in *Attention"  # the tiny UNet's attentions: in_features 32 and 64
+    with pytest.raises(ScriptError) as info:
+        transformdsl.plan(tiny("unet"), text)
+    hint = info.value.problems[0].hint
+    if "checked" in hint:
+        assert transformdsl.plan(tiny("unet"), apply_hint(text, hint)).steps[0].targets
+    else:
+        assert hint == "change the options (no 'except' leaves this statement something to do)"
+
+
+# --------------------------------------------------------------------------- statements that change nothing
+
+NOOP = "fuse qkv in *Attention\nquantize int8 except norm, transformer_blocks"
+
+
+def test_a_statement_that_changes_nothing_warns_and_strict_refuses():
+    from transformdsl.executor import NothingToDoWarning
+    from transformdsl.models import BUILTIN
+
+    model = BUILTIN["flux"]()
+    with pytest.warns(NothingToDoWarning, match=r"line 2: 'quantize int8 except norm, transformer_blocks' "
+                                                r"changes nothing on this model"):
+        transformdsl.transform(model, NOOP)
+    untouched = BUILTIN["flux"]()
+    before = {k: v.clone() for k, v in untouched.state_dict().items()}
+    with pytest.raises(transformdsl.TransformError, match="strict: nothing was changed"):
+        transformdsl.transform(untouched, NOOP, strict=True)
+    assert all(v.equal(before[k]) for k, v in untouched.state_dict().items())
+    assert not hasattr(untouched.transformer_blocks[0].attn, "to_qkv")
+
+
+def test_apply_warns_on_stderr_and_strict_fails(capsys, tmp_path):
+    path = tmp_path / "noop.tfm"
+    path.write_text(NOOP + "\n")
+    status, _, err = cli(capsys, "apply", "-q", path, "--model", "flux")
+    assert status == 0
+    assert err.splitlines()[0] == (
+        "warning: line 2: 'quantize int8 except norm, transformer_blocks' changes nothing on this model: its "
+        "exclusions remove every module it selects (default: embed, default: embedder, except norm, except "
+        "transformer_blocks, default: re:^proj_out$) (--strict makes this an error)")
+    status, _, err = cli(capsys, "apply", "-q", "--strict", path, "--model", "flux")
+    assert status == 1 and err.startswith("error: line 2: ")
+
+
+# --------------------------------------------------------------------------- spec.md's scripts do something
+
+
+def _spec_statements() -> list[tuple[int, str]]:
+    import re
+
+    text = (ROOT / "spec.md").read_text()
+    out = []
+    for match in re.finditer(r"^```tfm\n(.*?)^```$", text, flags=re.M | re.S):
+        first = text.count("\n", 0, match.start()) + 2
+        block = match.group(1)
+        if not out:  # the overview: one script
+            out.append((first, block))
+        # Every line on its own too (most blocks list alternatives, one per line).
+        out.extend((first + i, line) for i, line in enumerate(block.splitlines()) if line.split("#")[0].strip())
+    return out
+
+
+#: Statements of spec.md written for an architecture no built-in model has (with the reason).
+_ELSEWHERE = {
+    "fuse bias_dropout_residual_layernorm in encoder.layer.*": "a BERT-style encoder",
+    "fp8 native scaling=row strict=true": "a GPU with fp8 matmul (strict=true refuses the CPU fallback)",
+}
+
+
+@pytest.mark.parametrize("line, text", _spec_statements(), ids=lambda v: f"spec.md:{v}" if isinstance(v, int) else "")
+def test_every_spec_script_changes_something_on_a_builtin_model(line, text):
+    """Each script of spec.md (or each line of a block of alternatives) plans on at least one built-in
+    model with every statement changing something: none can silently do nothing."""
+    if text.split("#")[0].strip() in _ELSEWHERE:
+        pytest.skip(_ELSEWHERE[text.split("#")[0].strip()])
+    tried = []
+    for model in ("flux", "sd3", "unet", "llama", "gpt2", "sd-pipeline"):
+        try:
+            the_plan = transformdsl.plan(tiny(model), text)
+        except ScriptError as error:
+            tried.append(f"{model}: {error.problems[0].message}")
+            continue
+        idle = [s.statement.line for s in the_plan.steps if not s.targets]
+        if not idle:
+            return
+        tried.append(f"{model}: line(s) {idle} change nothing")
+    pytest.fail(f"spec.md:{line}: {text!r} does something on no built-in model: " + "; ".join(tried))

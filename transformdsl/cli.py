@@ -88,8 +88,19 @@ def cmd_apply(args) -> int:
     if not args.quiet:
         print(the_plan)
         print()
-    transform(model, the_plan, progress=not args.quiet and sys.stderr.isatty(),
-              log=None if args.quiet else print, verify=args.verify)
+    import warnings
+
+    from .executor import NothingToDoWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", NothingToDoWarning)
+        transform(model, the_plan, progress=not args.quiet and sys.stderr.isatty(),
+                  log=None if args.quiet else print, verify=args.verify, strict=args.strict)
+    for warning in caught:
+        if issubclass(warning.category, NothingToDoWarning):
+            _err(f"warning: {warning.message} (--strict makes this an error)")
+        else:
+            warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
     if args.out:
         save(model, args.out)
         if not args.quiet:
@@ -231,6 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true",
                    help="compare the model's output on a sample input before and after; fail (and leave the "
                         "model unchanged) if it moved beyond the script's error bound")
+    p.add_argument("--strict", action="store_true",
+                   help="fail, changing nothing, if a statement would change no module (else a warning)")
     p.add_argument("-q", "--quiet", action="store_true",
                    help="print only errors: no plan, no per-statement lines, no progress bars, no warnings "
                         "from the model libraries")

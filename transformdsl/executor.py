@@ -11,6 +11,7 @@ import dataclasses
 import json
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,9 +80,27 @@ def _progress_factory(enabled: bool) -> Callable:
     return progress
 
 
+class NothingToDoWarning(UserWarning):
+    """A statement of the script changes nothing on this model (``transform(..., strict=True)``: an error)."""
+
+
+def idle_statements(the_plan: Plan) -> list[str]:
+    """One line per statement of ``the_plan`` that changes no module, saying so and why."""
+    source = the_plan.script.source
+    out = []
+    for step in the_plan.steps:
+        if step.targets:
+            continue
+        why = (f"its {len(step.skipped)} selected module(s) cannot be changed ({step.skipped[0][1]})"
+               if step.skipped else "it selects no module" if not step.excluded else
+               "its exclusions remove every module it selects (" + ", ".join(step.excluded) + ")")
+        out.append(f"line {step.statement.line}: '{step.text(source)}' changes nothing on this model: {why}")
+    return out
+
+
 def transform(model: Any, script: str | Path | Script | ValidatedScript | Plan, *, progress: bool = False,
               log: Callable[[str], None] | None = None, verify: bool = False,
-              verify_inputs: tuple[tuple, dict] | None = None) -> Any:
+              verify_inputs: tuple[tuple, dict] | None = None, strict: bool = False) -> Any:
     """Apply ``script`` to ``model`` (an ``nn.Module`` or a diffusers pipeline); return the model.
 
     The model is changed in place and returned.  ``progress=True`` shows a progress bar
@@ -93,8 +112,17 @@ def transform(model: Any, script: str | Path | Script | ValidatedScript | Plan, 
     :func:`transformdsl.models.sample_inputs`, or ``verify_inputs=(args, kwargs)``, which
     implies ``verify``) and fails the same way, leaving the model as it was, when the
     output changed by more than the script's error bound (:func:`script_error_bound`).
+
+    A statement that changes no module (its selectors name nothing the transform can change on
+    this model) is a :class:`NothingToDoWarning`; with ``strict=True`` it is a
+    :class:`TransformError`, raised before anything is changed.
     """
     the_plan = script if isinstance(script, Plan) else plan(model, script)
+    idle = idle_statements(the_plan)
+    if idle and strict:
+        raise TransformError("; ".join(idle) + " (strict: nothing was changed)")
+    for line in idle:
+        warnings.warn(line, NothingToDoWarning, stacklevel=2)
     verify = verify or verify_inputs is not None
     reference = _reference_output(model, verify_inputs) if verify else None
     components = module_components(model)

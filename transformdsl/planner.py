@@ -9,6 +9,7 @@ a :class:`Plan`: data you can print (``explain``), compare and save.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -160,8 +161,12 @@ def plan(model: Any, script: str | Path | Script | ValidatedScript) -> Plan:
 
 
 class Planner:
-    def __init__(self, model: Any, validated: ValidatedScript):
+    def __init__(self, model: Any, validated: ValidatedScript, hints: bool = True):
         self.model = model
+        #: Whether to compute (and check, by planning again) the fix each problem suggests.
+        self.hints = hints
+        #: Hints to compute once the run is over: each sets one problem's hint.
+        self.pending: list = []
         self.validated = validated
         self.script = validated.script
         self.components = module_components(model)
@@ -187,6 +192,9 @@ class Planner:
             if step is not None:
                 steps.append(step)
         if self.problems:
+            if self.hints:
+                for compute in self.pending:
+                    compute()
             raise ScriptError(self.problems, self.script.source)
         # The snapshots counted their modules and bytes; components no statement used are walked here.
         module_count = sum(self.trees[n].module_count if n in self.trees else sum(1 for _ in m.modules())
@@ -208,9 +216,10 @@ class Planner:
                                          hint=f"components: {names}"))
 
     def _selectors_or_problem(self, selectors: tuple[Selector, ...], tree: ModuleTree,
-                              within: list[str] | None, scope: tuple[Selector, ...] = ()) -> list[list[str]]:
+                              within: list[str] | None, scope: tuple[Selector, ...] = (),
+                              statement=None, clause: str = "target") -> list[list[str]]:
         found = []
-        for selector in selectors:
+        for index, selector in enumerate(selectors):
             paths = select(selector, tree, within)
             if not paths:
                 outside = select(selector, tree, None) if scope else []
@@ -223,9 +232,12 @@ class Planner:
                         [selector.span], hint=f"it matches {outside[0] or '<root>'}{more}, outside the scope"))
                 else:
                     close = suggestions(selector, tree)
-                    hint = ("nearest names: " + ", ".join(close)) if close else None
-                    self.problems.append(Problem(f"selector '{selector.text}' matches no module",
-                                                 [selector.span], hint=hint))
+                    problem = Problem(f"selector '{selector.text}' matches no module", [selector.span],
+                                      hint=("nearest names: " + ", ".join(close)) if close else None)
+                    self.problems.append(problem)
+                    if statement is not None:
+                        self.pending.append(functools.partial(self._names_hint, problem, selector, statement,
+                                                              clause, index, close, tree))
             found.append(paths)
         return found
 
@@ -234,14 +246,17 @@ class Planner:
         before = len(self.problems)
         # 1. scope: modules at or below what `in` names (the whole component by default).
         if statement.scope:
-            roots = topmost([p for paths in self._selectors_or_problem(statement.scope, tree, None) for p in paths])
+            roots = topmost([p for paths in self._selectors_or_problem(statement.scope, tree, None,
+                                                                        statement=statement, clause="scope")
+                             for p in paths])
         else:
             roots = [""]
         # 2. targets: what the statement (or the transform, by default) names, within scope.
         if statement.target and len(self.problems) > before:
             candidates = []  # the scope matched nothing: its error says so; targets are not looked for
         elif statement.target:
-            selected = self._selectors_or_problem(statement.target, tree, roots, statement.scope)
+            selected = self._selectors_or_problem(statement.target, tree, roots, statement.scope,
+                                                  statement=statement, clause="target")
             candidates = _union(selected)
         elif transform.default_target is None:
             candidates = list(roots)
@@ -251,7 +266,8 @@ class Planner:
         # 3. exclusions: what `except` names, and the transform's defaults, with their subtrees.
         exclusions: list[tuple[Selector, list[str]]] = []
         if statement.exclude:
-            found = self._selectors_or_problem(statement.exclude, tree, None)
+            found = self._selectors_or_problem(statement.exclude, tree, None, statement=statement,
+                                               clause="exclude")
             exclusions.extend(zip(statement.exclude, found))
         if transform.common.default_except:
             for text in transform.default_except:
@@ -285,9 +301,12 @@ class Planner:
         if errors:
             shown = "; ".join(f"{p or '<root>'}: {e}" for p, e in errors[:5])
             more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
-            self.problems.append(Problem(f"'{statement.key}' cannot transform {len(errors)} selected "
-                                         f"module(s): {shown}{more}", [statement.span],
-                                         hint="exclude them with 'except' or change the options"))
+            problem = Problem(f"'{statement.key}' cannot transform {len(errors)} selected "
+                              f"module(s): {shown}{more}", [statement.span],
+                              hint="exclude them with 'except' or change the options")
+            self.problems.append(problem)
+            self.pending.append(functools.partial(self._exclusion_hint, problem, statement,
+                                                  [p for p, _ in errors], tree))
             return None
         self._claim(step)
         step.bytes = _bytes(tree, step.targets)
@@ -316,10 +335,13 @@ class Planner:
         for owner, paths in conflicts.values():
             a, b = owner.statement, step.statement
             sample = ", ".join(p or "<root>" for p in paths[:3]) + (" ..." if len(paths) > 3 else "")
-            self.problems.append(Problem(
+            problem = Problem(
                 f"'{a.key}' (line {a.line}) and '{b.key}' (line {b.line}) both change {len(paths)} module(s) "
                 f"({sample}); a module takes one of them", [a.span, b.span],
-                hint=f"narrow one statement, e.g. add 'except {_common_selector(paths)}' to line {b.line}"))
+                hint="narrow one statement with 'except' or 'in' so that each module is named by one of them")
+            self.problems.append(problem)
+            self.pending.append(functools.partial(self._conflict_hint, problem, owner, step, list(paths),
+                                                  self.tree(step.component)))
         step.targets = kept
         for path in kept:
             claims[path] = step
@@ -327,6 +349,32 @@ class Planner:
             lines = sorted({line for _, line in step.overridden})
             step.notes.append(f"{len(step.overridden)} module(s) left to line(s) "
                               f"{', '.join(map(str, lines))}, which take precedence")
+
+
+    # ------------------------------------------------------------------ hints, checked by planning again
+
+    def _conflict_hint(self, problem: Problem, first: Step, second: Step, paths: list[str],
+                       tree: ModuleTree) -> None:
+        from .hints import conflict_fix
+
+        fix = conflict_fix(self.model, self.validated, first, second, paths, tree)
+        if fix:
+            problem.hint = fix
+
+    def _names_hint(self, problem: Problem, selector: Selector, statement, clause: str, index: int,
+                    close: list[str], tree: ModuleTree) -> None:
+        from .hints import candidates_for, working_names
+
+        names = working_names(self.model, self.validated, statement, clause, index,
+                              candidates_for(selector, tree, clause, close))
+        # Only names that work: each was written in place of the selector and the script planned again.
+        problem.hint = "nearest names: " + ", ".join(names[:3]) if names else None
+
+    def _exclusion_hint(self, problem: Problem, statement, paths: list[str], tree: ModuleTree) -> None:
+        from .hints import exclusion_fix
+
+        fix = exclusion_fix(self.model, self.validated, statement, paths, tree)
+        problem.hint = fix or "change the options (no 'except' leaves this statement something to do)"
 
 
 def _union(lists: list[list[str]]) -> list[str]:
@@ -340,12 +388,6 @@ def _union(lists: list[list[str]]) -> list[str]:
 def _bytes(tree: ModuleTree, paths: list[str]) -> int:
     roots = topmost(paths)
     return sum(tree.subtree_bytes(p) for p in roots)
-
-
-def _common_selector(paths: list[str]) -> str:
-    # The last segment that is a name: `to_out.0` -> `to_out` (the word `0` would name every block 0).
-    names = sorted({next((s for s in reversed(p.split(".")) if not s.isdigit()), p) for p in paths})
-    return ", ".join(names[:3])
 
 
 __all__ = ["Plan", "Step", "plan", "load_script", "is_pipeline", "module_components", "denoiser_name",
