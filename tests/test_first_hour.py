@@ -349,3 +349,66 @@ def test_every_spec_script_changes_something_on_a_builtin_model(line, text):
             return
         tried.append(f"{model}: line(s) {idle} change nothing")
     pytest.fail(f"spec.md:{line}: {text!r} does something on no built-in model: " + "; ".join(tried))
+
+
+# --------------------------------------------------------------------------- the transcript and the examples' figures
+
+
+def test_first_hour_transcript_is_what_the_commands_print():
+    sys.path.insert(0, str(ROOT / "docs"))
+    try:
+        import first_hour
+    finally:
+        sys.path.remove(str(ROOT / "docs"))
+    assert first_hour.transcript() == first_hour.OUTPUT.read_text(), (
+        "docs/FIRST-HOUR.md is out of date: run `.venv/bin/python docs/first_hour.py` and review the diff")
+
+
+def test_quantize_denoiser_figures_are_the_plans():
+    import re
+
+    from torch import nn
+
+    header = " ".join(line.lstrip("# ") for line in (EXAMPLES / "quantize_denoiser.tfm").read_text().splitlines())
+    claims = dict((name, float(r)) for r, name in re.findall(r"(\d\.\d\d)x (?:for |on )?(?:the tiny )?(\w+)",
+                                                               header))
+    script = EXAMPLES / "quantize_denoiser.tfm"
+
+    def ratio(model, text) -> float:
+        notes = [n for s in transformdsl.plan(model, text).steps for n in s.notes if "weights of the" in n]
+        return float(re.search(r"\((\d\.\d\d)x\)", notes[-1]).group(1))
+
+    assert ratio(tiny("unet"), script) == claims["UNet"]
+    assert ratio(tiny("flux"), script) == claims["Flux"]
+    wide = nn.Sequential(nn.Linear(3072, 3072))  # a float32 layer of FLUX.1's width
+    quantize = [line for line in script.read_text().splitlines() if line.startswith("quantize")][0]
+    assert ratio(wide, quantize) == claims["float32"]
+
+
+def test_demo_leaves_no_temporary_folder_and_states_compile_cold_start_apart(tmp_path, monkeypatch, capsys):
+    import tempfile
+
+    from transformdsl.demo import run_demo
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    script = tmp_path / "compiled.tfm"
+    script.write_text("quantize int8\ncompile backend=eager\n")
+    assert run_demo(model_name="gpt2", script_path=str(script)) == 0
+    out = capsys.readouterr().out
+    assert list(scratch.iterdir()) == []
+    latency = next(line for line in out.splitlines() if line.strip().startswith("latency:"))
+    assert "steady state: median of 9 calls after 2 warm-up calls" in latency
+    assert any(line.strip().startswith("first call:") and "compiling (not counted in the latency above)" in line
+               for line in out.splitlines())
+
+
+def test_cli_errors_speak_cli(tmp_path, monkeypatch, capsys):
+    (tmp_path / "mymodel.py").write_text("import torch\n\ndef build():\n"
+                                         "    return torch.nn.Sequential(torch.nn.Linear(64, 64))\n")
+    (tmp_path / "s.tfm").write_text("quantize int8\n")
+    monkeypatch.chdir(tmp_path)
+    status, _, err = cli(capsys, "apply", "--verify", "s.tfm", "--model", "mymodel:build")
+    assert status == 1
+    assert "verify_inputs" not in err and "drop --verify" in err, err

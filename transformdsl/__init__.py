@@ -15,22 +15,14 @@ parameter), imported from its module the first time it is used.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
 from .errors import LoadError, ScriptError, TransformError
 
 __version__ = "0.1.0"
 
-#: public name -> the module that defines it (imported on first access).
-_LAZY = {
-    "parse": "parser",
-    "plan": "planner",
-    "Plan": "planner",
-    "transform": "executor",
-    "save": "persist",
-    "load": "persist",
-}
+#: The public names defined in other modules (imported on first access).
+_LAZY = ("parse", "plan", "Plan", "transform", "save", "load")
 
 if TYPE_CHECKING:  # pragma: no cover
     from .executor import transform
@@ -40,10 +32,20 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
+    if name == "parse":
+        from .parser import parse as value
+    elif name == "plan":
+        from .planner import plan as value
+    elif name == "Plan":
+        from .planner import Plan as value
+    elif name == "transform":
+        from .executor import transform as value
+    elif name == "save":
+        from .persist import save as value
+    elif name == "load":
+        from .persist import load as value
+    else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
     globals()[name] = value  # later lookups are plain attribute reads
     return value
 

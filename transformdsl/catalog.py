@@ -17,16 +17,14 @@ Two parts of a declaration are code, and are recorded as follows:
 * ``incompatible(other)``: its answer for every ordered pair of transforms with default options (a
   rule that depends on option values cannot be recorded, so ``check`` would miss it; keep rules to
   the pair of transforms, as every rule does today);
-* an ``Options`` class with a ``__post_init__`` (rules across fields) is referenced by its import
-  path and imported as is; it must live in a module that does not import torch
-  (``passes/option_rules.py``), which :func:`generate` checks.
+* an ``Options`` class with a ``__post_init__`` (rules across fields) is referenced by name and used
+  as is; it must live in the torch-free ``passes/option_rules.py``, which :func:`generate` checks.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import json
 import sys
 from pathlib import Path
@@ -34,6 +32,7 @@ from typing import Any
 
 from .ir import Span, Statement
 from .options import describe_fields, option
+from .passes import option_rules
 from .passes.base import Transform
 
 PATH = Path(__file__).with_name("catalog.json")
@@ -54,12 +53,12 @@ def describe(cls: type[Transform], others: dict[str, type[Transform]]) -> dict[s
         entry[name] = list(value) if isinstance(value, tuple) else value
     options_cls = cls.Options
     if "__post_init__" in vars(options_cls):
-        module = options_cls.__module__
-        if not _torch_free(module):
+        if options_cls.__module__ != option_rules.__name__ or getattr(option_rules, options_cls.__name__,
+                                                                       None) is not options_cls:
             raise RuntimeError(f"{cls.key()}: {options_cls.__name__} checks its fields in __post_init__ but lives "
-                               f"in {module}, which imports torch; move it to a torch-free module "
-                               "(transformdsl/passes/option_rules.py) so that `check` can run its rules")
-        entry["options_class"] = f"{module}:{options_cls.__qualname__}"
+                               f"in {options_cls.__module__}, which imports torch; move it to the torch-free "
+                               "transformdsl/passes/option_rules.py so that `check` can run its rules")
+        entry["options_class"] = options_cls.__name__
     entry["options"] = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in row.items()}
                         for row in describe_fields(options_cls)]
     me = cls(_statement(cls.key()), options_cls())
@@ -69,13 +68,6 @@ def describe(cls: type[Transform], others: dict[str, type[Transform]]) -> dict[s
         if reason:
             entry["incompatible"][key] = reason
     return entry
-
-
-def _torch_free(module: str) -> bool:
-    import subprocess
-
-    code = f"import sys, {module}; sys.exit('torch' in sys.modules)"
-    return subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
 
 
 def generate() -> dict[str, Any]:
@@ -109,9 +101,8 @@ def _declared(key: str, entry: dict[str, Any]) -> type[Transform]:
 
 
 def _options_class(key: str, entry: dict[str, Any]) -> type:
-    if "options_class" in entry:
-        module, _, qualname = entry["options_class"].partition(":")
-        return functools.reduce(getattr, qualname.split("."), importlib.import_module(module))
+    if "options_class" in entry:  # a class of passes/option_rules.py (torch-free), used as it is
+        return getattr(option_rules, entry["options_class"])
     fields = []
     for row in entry["options"]:
         kind = row["type"]

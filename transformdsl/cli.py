@@ -94,8 +94,11 @@ def cmd_apply(args) -> int:
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", NothingToDoWarning)
-        transform(model, the_plan, progress=not args.quiet and sys.stderr.isatty(),
-                  log=None if args.quiet else print, verify=args.verify, strict=args.strict)
+        try:
+            transform(model, the_plan, progress=not args.quiet and sys.stderr.isatty(),
+                      log=None if args.quiet else print, verify=args.verify, strict=args.strict)
+        except TransformError as exc:
+            raise TransformError(_cli_words(str(exc))) from exc
     for warning in caught:
         if issubclass(warning.category, NothingToDoWarning):
             _err(f"warning: {warning.message} (--strict makes this an error)")
@@ -108,6 +111,14 @@ def cmd_apply(args) -> int:
     else:
         _err("note: no --out DIR given: the transformed model was checked and discarded, not saved")
     return 0
+
+
+def _cli_words(message: str) -> str:
+    """An error of the Python API, its fix said the way the command line can do it."""
+    from .executor import VERIFY_INPUTS_HINT
+
+    return message.replace(VERIFY_INPUTS_HINT, "drop --verify: the command line can feed only the models it "
+                                               "knows their sample input (from Python, transform() takes yours)")
 
 
 def cmd_fmt(args) -> int:

@@ -2,10 +2,16 @@
 
 Explain the plan, apply an example script, compare size, latency and outputs before and
 after, save, reload, and check the reloaded model reproduces the transformed one exactly.
+
+Latency is reported as the user's workload would see it: the first call after the transform
+(where ``compile`` compiles: a one-off cold start) is timed and shown on its own, and the
+steady latency is the median of the calls after it.  Without ``--out`` the model is saved to a
+temporary directory that is removed at the end.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import statistics
 import tempfile
@@ -35,7 +41,7 @@ def _latencies_ms(fns, repeats: int = 9, warmup: int = 2) -> list[float]:
 
 
 def run_demo(model_name: str | None = None, script_path: str | None = None, out: str | None = None) -> int:
-    from . import load, plan, save, transform
+    from . import plan, transform
     from .models import BUILTIN, run
     from .parser import parse_file
     from .tree import parameter_bytes
@@ -59,7 +65,9 @@ def run_demo(model_name: str | None = None, script_path: str | None = None, out:
     print(f"  done in {time.perf_counter() - started:.2f} s")
 
     with torch.inference_mode():
-        output = run(model)
+        started = time.perf_counter()
+        output = run(model)  # the first call: where compile compiles (a one-off cold start)
+        first_s = time.perf_counter() - started
         before_ms, after_ms = _latencies_ms([lambda: run(original), lambda: run(model)])
     after_bytes = parameter_bytes(model)
     diff = (output.float() - reference.float()).abs().max().item()
@@ -67,15 +75,43 @@ def run_demo(model_name: str | None = None, script_path: str | None = None, out:
     print("\n-- before -> after")
     print(f"  parameters: {human_bytes(before_bytes)} -> {human_bytes(after_bytes)} "
           f"({after_bytes / before_bytes:.2f}x)")
-    print(f"  latency:    {before_ms:.2f} ms -> {after_ms:.2f} ms ({after_ms / before_ms:.2f}x, median of 9, "
-          f"{torch.get_num_threads()} threads)")
+    compiles = any(step.transform.verb == "compile" for step in the_plan.steps)
+    print(f"  latency:    {before_ms:.2f} ms -> {after_ms:.2f} ms ({after_ms / before_ms:.2f}x, steady state: median "
+          f"of 9 calls after 2 warm-up calls, {torch.get_num_threads()} threads)")
+    if compiles:
+        print(f"  first call: {first_s:.2f} s, once per process: compiling (not counted in the latency above)")
     print(f"  outputs:    max abs diff {diff:.3g} (relative {diff / scale:.3g})")
-    if after_ms > before_ms and not torch.cuda.is_available():
-        print("  (on a CPU, quantized and fp8 layers dequantize on every call: they save memory, not time;\n"
-              "   see benchmarks/ for GPU figures and for compile, which does speed CPUs up)")
+    device = "GPU" if torch.cuda.is_available() else "CPU"
+    if after_ms > before_ms:
+        print(f"  (slower per call on this {device}, on this tiny model: "
+              + _slower_because(the_plan, device) + ";\n   benchmarks/RESULTS.md has the figures at realistic "
+              "sizes)")
 
     print("\n-- save and reload")
-    directory = Path(out) if out else Path(tempfile.mkdtemp(prefix="transformdsl-demo-")) / "model"
+    with contextlib.ExitStack() as cleanup:
+        if out:
+            directory = Path(out)
+        else:  # removed at the end: the demo leaves nothing behind
+            directory = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="transformdsl-demo-"))) / "model"
+        return _save_and_reload(model, output, directory, kept=bool(out))
+
+
+def _slower_because(the_plan, device: str) -> str:
+    """Why the transformed model is slower per call, from what the script does."""
+    verbs = {step.transform.key() for step in the_plan.steps if step.targets}
+    reasons = []
+    if any(k.startswith(("quantize", "fp8")) for k in verbs):
+        reasons.append("quantized and fp8 layers turn their weights back into floats on every call: they save "
+                       "memory, not time" if device == "CPU" else "the layers trade time for memory")
+    if any(k.startswith("compile") for k in verbs):
+        reasons.append("compile speeds up the arithmetic, a small share of each call of a model this tiny")
+    return "; ".join(reasons) or "the transformed layers do more work per call than the original ones"
+
+
+def _save_and_reload(model, output, directory: Path, kept: bool) -> int:
+    from . import load, save
+    from .models import run
+
     save(model, directory)
     files = sorted(p for p in directory.rglob("*") if p.is_file())
     print(f"  saved to {directory}: {len(files)} files, {human_bytes(sum(p.stat().st_size for p in files))}")
@@ -86,4 +122,6 @@ def run_demo(model_name: str | None = None, script_path: str | None = None, out:
         again = run(reloaded)
     same = torch.equal(again, output)
     print(f"  reloaded output equals transformed output bit for bit: {'yes' if same else 'NO'}")
+    if not kept:
+        print("  (the temporary directory is removed now; --out DIR keeps the save)")
     return 0 if same else 1

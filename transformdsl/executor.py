@@ -244,12 +244,16 @@ def sample_output(model: Any, inputs: tuple[tuple, dict] | None = None) -> torch
             module.training = training
 
 
+#: How a Python caller gives ``verify`` an input (the command line says it its own way).
+VERIFY_INPUTS_HINT = "pass verify_inputs=(args, kwargs)"
+
+
 def _checked_output(model: Any, inputs, when: str) -> torch.Tensor:
     """:func:`sample_output`, any failure explained as a TransformError."""
     try:
         return sample_output(model, inputs)
     except Exception as exc:
-        hint = "; pass verify_inputs=(args, kwargs)" if inputs is None else ""
+        hint = f"; {VERIFY_INPUTS_HINT}" if inputs is None else ""
         raise TransformError(f"verify: cannot run the model on its sample input {when}: {type(exc).__name__}: "
                              f"{exc}{hint} (the model was left unchanged)") from exc
 
