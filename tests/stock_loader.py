@@ -39,15 +39,16 @@ def main(jobs_file: str) -> None:
         kwargs = {"device_map": job.get("device", "cpu")} if job["library"] == "transformers" else {}
         model = cls.from_pretrained(job["dir"], local_files_only=True, **kwargs)
         model.eval()
-        inputs = load_file(job["inputs"])
+        device = next(model.parameters()).device  # diffusers' bitsandbytes loader places it on the GPU
+        inputs = {k: v.to(device) for k, v in load_file(job["inputs"]).items()}
         args = [inputs.pop(f"arg{i}") for i in range(len([k for k in inputs if k.startswith("arg")]))]
         with torch.no_grad():
             out = model(*args, **inputs)
         tensor = out.logits if hasattr(out, "logits") else out.sample if hasattr(out, "sample") else out[0]
-        save_file({"out": tensor.contiguous()}, job["out"])
+        save_file({"out": tensor.float().cpu().contiguous()}, job["out"])
         layers = sorted({type(m).__name__ for m in model.modules()
                          if type(m).__module__.startswith(("bitsandbytes", "transformers.integrations"))})
-        report.append({"dir": job["dir"], "layers": layers, "dtype": str(tensor.dtype)})
+        report.append({"dir": job["dir"], "layers": layers, "dtype": str(tensor.dtype), "device": str(device)})
     assert "transformdsl" not in sys.modules
     print("STOCK " + json.dumps(report))
 

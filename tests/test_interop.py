@@ -246,3 +246,63 @@ def test_formats_refuse_what_they_cannot_carry(tmp_path, name, script, fmt, mess
         transformdsl.save(model, tmp_path / "out", format=fmt)
     assert not (tmp_path / "out").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+
+
+# --------------------------------------------------------------------------- CLI, pipelines, tampering
+
+
+def test_cli_apply_format_and_inspect_a_checkpoint(stock_saves, tmp_path, capsys):
+    from transformdsl.cli import main
+
+    script = tmp_path / "q.tfm"
+    script.write_text("quantize int8\n")
+    assert main(["apply", str(script), "--model", "gpt2", "--out", str(tmp_path / "out"), "--format",
+                 "transformers", "-q"]) == 0
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["quantization_config"]["load_in_8bit"] and config["architectures"] == ["GPT2LMHeadModel"]
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "out")]) == 0
+    assert "saved in the transformers layout" in capsys.readouterr().out
+    directory, _ = stock_saves["llama-nf4"]
+    assert main(["inspect", str(directory)]) == 0
+    out = capsys.readouterr().out
+    assert "a transformers checkpoint" in out and "quantize nf4" in out
+    # --model DIR on a quantized checkpoint gives our layers: explain sees them as already quantized.
+    assert main(["explain", str(script), "--model", str(directory)]) == 0
+    assert "already quantized (FourBitLinear)" in capsys.readouterr().out
+
+
+def test_pipeline_saved_for_diffusers_loads_with_stock_diffusers(tmp_path):
+    import diffusers
+
+    from transformdsl.models import tiny_sd_pipeline
+
+    pipe = tiny_sd_pipeline()
+    transformdsl.transform(pipe, "fuse qkv; compile")
+    with torch.compiler.set_stance("force_eager"):
+        expected = run(pipe)
+    transformdsl.save(pipe, tmp_path / "pipe", format="diffusers")
+    stock = diffusers.StableDiffusionPipeline.from_pretrained(str(tmp_path / "pipe"), local_files_only=True)
+    torch.testing.assert_close(run(stock), expected, rtol=0, atol=1e-4)
+    ours = transformdsl.load(tmp_path / "pipe")
+    assert [s.key for s in history_of(ours.unet).steps] == ["fuse qkv", "compile"]
+    with torch.compiler.set_stance("force_eager"):
+        assert torch.equal(run(ours), expected)
+
+
+def test_tampered_layout_is_a_clear_load_error(exported, tmp_path):
+    import shutil
+
+    from transformdsl.errors import LoadError
+
+    directory = tmp_path / "tampered"
+    shutil.copytree(exported["llama-qkv-int8"]["dir"], directory)
+    meta = json.loads((directory / "transformdsl.json").read_text())
+    meta["tensors"]["layout"][0]["from"][0] = "model.layers.0.self_attn.nothing.weight"
+    (directory / "transformdsl.json").write_text(json.dumps(meta))
+    with pytest.raises(LoadError, match="nothing.weight' .*is missing"):
+        transformdsl.load(directory)
+    meta["tensors"]["layout"][0]["op"] = "exec"
+    (directory / "transformdsl.json").write_text(json.dumps(meta))
+    with pytest.raises(LoadError, match="malformed 'tensors.layout' entry"):
+        transformdsl.load(directory)

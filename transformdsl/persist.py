@@ -905,12 +905,23 @@ def _load_library_component(library: str, name: str, folder: Path, index_path: P
 # =========================================================================== inspect
 
 
+def _interop_summary(value: Any) -> dict | None:
+    from .interop import summary
+
+    return summary(value)
+
+
 def inspect(directory: str | os.PathLike) -> dict:
     """What a saved model contains, from headers only (no tensor data is read)."""
     from safetensors import safe_open
 
     directory = Path(directory)
-    meta = read_metadata(directory)
+    if not (directory / META_FILE).exists() and (directory / "config.json").is_file():
+        from .interop.imports import library_metadata
+
+        meta = library_metadata(directory)[0]  # a diffusers/transformers checkpoint: what load() would read
+    else:
+        meta = read_metadata(directory)
     if meta["kind"] == "pipeline":
         parts = {}
         for comp, how in meta["components"].items():
@@ -949,4 +960,5 @@ def inspect(directory: str | os.PathLike) -> dict:
         "files": meta["tensors"]["files"],
         "tensors": by_dtype,
         "versions": meta.get("versions", {}),
+        **({"interop": _interop_summary(meta.get("interop"))} if meta.get("interop") is not None else {}),
     }

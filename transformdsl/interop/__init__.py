@@ -28,3 +28,18 @@ def check_format(value: object) -> str:
     if value not in FORMATS:
         raise TransformError(f"unknown save format {value!r}; choose one of {', '.join(FORMATS)}")
     return value  # type: ignore[return-value]
+
+
+def summary(value: object) -> dict | None:
+    """The metadata's ``interop`` field as ``inspect`` reports it: checked, printable, bounded
+    (it comes from a file)."""
+    if not isinstance(value, dict):
+        return None
+    if value.get("imported") in FORMATS[1:]:
+        return {"imported": value["imported"]}
+    notes = value.get("notes")
+    if value.get("format") in FORMATS[1:] and isinstance(notes, list):
+        return {"format": value["format"],
+                "notes": ["".join(c if c.isprintable() else "?" for c in n[:300]) for n in notes[:50]
+                          if isinstance(n, str)]}
+    return None

@@ -35,7 +35,10 @@ _QUANT_STATE = "weight.quant_state.bitsandbytes__"
 _MAX_STATE_BYTES = 65536
 
 
-def load_library_directory(directory: Path, model: Any, device, mmap: bool) -> nn.Module:
+def library_metadata(directory: Path) -> tuple[dict, dict[str, Path]]:
+    """The metadata :func:`transformdsl.load` would read, derived from a library directory's
+    ``config.json`` and safetensors headers (no tensor data is read but 4-bit quant states);
+    and the saved tensor names → their files."""
     from .. import persist
 
     config_path = persist._inside(directory, CONFIG_FILE)
@@ -51,20 +54,31 @@ def load_library_directory(directory: Path, model: Any, device, mmap: bool) -> n
     headers = {}
     for path in files:
         headers.update({key: path for key in persist._header_keys(path)})
-    quant = config.get("quantization_config")
-    steps, script = _steps(config_path, quant, headers)
+    steps, script = _steps(config_path, config.get("quantization_config"), headers)
     plain = {k: v for k, v in config.items() if k != "quantization_config"}
     meta = {
         "format": persist.FORMAT, "format_version": persist.FORMAT_VERSION, "kind": "module",
         "model": {"library": library, "class": name, "config": plain},
         "scripts": [script] if steps else [], "steps": steps,
         "tensors": {"files": [p.name for p in files], "nonpersistent": [], "aliases": {}},
+        "interop": {"imported": library},
         "versions": {},
     }
     persist._check_module_meta(config_path, meta)
-    cls = persist._model_class(library, name, config_path)
-    saved = len(headers)
-    skeleton = _skeleton(cls, library, plain, config_path, persist._module_budget(saved))
+    return meta, headers
+
+
+def load_library_directory(directory: Path, model: Any, device, mmap: bool) -> nn.Module:
+    from .. import persist
+
+    if model is not None:
+        raise LoadError(f"{directory}: a {CONFIG_FILE} directory is rebuilt from its configuration; drop model=")
+    meta, headers = library_metadata(directory)
+    config_path = directory / CONFIG_FILE
+    description = meta["model"]
+    cls = persist._model_class(description["library"], description["class"], config_path)
+    skeleton = _skeleton(cls, description["library"], description["config"], config_path,
+                         persist._module_budget(len(headers)))
     meta["tensors"]["aliases"] = _tied(skeleton, headers)
     return persist.load_module(directory, meta, lambda: skeleton, device, mmap)
 
