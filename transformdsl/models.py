@@ -504,6 +504,8 @@ def _one_tensor(output: Any) -> torch.Tensor:
     for attribute in ("sample", "logits", "last_hidden_state", "images"):
         value = getattr(output, attribute, None)
         if value is not None:
+            if isinstance(value, (tuple, list)):  # e.g. Z-Image: one sample tensor per batch item
+                return _one_tensor(value)
             return value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
     if isinstance(output, (tuple, list)) and output:
         return _one_tensor(output[0])
@@ -642,6 +644,10 @@ def _from_directory(path: Path) -> Any:
         raise ValueError(f"--model {path}: cannot read {config_file}: {error}") from error
     if not isinstance(config, dict):
         raise ValueError(f"--model {path}: {config_file} is not a JSON object")
+    if (path / "transformdsl.json").is_file() or isinstance(config.get("quantization_config"), dict):
+        from .persist import load  # our save in a library's layout, or a quantized checkpoint: our layers
+
+        return load(path)
     if "_class_name" in config:
         import diffusers
 
