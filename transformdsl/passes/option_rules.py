@@ -2,7 +2,7 @@
 
 ``transformdsl check`` validates scripts without importing torch (see :mod:`transformdsl.catalog`):
 an options class whose ``__post_init__`` checks one field against another is imported from here,
-as is, by the catalog.  Their transforms import them back (``fp8 native``, ``quantize hqq``).
+as is, by the catalog.  Their transforms import them back (``fp8 native``, ``quantize int8``, ``quantize hqq``).
 """
 
 from __future__ import annotations
@@ -38,3 +38,14 @@ class HQQOptions:
             below = max(8, self.group_size // 8 * 8)
             raise ValueError(f"hqq group_size must be a multiple of 8, got {self.group_size}; "
                              f"try {below} or {below + 8}")
+
+
+@dataclass(frozen=True)
+class Int8Options:
+    threshold: float = option(0.0, "LLM.int8 outlier threshold (0 = no outlier decomposition)", min=0.0)
+    weight_only: bool = option(False, "int8 weights, float activations and matmul (W8A16) instead of LLM.int8")
+
+    def __post_init__(self):
+        if self.weight_only and self.threshold:
+            raise ValueError(f"threshold={self.threshold:g} is LLM.int8's activation outlier threshold; "
+                             "weight_only=true never quantizes activations: drop one of the two")

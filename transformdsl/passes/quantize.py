@@ -32,7 +32,7 @@ from ..options import DTYPES, option
 from ..registry import register
 from ..tree import ModuleInfo, ModuleTree
 from .base import ApplyContext, Transform
-from .option_rules import HQQOptions  # torch-free: `check` runs its rules
+from .option_rules import HQQOptions, Int8Options  # torch-free: `check` runs their rules
 
 #: Linear layers (GPT-2's transposed ``Conv1D`` included).
 LINEAR_TARGETS = ("Linear", "Conv1D")
@@ -261,17 +261,6 @@ def _size(dtype_name: str | torch.dtype) -> int:
 
 
 # --------------------------------------------------------------------------- int8
-
-
-@dataclass(frozen=True)
-class Int8Options:
-    threshold: float = option(0.0, "LLM.int8 outlier threshold (0 = no outlier decomposition)", min=0.0)
-    weight_only: bool = option(False, "int8 weights, float activations and matmul (W8A16) instead of LLM.int8")
-
-    def __post_init__(self):
-        if self.weight_only and self.threshold:
-            raise ValueError(f"threshold={self.threshold:g} is LLM.int8's activation outlier threshold; "
-                             "weight_only=true never quantizes activations: drop one of the two")
 
 
 @register
