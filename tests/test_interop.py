@@ -231,6 +231,7 @@ def test_diffusers_directory_with_bitsandbytes_loads(tmp_path):
 
 @pytest.mark.parametrize(("name", "script", "fmt", "message"), [
     ("llama", "quantize hqq", "transformers", "cannot carry line 1: 'quantize hqq'.*NotImplementedError"),
+    ("llama", "quantize int8 weight_only=true", "transformers", "has no weight-only int8"),
     ("flux", "fp8 storage", "diffusers", "diffusers has no loader for pre-quantized fp8"),
     ("llama", "fp8 storage dtype=e5m2", "transformers", "float8_e4m3fn; use dtype=e4m3"),
     ("llama", "quantize int8 in *mlp*; quantize nf4 in *self_attn*", "transformers", "one quantization_config"),
