@@ -46,6 +46,9 @@ from .quantize import QUANTIZED_CLASS_NAMES
 #: ``re.search`` on the module path).  The words match the same names here; the anchored regexes
 #: stay regexes.  Excluding a module excludes its subtree, as in diffusers.
 DEFAULT_EXCEPT = ("norm", "pos_embed", "patch_embed", "re:^proj_in$", "re:^proj_out$")
+#: What the model declares, as diffusers' ``enable_layerwise_casting`` honours it: its own skip
+#: patterns and the modules kept in float32 (transformers' too); see ``declarations.py``.
+DECLARATIONS = ("_skip_layerwise_casting_patterns", "_keep_in_fp32_modules", "_keep_in_fp32_modules_strict")
 
 #: float8 formats by option value.
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -681,6 +684,7 @@ class FP8Storage(Transform):
     Options = StorageOptions
     default_target = ("Linear", "Conv1d", "Conv2d", "Conv3d", "Embedding", "Conv1D")
     default_except = DEFAULT_EXCEPT
+    honoured_declarations = DECLARATIONS
     runs_after = ("fuse *",)
     exclusive = "weights"
 
@@ -774,6 +778,7 @@ class FP8Native(Transform):
     Options = NativeOptions
     default_target = ("Linear",)
     default_except = DEFAULT_EXCEPT
+    honoured_declarations = DECLARATIONS
     runs_after = ("fuse *",)
     # The planner lets a statement give modules up only to one that claimed them *earlier*:
     # running first is what makes ``overrides`` take ``fp8 storage``'s shared layers.
