@@ -57,8 +57,13 @@ DEFAULT_SHARD_BYTES = 5 * 1024**3
 # =========================================================================== save
 
 
-def save(model: Any, directory: str | os.PathLike, *, max_shard_size: int = DEFAULT_SHARD_BYTES) -> Path:
+def save(model: Any, directory: str | os.PathLike, *, max_shard_size: int = DEFAULT_SHARD_BYTES,
+         format: str = FORMAT) -> Path:
     """Save ``model`` (transformed or not; a module or a pipeline) to ``directory``.
+
+    ``format="transformers"`` or ``"diffusers"`` writes what the library's stock
+    ``from_pretrained`` loads without transformdsl (see :mod:`transformdsl.interop`); a
+    statement the format cannot carry is a :class:`TransformError` before anything is written.
 
     The write is atomic: everything is written to a temporary sibling directory, flushed,
     then swapped into place, so an interrupted save leaves any previous save intact and
@@ -66,6 +71,9 @@ def save(model: Any, directory: str | os.PathLike, *, max_shard_size: int = DEFA
     is replaced as a whole).  A failure to write (disk full, permissions) is a
     :class:`TransformError` naming the directory and the cause.
     """
+    from .interop import check_format
+
+    check_format(format)
     directory = Path(directory)
     final = directory.resolve()
     _check_target(final)
@@ -76,7 +84,11 @@ def save(model: Any, directory: str | os.PathLike, *, max_shard_size: int = DEFA
         raise _save_error(final, exc) from exc
     try:
         if is_pipeline(model):
-            _save_pipeline(model, tmp, max_shard_size)
+            _save_pipeline(model, tmp, max_shard_size, format)
+        elif isinstance(model, nn.Module) and format != FORMAT:
+            from .interop.export import save_library_module
+
+            save_library_module(model, tmp, format, max_shard_size)
         elif isinstance(model, nn.Module):
             save_module(model, tmp, max_shard_size)
         else:
@@ -237,7 +249,10 @@ def _versions() -> dict:
     return out
 
 
-def _save_pipeline(pipe: Any, directory: Path, max_shard_size: int) -> None:
+def _save_pipeline(pipe: Any, directory: Path, max_shard_size: int, format: str = FORMAT) -> None:
+    if format == "transformers":
+        raise TransformError("format='transformers' saves a transformers model; a pipeline is saved with "
+                             "format='diffusers' (its transformers components in their own layout)")
     pipe.save_config(str(directory))
     components = {}
     for name, component in pipe.components.items():
@@ -246,7 +261,12 @@ def _save_pipeline(pipe: Any, directory: Path, max_shard_size: int) -> None:
         target = directory / name
         target.mkdir()
         if isinstance(component, nn.Module) and history_of(component) is not None:
-            save_module(component, target, max_shard_size)
+            if format == FORMAT:
+                save_module(component, target, max_shard_size)
+            else:
+                from .interop.export import library_of, save_library_module
+
+                save_library_module(component, target, library_of(component) or format, max_shard_size)
             components[name] = "transformdsl"
         elif hasattr(component, "save_pretrained"):
             kwargs = {"safe_serialization": True} if isinstance(component, nn.Module) else {}
@@ -255,7 +275,7 @@ def _save_pipeline(pipe: Any, directory: Path, max_shard_size: int) -> None:
         else:
             raise TransformError(f"cannot save pipeline component '{name}' ({type(component).__name__})")
     _write_json(directory / META_FILE, {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "kind": "pipeline",
+        "format": FORMAT, "format_version": 1, "kind": "pipeline",  # its components say what they need
         "pipeline_class": type(pipe).__name__, "components": components, "versions": _versions(),
     })
 
@@ -345,6 +365,10 @@ def load(directory: str | os.PathLike, model: nn.Module | Callable[[], nn.Module
     directory = Path(directory)
     if not directory.is_dir():
         raise LoadError(f"{directory}: no such directory")
+    if not (directory / META_FILE).exists() and (directory / "config.json").is_file():
+        from .interop.imports import load_library_directory
+
+        return load_library_directory(directory, model, device, mmap)
     meta = read_metadata(directory)
     if meta["kind"] == "pipeline":
         if model is not None:
@@ -444,6 +468,10 @@ def _check_module_meta(path: Path, meta: dict) -> None:
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in aliases.items()):
         raise LoadError(f"{path}: 'tensors.aliases' must map names to names")
     plain_tensors.check_layout(tensors.get("attributes", {}), path)
+    if "layout" in tensors:  # a save in a library's layout (format="transformers"/"diffusers")
+        from .interop import layout
+
+        layout.check(path, tensors["layout"])
 
 
 def _check_pipeline_meta(path: Path, meta: dict) -> None:
@@ -540,6 +568,10 @@ def load_module(directory: Path, meta: dict, model: Any, device: str | torch.dev
     tensors = _read_tensors(directory, meta, device, mmap and torch.device(device).type == "cpu")
     attributes = meta["tensors"].get("attributes", {})
     attribute_tensors = plain_tensors.take(tensors, attributes, directory)
+    if meta["tensors"].get("layout"):
+        from .interop import layout
+
+        tensors = layout.to_own(tensors, meta["tensors"]["layout"], directory)
     _assign(skeleton, tensors, meta, directory)
     plain_tensors.restore(skeleton, attributes, attribute_tensors, directory)
     for cls, raw, options in steps:
@@ -888,12 +920,23 @@ def _load_library_component(library: str, name: str, folder: Path, index_path: P
 # =========================================================================== inspect
 
 
+def _interop_summary(value: Any) -> dict | None:
+    from .interop import summary
+
+    return summary(value)
+
+
 def inspect(directory: str | os.PathLike) -> dict:
     """What a saved model contains, from headers only (no tensor data is read)."""
     from safetensors import safe_open
 
     directory = Path(directory)
-    meta = read_metadata(directory)
+    if not (directory / META_FILE).exists() and (directory / "config.json").is_file():
+        from .interop.imports import library_metadata
+
+        meta = library_metadata(directory)[0]  # a diffusers/transformers checkpoint: what load() would read
+    else:
+        meta = read_metadata(directory)
     if meta["kind"] == "pipeline":
         parts = {}
         for comp, how in meta["components"].items():
@@ -932,4 +975,5 @@ def inspect(directory: str | os.PathLike) -> dict:
         "files": meta["tensors"]["files"],
         "tensors": by_dtype,
         "versions": meta.get("versions", {}),
+        **({"interop": _interop_summary(meta.get("interop"))} if meta.get("interop") is not None else {}),
     }
