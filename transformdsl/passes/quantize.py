@@ -45,7 +45,7 @@ DEFAULT_EXCEPT = ("norm", "embed", "embedding", "embedder", "lm_head", "re:^proj
 #: Weight dtypes the backends quantize from.
 FLOAT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 #: Class names of layers that already hold quantized weights (ours derive from these).
-QUANTIZED_CLASS_NAMES = frozenset({"Linear8bitLt", "Linear4bit", "HQQLinear"})
+QUANTIZED_CLASS_NAMES = frozenset({"Linear8bitLt", "Linear4bit", "HQQLinear", "Int8WeightOnlyLinear"})
 
 
 def _backend():
@@ -189,8 +189,13 @@ class _Quantize(Transform):
 
     # -- execution ----------------------------------------------------------------
 
+    @classmethod
+    def backend(cls, options: Any):
+        """The module holding the layer classes :meth:`build` uses (imported on first use)."""
+        return _backend()
+
     def apply(self, ctx: ApplyContext, targets: list[str]) -> dict:
-        backend = _backend()
+        backend = self.backend(self.options)
         layers = []
         before = after = 0
         for path in ctx.progress(targets, total=len(targets), desc=self.key()):
@@ -229,7 +234,7 @@ class _Quantize(Transform):
 
     @classmethod
     def rebuild(cls, root: nn.Module, record: dict, options: Any) -> None:
-        backend = _backend()
+        backend = cls.backend(options)
         for layer in _checked_layers(record, cls.key()):
             with torch.device("meta"):
                 weight = torch.empty(layer["out"], layer["in"], dtype=DTYPES[layer["dtype"]])
@@ -263,6 +268,12 @@ def _size(dtype_name: str | torch.dtype) -> int:
 @dataclass(frozen=True)
 class Int8Options:
     threshold: float = option(0.0, "LLM.int8 outlier threshold (0 = no outlier decomposition)", min=0.0)
+    weight_only: bool = option(False, "int8 weights, float activations and matmul (W8A16) instead of LLM.int8")
+
+    def __post_init__(self):
+        if self.weight_only and self.threshold:
+            raise ValueError(f"threshold={self.threshold:g} is LLM.int8's activation outlier threshold; "
+                             "weight_only=true never quantizes activations: drop one of the two")
 
 
 @register
@@ -270,17 +281,37 @@ class Int8Quantization(_Quantize):
     mode = "int8"
     summary = "bitsandbytes LLM.int8 (Linear8bitLt)"
     Options = Int8Options
-    #: Measured at most 0.015 on the built-in tiny models (random weights, the worst case).
-    error_bound = 0.05
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.options is not None and self.options.weight_only:
+            self.summary = "weight-only int8 (W8A16): int8 weights, float activations and matmul"
+
+    @property
+    def error_bound(self) -> float | None:  # depends on the options (see Transform.error_bound)
+        # LLM.int8: measured at most 0.015 on the built-in tiny models (random weights, the worst
+        # case); weight-only rounds the weights alone: measured at most 0.008.
+        return 0.03 if self.options.weight_only else 0.05
+
+    @classmethod
+    def backend(cls, options):
+        if options.weight_only:  # plain torch: no bitsandbytes import
+            from . import _int8_weight_only
+
+            return _int8_weight_only
+        return _backend()
 
     @classmethod
     def build(cls, backend, options, weight, bias, layer=None):
+        if options.weight_only:
+            return backend.Int8WeightOnlyLinear.build(weight, bias)
         return backend.Int8Linear.build(weight, bias, options.threshold)
 
     @classmethod
     def estimate_bytes(cls, options, in_features, out_features, bias, dtype):
-        # int8 weight, one fp32 scale per output row, a 1-byte format tag, the bias as it was.
-        return in_features * out_features + 4 * out_features + 1 + (out_features * _size(dtype) if bias else 0)
+        # int8 weight, one fp32 scale per output row, bitsandbytes' 1-byte format tag, the bias as it was.
+        tag = 0 if options.weight_only else 1
+        return in_features * out_features + 4 * out_features + tag + (out_features * _size(dtype) if bias else 0)
 
 
 # --------------------------------------------------------------------------- nf4 / fp4
