@@ -143,10 +143,12 @@ def test_a_saved_attribute_must_be_a_tensor_attribute_of_the_architecture(tmp_pa
 
 def _replacements(linear: nn.Linear) -> dict[str, nn.Module]:
     from transformdsl.passes import _quantized, fp8
+    from transformdsl.passes._int8_weight_only import Int8WeightOnlyLinear
 
     weight, bias = linear.weight.detach(), linear.bias.detach()
     return {
         "int8": _quantized.Int8Linear.build(weight, bias, threshold=0.0),
+        "int8 weight_only": Int8WeightOnlyLinear.build(weight, bias),
         "nf4": _quantized.FourBitLinear.build(weight, bias, "nf4", 64, False, torch.float32),
         "hqq": _quantized.HQQLayer.build(weight, bias, 8, 16, 1, torch.float32),
         "fp8 storage": fp8.FP8Linear.from_linear(linear, torch.float8_e4m3fn, torch.bfloat16),
@@ -155,7 +157,7 @@ def _replacements(linear: nn.Linear) -> dict[str, nn.Module]:
     }
 
 
-@pytest.mark.parametrize("name", ["int8", "nf4", "hqq", "fp8 storage", "fp8 native"])
+@pytest.mark.parametrize("name", ["int8", "int8 weight_only", "nf4", "hqq", "fp8 storage", "fp8 native"])
 def test_replacement_linear_layers_are_drop_ins(name):
     torch.manual_seed(0)
     linear = nn.Linear(32, 48)
@@ -173,8 +175,8 @@ def test_replacement_linear_layers_are_drop_ins(name):
         assert relative_error(linear.weight, layer.weight) < 0.1
 
 
-@pytest.mark.parametrize("script", ["quantize int8", "quantize nf4", "quantize hqq group_size=auto", "fp8 storage",
-                                    "fp8 native"])
+@pytest.mark.parametrize("script", ["quantize int8", "quantize int8 weight_only=true", "quantize nf4",
+                                    "quantize hqq group_size=auto", "fp8 storage", "fp8 native"])
 def test_animatediff_motion_unet_calls_proj_in_with_input_keyword(script):
     model, inputs, ref = transformed(unet_motion, script)
     assert relative_error(ref, output(model, inputs)) < 0.4
