@@ -108,7 +108,7 @@ def _options_class(key: str, entry: dict[str, Any]) -> type:
         kind = row["type"]
         choices = tuple(row["choices"]) if row["choices"] is not None else None
         declared = option(row["default"], row["doc"], choices=choices, min=row["min"], max=row["max"],
-                          kind="dtype" if kind == "dtype" else None)
+                          kind=kind)  # the declared kind, or the type's name: coerce() reads either
         fields.append((row["name"], kind, declared))  # coerce() reads the type's name
     return dataclasses.make_dataclass(f"Options[{key}]", fields, frozen=True,
                                       namespace={"__module__": __name__})

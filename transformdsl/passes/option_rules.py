@@ -29,12 +29,14 @@ class NativeOptions:
 @dataclass(frozen=True)
 class HQQOptions:
     bits: int = option(4, "bits per weight", choices=(1, 2, 3, 4, 8))
-    group_size: int = option(64, "weights per quantization group (a multiple of 8 that divides in_features)", min=8)
+    group_size: int | str = option(64, "weights per quantization group (a multiple of 8 that divides in_features), "
+                                   "or auto: the largest of 128, 64, 32, 16, 8 that suits each layer",
+                                   min=8, kind="int_or_auto")
     axis: int = option(1, "axis the groups run along (1: along a row's inputs; 0: down a column)", choices=(0, 1))
     compute: str = option("float32", "dtype the matmul runs in", kind="dtype")
 
     def __post_init__(self):
-        if self.group_size % 8:
+        if self.group_size != "auto" and self.group_size % 8:
             below = max(8, self.group_size // 8 * 8)
             raise ValueError(f"hqq group_size must be a multiple of 8, got {self.group_size}; "
                              f"try {below} or {below + 8}")
