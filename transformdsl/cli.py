@@ -297,23 +297,49 @@ def _quiet_libraries() -> None:
     logging.disable(logging.WARNING)
 
 
+class _Interrupts:
+    """Remembers a Ctrl-C even when a library turns the KeyboardInterrupt into another error (an
+    import interrupted half-way fails later as ``ModuleNotFoundError``): the command still exits 130."""
+
+    seen = False
+
+    @classmethod
+    def install(cls) -> None:
+        import signal
+
+        cls.seen = False
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not when SIGINT is ignored
+            signal.signal(signal.SIGINT, cls._handler)
+
+    @classmethod
+    def _handler(cls, signum, frame):
+        cls.seen = True
+        raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status (130 after Ctrl-C, with one line on stderr)."""
+    try:
+        _Interrupts.install()
+        return _run(argv)
+    except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt) or (_Interrupts.seen and isinstance(exc, Exception)):
+            _err("interrupted")
+            return 130
+        raise
+
+
+def _run(argv: list[str] | None) -> int:
     try:
         _offline()
         args = build_parser().parse_args(argv)
         if getattr(args, "quiet", False):
             _quiet_libraries()
         return args.func(args)
-    except ScriptError as exc:
-        _err(str(exc))
-    except LoadError as exc:
-        _err(f"error: {exc}")
-    except TransformError as exc:
-        _err(f"error: {exc}")
-    except KeyboardInterrupt:
-        _err("interrupted")
-        return 130
+    except (ScriptError, LoadError, TransformError) as exc:
+        if _Interrupts.seen:  # the error is what a library made of the Ctrl-C
+            raise KeyboardInterrupt from exc
+        _err(str(exc) if isinstance(exc, ScriptError) else f"error: {exc}")
     return 1
 
 
