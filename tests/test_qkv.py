@@ -545,14 +545,12 @@ def test_version_1_records_still_load(tmp_path):
 CORPUS = [
     "diffusers/Flux2Transformer2DModel[Flux2Transformer]",
     "diffusers/WanTransformer3DModel",
-    pytest.param("diffusers/QwenImageTransformer2DModel", marks=pytest.mark.xfail(
-        strict=True, raises=NotImplementedError, reason="issue 11 defect 1: plain-attribute tensors stay on meta")),
+    "diffusers/QwenImageTransformer2DModel",
     "diffusers/LTXVideoTransformer3DModel",
     "diffusers/SanaTransformer2DModel",
     "diffusers/CogVideoXTransformer3DModel[CogVideoXTransformer]",
     "diffusers/HunyuanVideoTransformer3DModel[HunyuanVideoTransformer]",
-    pytest.param("diffusers/Lumina2Transformer2DModel", marks=pytest.mark.xfail(
-        strict=True, raises=NotImplementedError, reason="issue 11 defect 1: plain-attribute tensors stay on meta")),
+    "diffusers/Lumina2Transformer2DModel",
     "diffusers/MochiTransformer3DModel",
     "diffusers/AuraFlowTransformer2DModel",
     "diffusers/HiDreamImageTransformer2DModel",
