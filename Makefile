@@ -11,7 +11,7 @@ export TRANSFORMERS_OFFLINE := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test test-quick bench install lint clean
+.PHONY: demo test test-quick bench zoo install lint clean
 
 $(STAMP): pyproject.toml requirements/constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,10 @@ test-quick: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py
+
+# Every transform on every corpus model (tests/zoo/); writes docs/SUPPORT.md and docs/SUPPORT.json.
+zoo: $(STAMP)
+	$(PY) -m tests.zoo.matrix --json docs/SUPPORT.json --markdown docs/SUPPORT.md
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check transformdsl tests benchmarks

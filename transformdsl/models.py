@@ -504,6 +504,8 @@ def _one_tensor(output: Any) -> torch.Tensor:
     for attribute in ("sample", "logits", "last_hidden_state", "images"):
         value = getattr(output, attribute, None)
         if value is not None:
+            if isinstance(value, (tuple, list)):  # e.g. Z-Image: one sample tensor per batch item
+                return _one_tensor(value)
             return value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
     if isinstance(output, (tuple, list)) and output:
         return _one_tensor(output[0])

@@ -1,0 +1,403 @@
+"""The support matrix: every corpus model x every script, as a new user would run them.
+
+    python -m tests.zoo.matrix                      # everything -> docs/SUPPORT.json (+ docs/SUPPORT.md)
+    python -m tests.zoo.matrix --models Flux,Llama --scripts "fuse qkv,quantize nf4" --json out.json
+
+For each cell (model, script) :func:`run_cell`:
+
+1. builds the model and its inputs (tests/zoo/corpus.py), runs it on them and on a held-out
+   sample (another seed) to get the reference outputs;
+2. plans the script (``not applicable``, and nothing more is done, when no statement selects a
+   module it can change);
+3. ``transformdsl.transform(model, plan, verify=True, verify_inputs=inputs)``: a refusal
+   because the output moved past the script's bound is ``refused by verify``; a failure of the
+   transformed model's own forward is ``crash in forward``;
+4. runs the transformed model on both samples: past the bound on the held-out sample, which
+   verify did not see, is ``past bound silently``;
+5. ``save``\\ s it and ``load(dir)`` with no ``model=``, runs the reloaded model and checks its
+   output is bit-identical (``reload needs model=``, ``reload fails``, ``reload crash in forward``,
+   ``reload mismatch``).
+
+Cells run in worker processes (2 by default), one cell at a time each, with a timeout per cell;
+a worker that dies or hangs is replaced and its cell is ``worker died`` / ``timeout``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import select
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Iterable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+#: Column name -> script.  The elementwise fusions run with ``kernel=eager``: compiling is the
+#: slow part and is covered by the ``compile`` column on :data:`COMPILE_SLICE` only.
+SCRIPTS = {
+    "fuse qkv": "fuse qkv",
+    "quantize int8": "quantize int8",
+    "quantize nf4": "quantize nf4",
+    "quantize hqq": "quantize hqq",
+    "fp8 storage": "fp8 storage",
+    "fp8 native": "fp8 native",
+    "fuse qkv; quantize int8": "fuse qkv; quantize int8",
+    "fuse bias_act_dropout": "fuse bias_act_dropout kernel=eager",
+    "fuse bias_dropout_residual": "fuse bias_dropout_residual kernel=eager",
+    "fuse bias_dropout_residual_layernorm": "fuse bias_dropout_residual_layernorm kernel=eager",
+    "compile": "compile",
+}
+
+#: Models the (slow) ``compile`` column runs on.
+COMPILE_SLICE = ("diffusers/UNet2DConditionModel", "transformers/Llama", "transformers/BERT")
+
+#: Statuses, best first; the order the summary counts them in.
+STATUSES = ("ok", "not applicable", "refused by verify", "past bound silently", "crash in forward",
+            "transform fails", "plan fails", "reload needs model=", "reload fails", "reload crash in forward",
+            "reload mismatch", "timeout", "worker died", "corpus model fails")
+
+#: Separate q/k/v projections (children of one module) this matrix counts as a fusion candidate,
+#: whatever the pass knows: the denominator of the "fused" figure.
+SEPARATE_QKV = (("to_q", "to_k", "to_v"), ("add_q_proj", "add_k_proj", "add_v_proj"), ("q_proj", "k_proj", "v_proj"),
+                ("query", "key", "value"), ("q", "k", "v"), ("q_lin", "k_lin", "v_lin"),
+                ("query_proj", "key_proj", "value_proj"))
+
+MARK = "@@zoo@@ "
+
+#: model id -> its outputs on the test and held-out inputs, before any transform (one model kept).
+_REFERENCES: dict = {}
+CELL_TIMEOUT = 300.0
+
+
+def scripts_for(model_id: str) -> list[str]:
+    """The columns that run on ``model_id`` (``compile`` on :data:`COMPILE_SLICE` only)."""
+    return [name for name in SCRIPTS if name != "compile" or model_id in COMPILE_SLICE]
+
+
+# --------------------------------------------------------------------------- one cell
+
+
+def qkv_candidates(model) -> list[str]:
+    """Paths of modules holding separate q, k and v projections (Linear-like children)."""
+    found = []
+    for path, module in model.named_modules():
+        children = module._modules
+        for names in SEPARATE_QKV:
+            if all(children.get(n) is not None and hasattr(children[n], "weight") for n in names):
+                found.append(path)
+                break
+    return found
+
+
+def _first_line(text: str) -> str:
+    text = str(text).strip()
+    return (text.splitlines()[0] if text else "")[:300]
+
+
+def _exception(exc: BaseException) -> str:
+    return _first_line(f"{type(exc).__name__}: {exc}")
+
+
+def run_cell(model_id: str, script_name: str) -> dict:
+    """Run one cell (see the module docstring); a JSON-able dict with ``status`` and figures."""
+    import torch
+
+    import transformdsl
+    from transformdsl.errors import LoadError, ScriptError, TransformError
+    from transformdsl.executor import ROUNDING_EPS, relative_error, script_error_bound
+
+    from . import corpus
+
+    script = SCRIPTS[script_name]
+    cell = {"model": model_id, "script": script_name, "status": None, "detail": None, "changed": None,
+            "fused": None, "candidates": None, "error": None, "error_heldout": None, "bound": None,
+            "reload": None}
+    started = time.perf_counter()
+
+    def done(status: str, detail: str | None = None) -> dict:
+        cell["status"] = status
+        cell["detail"] = detail
+        cell["seconds"] = round(time.perf_counter() - started, 2)
+        return cell
+
+    entry = corpus.entry(model_id)
+    try:
+        model, inputs = corpus.build(entry)
+        heldout = corpus.inputs(entry, seed=1)
+        if model_id not in _REFERENCES:  # same model, same inputs: the same outputs for every script
+            _REFERENCES.clear()
+            _REFERENCES[model_id] = (corpus.run(model, inputs), corpus.run(model, heldout))
+        reference, reference_heldout = _REFERENCES[model_id]
+    except Exception as exc:
+        return done("corpus model fails", _exception(exc))
+    if "fuse qkv" in script:
+        cell["candidates"] = len(qkv_candidates(model))
+
+    try:
+        plan = transformdsl.plan(model, script)
+    except ScriptError as exc:
+        if "matches no module" in str(exc) or "selects nothing" in str(exc):
+            return done("not applicable", _first_line(exc))
+        return done("plan fails", _first_line(exc))
+    except Exception as exc:
+        return done("plan fails", _exception(exc))
+    cell["changed"] = sum(len(step.targets) for step in plan.steps)
+    if "fuse qkv" in script:
+        cell["fused"] = sum(len(step.targets) for step in plan.steps if step.transform.key() == "fuse qkv")
+    if cell["changed"] == 0:
+        return done("not applicable", "no statement selected a module it can change")
+    bound = script_error_bound([step.transform for step in plan.steps])
+    cell["bound"] = bound
+    tolerance = None if bound is None else bound + ROUNDING_EPS * torch.finfo(reference.dtype).eps
+
+    try:
+        transformdsl.transform(model, plan, verify=True, verify_inputs=inputs)
+    except TransformError as exc:
+        message = str(exc)
+        moved = re.search(r"verify: the output changed by ([0-9.eE+-]+|inf|nan)", message)
+        if moved:
+            cell["error"] = float(moved.group(1))
+            return done("refused by verify", _first_line(message))
+        if "after transforming" in message or "not finite" in message:
+            crash = message.split("after transforming: ", 1)[-1]
+            return done("crash in forward", _first_line(crash.split(" (the model was left unchanged)")[0]))
+        return done("transform fails", _first_line(message))
+    except Exception as exc:
+        return done("transform fails", "not a TransformError: " + _exception(exc))
+
+    try:
+        output = corpus.run(model, inputs)
+        output_heldout = corpus.run(model, heldout)
+    except Exception as exc:
+        return done("crash in forward", _exception(exc))
+    cell["error"] = relative_error(reference, output)
+    cell["error_heldout"] = relative_error(reference_heldout, output_heldout)
+    if tolerance is not None and not cell["error_heldout"] <= tolerance:
+        past = f"held-out sample: error {cell['error_heldout']:.3g} > bound {bound:g}"
+    else:
+        past = None
+
+    with tempfile.TemporaryDirectory(prefix="zoo-") as tmp:
+        directory = Path(tmp) / "saved"
+        try:
+            transformdsl.save(model, directory)
+        except Exception as exc:
+            cell["reload"] = "save fails"
+            return done("reload fails", "save: " + _exception(exc))
+        try:
+            loaded = transformdsl.load(directory)
+        except LoadError as exc:
+            cell["reload"] = "needs model="
+            if "model=" in str(exc):
+                return done("reload needs model=", _first_line(exc))
+            return done("reload fails", _first_line(exc))
+        except Exception as exc:
+            cell["reload"] = "fails"
+            return done("reload fails", _exception(exc))
+        try:
+            reloaded = corpus.run(loaded, inputs)
+        except Exception as exc:
+            cell["reload"] = "crash in forward"
+            return done("reload crash in forward", _exception(exc))
+    if reloaded.shape != output.shape or not torch.equal(reloaded, output):
+        cell["reload"] = "mismatch"
+        difference = (reloaded.float() - output.float()).abs().max().item() if reloaded.shape == output.shape else None
+        return done("reload mismatch", f"max |reloaded - transformed| = {difference}")
+    cell["reload"] = "bit-identical"
+    if past:
+        return done("past bound silently", past)
+    return done("ok")
+
+
+# --------------------------------------------------------------------------- workers
+
+
+def _worker() -> None:
+    """Read ``model<TAB>script`` lines on stdin, answer one marked JSON line each on stdout."""
+    import warnings
+
+    import torch
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    for line in sys.stdin:
+        model_id, script_name = line.rstrip("\n").split("\t")
+        try:
+            cell = run_cell(model_id, script_name)
+        except BaseException as exc:  # a bug in the matrix itself: say so, keep going
+            cell = {"model": model_id, "script": script_name, "status": "transform fails",
+                    "detail": "matrix error: " + _exception(exc) + " " + traceback.format_exc()[-300:]}
+        sys.stdout.write(MARK + json.dumps(cell) + "\n")
+        sys.stdout.flush()
+
+
+class Worker:
+    """One worker process, replaced after a crash, a timeout, or ``recycle`` cells."""
+
+    def __init__(self, recycle: int = 80):
+        self.process = None
+        self.buffer = b""
+        self.count = 0
+        self.recycle = recycle
+
+    def _start(self) -> None:
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1",
+                   OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(ROOT))
+        self.process = subprocess.Popen([sys.executable, "-m", "tests.zoo.matrix", "--worker"], cwd=ROOT, env=env,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        self.buffer = b""
+        self.count = 0
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+            self.process = None
+
+    def run(self, model_id: str, script_name: str, timeout: float) -> dict:
+        if self.process is None or self.count >= self.recycle:
+            self.stop()
+            self._start()
+        self.count += 1
+        self.process.stdin.write(f"{model_id}\t{script_name}\n".encode())
+        self.process.stdin.flush()
+        deadline = time.monotonic() + timeout
+        fd = self.process.stdout.fileno()
+        while True:
+            while b"\n" in self.buffer:
+                line, self.buffer = self.buffer.split(b"\n", 1)
+                text = line.decode(errors="replace")
+                if text.startswith(MARK):
+                    return json.loads(text[len(MARK):])
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.stop()
+                return {"model": model_id, "script": script_name, "status": "timeout",
+                        "detail": f"no result after {timeout:.0f} s"}
+            ready, _, _ = select.select([fd], [], [], left)
+            if ready:
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    code = self.process.wait()
+                    self.process = None
+                    return {"model": model_id, "script": script_name, "status": "worker died",
+                            "detail": f"the worker process exited with {code}"}
+                self.buffer += chunk
+
+
+def run_matrix(cells: list[tuple[str, str]], workers: int = 2, timeout: float = CELL_TIMEOUT,
+               progress: bool = True) -> list[dict]:
+    """Run ``cells`` on ``workers`` processes; results in the order of ``cells``."""
+    results: dict[int, dict] = {}
+    lock = threading.Lock()
+    queue = list(enumerate(cells))
+    started = time.perf_counter()
+
+    def drain() -> None:
+        worker = Worker()
+        try:
+            while True:
+                with lock:
+                    if not queue:
+                        return
+                    index, (model_id, script_name) = queue.pop(0)
+                result = worker.run(model_id, script_name, timeout)
+                with lock:
+                    results[index] = result
+                    if progress:
+                        print(f"[{len(results)}/{len(cells)} {time.perf_counter() - started:.0f}s] {model_id} | "
+                              f"{script_name}: {result['status']}"
+                              + (f" ({result['detail']})" if result.get("detail") else ""), file=sys.stderr,
+                              flush=True)
+        finally:
+            worker.stop()
+
+    threads = [threading.Thread(target=drain) for _ in range(max(1, workers))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return [results[i] for i in range(len(cells))]
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def _select(names: Iterable[str], wanted: str | None) -> list[str]:
+    names = list(names)
+    if not wanted:
+        return names
+    chosen = []
+    for part in (p.strip() for p in wanted.split(",") if p.strip()):
+        exact = [n for n in names if n == part or n.split("/", 1)[-1] == part]
+        matches = exact or [n for n in names if part.lower() in n.lower()]
+        if not matches:
+            raise SystemExit(f"nothing matches {part!r}")
+        chosen += [m for m in matches if m not in chosen]
+    return chosen
+
+
+def versions() -> dict:
+    from importlib.metadata import version
+
+    return {name: version(name) for name in ("transformdsl", "torch", "diffusers", "transformers", "bitsandbytes",
+                                              "hqq", "safetensors")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.zoo.matrix", description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--models", help="comma-separated ids or substrings (default: all)")
+    parser.add_argument("--scripts", help="comma-separated column names (default: all)")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=CELL_TIMEOUT, help="seconds per cell")
+    parser.add_argument("--json", default=str(ROOT / "docs" / "SUPPORT.json"), help="where results go")
+    parser.add_argument("--markdown", default=None, help="also write the support page here (docs/SUPPORT.md)")
+    args = parser.parse_args(argv)
+    if args.worker:
+        _worker()
+        return 0
+
+    from . import corpus
+
+    models = _select([e["id"] for e in corpus.entries()], args.models)
+    columns = _select(SCRIPTS, args.scripts)
+    cells = [(m, s) for m in models for s in scripts_for(m) if s in columns]
+    started = time.perf_counter()
+    results = run_matrix(cells, workers=args.workers, timeout=args.timeout)
+    report = {
+        "command": "python -m tests.zoo.matrix" + ("" if argv is None else " " + " ".join(argv)),
+        "seconds": round(time.perf_counter() - started, 1),
+        "workers": args.workers,
+        "versions": versions(),
+        "scripts": {name: SCRIPTS[name] for name in columns},
+        "compile_slice": list(COMPILE_SLICE),
+        "skipped": corpus.skipped(),
+        "models": [{"id": e["id"], "library": e["library"], "class": e["class"]}
+                   for e in corpus.entries() if e["id"] in models],
+        "cells": results,
+    }
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    counts = {}
+    for cell in results:
+        counts[cell["status"]] = counts.get(cell["status"], 0) + 1
+    print(f"{len(results)} cells in {report['seconds']:.0f} s: "
+          + ", ".join(f"{status} {counts[status]}" for status in STATUSES if status in counts), file=sys.stderr)
+    if args.markdown:
+        from .support import write_page
+
+        write_page(report, Path(args.markdown))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:] if len(sys.argv) > 1 else None))
