@@ -437,3 +437,48 @@ def test_check_and_fmt_refuse_devices_and_fifos_without_reading(tmp_path, comman
     assert main([command, str(fifo)]) == 1
     assert time.perf_counter() - started < 5
     assert "not a regular file" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- tampered step records
+
+
+def _add_step(directory: Path, key: str, options: dict, record: dict) -> None:
+    step = {"key": key, "options": options, "common": {}, "record": record, "line": 1, "statement": key,
+            "script_index": 0}
+    edit_json(directory / META_FILE, lambda m: (m["steps"].append(step), m.update({"scripts": [key]})))
+
+
+RECORDS = {
+    "fp8 compute looked up on torch": ("fp8 storage", {}, {"format": 1, "dtype": "e4m3", "compute": "load",
+                                                          "layers": {}}),
+    "fp8 compute not a float": ("fp8 storage", {}, {"format": 1, "dtype": "e4m3", "compute": "int8", "layers": {}}),
+    "fp8 native strict as text": ("fp8 native", {}, {"format": 1, "scaling": "tensor", "compute": "bfloat16",
+                                                     "strict": "no", "layers": {}}),
+    "compile backend": ("compile", {}, {"targets": [], "options": {"backend": "tvm"}}),
+    "compile options disagree": ("compile", {}, {"targets": [], "options": {"backend": "eager"}}),
+    "NaN threshold": ("quantize int8", {"threshold": float("nan")}, {"layers": {}}),
+    "infinite threshold": ("quantize int8", {"threshold": float("inf")}, {"layers": {}}),
+}
+
+
+@pytest.mark.parametrize("case", list(RECORDS))
+def test_tampered_step_records_are_checked_like_script_options(module_save, case):
+    key, options, record = RECORDS[case]
+    _add_step(module_save, key, options, record)
+    with pytest.raises(LoadError, match="invalid options|disagree"):
+        transformdsl.load(module_save)
+
+
+def test_elementwise_record_cannot_swap_the_activation(tmp_path):
+    from transformdsl.models import tiny_gpt2
+
+    model = transformdsl.transform(tiny_gpt2(), "fuse bias_act_dropout kernel=eager")
+    transformdsl.save(model, tmp_path / "fused")
+    meta = json.loads((tmp_path / "fused" / META_FILE).read_text())
+    chains = meta["steps"][0]["record"]["chains"]
+    assert chains and all("act" in c["spec"] for c in chains)
+    for chain in chains:
+        chain["spec"]["act"] = "relu"
+    (tmp_path / "fused" / META_FILE).write_text(json.dumps(meta))
+    with pytest.raises(LoadError, match="the record describes"):
+        transformdsl.load(tmp_path / "fused")

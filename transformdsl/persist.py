@@ -699,6 +699,27 @@ def _rebuild_options(cls, values: dict, path: Path, key: str, common: bool = Fal
         raise LoadError(f"{path}: step '{key}' has invalid options: {exc}") from None
 
 
+def _check_record(cls, raw: dict, options: Any, path: Path) -> None:
+    """A step's record against its (checked) options: a field named like an option, at the
+    top of the record or in its ``options``, must hold the option's value; so a tampered
+    record cannot bring in a value the script could not (``compute: "load"``,
+    ``backend: "tvm"``, ``strict: "no"``, ``threshold: NaN``)."""
+    record = raw["record"]
+    values = dataclasses.asdict(options) if dataclasses.is_dataclass(options) else {}
+    nested = record.get("options")
+    if nested is not None:
+        if not isinstance(nested, dict):
+            raise LoadError(f"{path}: step '{raw['key']}' record options are malformed")
+        checked = _rebuild_options(cls, nested, path, raw["key"])
+        if dataclasses.asdict(checked) != values:
+            raise LoadError(f"{path}: step '{raw['key']}' record options {_clip(nested)} disagree with its "
+                            f"options {_clip(values)}")
+    for name, value in values.items():
+        if name in record and record[name] != value:
+            raise LoadError(f"{path}: step '{raw['key']}' record field {name} = {_clip(record[name])} disagrees "
+                            f"with the option's checked value {value!r}")
+
+
 @contextlib.contextmanager
 def _step_errors(meta_path: Path, raw: dict, what: str, where: str = ""):
     """Turn a transform's failure while loading into a LoadError naming the step."""
@@ -730,6 +751,7 @@ def load_module(folder: SaveDir, meta: dict, model: Any, device: torch.device, m
             cls = registry.get(raw["key"])
             options = _rebuild_options(cls, raw["options"], meta_path, raw["key"])
             _rebuild_options(cls, raw["common"], meta_path, raw["key"], common=True)
+            _check_record(cls, raw, options, meta_path)
             with _step_errors(meta_path, raw, "cannot replay", "on this architecture"):
                 cls.rebuild(skeleton, raw["record"], options)
             steps.append((cls, raw, options))
