@@ -482,3 +482,29 @@ def test_elementwise_record_cannot_swap_the_activation(tmp_path):
     (tmp_path / "fused" / META_FILE).write_text(json.dumps(meta))
     with pytest.raises(LoadError, match="the record describes"):
         transformdsl.load(tmp_path / "fused")
+
+
+def test_code_fields_in_a_nested_file_of_a_component_are_refused(pipeline_save):
+    nested = pipeline_save / "tokenizer" / "extra"
+    nested.mkdir()
+    (nested / "config.json").write_text(json.dumps({"deep": [{"auto_map": {"AutoTokenizer": "custom.T"}}]}))
+    with pytest.raises(LoadError, match="names code to run"):
+        transformdsl.load(pipeline_save)
+
+
+def test_zero_size_tensors_and_aliases_do_not_enlarge_the_module_budget(module_save):
+    from transformdsl.safetensors_io import save_aligned
+
+    junk = {f"junk.{i}": torch.empty(0) for i in range(20_000)}
+    save_aligned(junk, module_save / "junk.safetensors", metadata={"format": "pt"})
+
+    def change(meta):
+        meta["tensors"]["files"].append("junk.safetensors")
+        meta["model"]["config"]["n_layer"] = 100_000
+        meta.pop("save_id", None)
+
+    edit_json(module_save / META_FILE, change)
+    started = time.perf_counter()
+    with pytest.raises(LoadError, match="far more modules"):
+        transformdsl.load(module_save)
+    assert time.perf_counter() - started < 30

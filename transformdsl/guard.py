@@ -51,10 +51,12 @@ def loading() -> Iterator[None]:
                 os.environ[key] = "1"
             _saved["stdin"] = sys.stdin
             sys.stdin = io.StringIO("")
-            import huggingface_hub.constants as hub
-
+            try:
+                import huggingface_hub.constants as hub
+            except ImportError:  # no hub library: nothing to set (a plain torch model)
+                hub = None
             # Copies imported during the load read the environment set above; all get reset.
-            _saved["offline"] = hub.HF_HUB_OFFLINE
+            _saved["offline"] = bool(hub and hub.HF_HUB_OFFLINE)
             _set_constants(True)
         _depth += 1
     try:

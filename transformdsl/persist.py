@@ -1157,9 +1157,10 @@ def _load_library_component(library: str, name: str, folder: SaveDir, index_path
             raise LoadError(f"{folder.path / rel}: is {kind}; refusing to read it")
     scheduler = issubclass(cls, diffusers.SchedulerMixin)
     for rel in sorted(files):
-        if "/" in rel or not rel.endswith(".json"):
+        if not rel.endswith(".json"):
             continue
-        content = _read_json(folder, rel, "component file")
+        holder, name = folder.descend(rel)
+        content = _read_json(holder, name, "component file")
         _check_config(folder.path / rel, content, scheduler=scheduler)
         if rel.endswith(".index.json"):
             _check_shard_index(folder.path / rel, content, files)

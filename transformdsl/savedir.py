@@ -136,6 +136,14 @@ class SaveDir:
             raise LoadError(f"{self.path / name}: the {what} is over the {max_bytes} limit")
         return data
 
+    def descend(self, relative: str) -> tuple[SaveDir, str]:
+        """The folder holding ``a/b/name`` (opened folder by folder, links refused) and ``name``."""
+        *folders, name = relative.split("/")
+        here = self
+        for folder in folders:
+            here = here.subdir(folder)
+        return here, name
+
     def exists(self, name: str) -> bool:
         """Whether ``name`` is an entry of the directory (any kind; links not followed)."""
         try:
