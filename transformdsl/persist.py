@@ -60,8 +60,13 @@ DEFAULT_SHARD_BYTES = 5 * 1024**3
 # =========================================================================== save
 
 
-def save(model: Any, directory: str | os.PathLike, *, max_shard_size: int = DEFAULT_SHARD_BYTES) -> Path:
+def save(model: Any, directory: str | os.PathLike, *, max_shard_size: int = DEFAULT_SHARD_BYTES,
+         format: str = FORMAT) -> Path:
     """Save ``model`` (transformed or not; a module or a pipeline) to ``directory``.
+
+    ``format="transformers"`` or ``"diffusers"`` writes what the library's stock
+    ``from_pretrained`` loads without transformdsl (see :mod:`transformdsl.interop`); a
+    statement the format cannot carry is a :class:`TransformError` before anything is written.
 
     The write is atomic: everything is written to a temporary sibling directory, flushed,
     then swapped into place, so an interrupted save leaves any previous save intact and
@@ -69,6 +74,9 @@ def save(model: Any, directory: str | os.PathLike, *, max_shard_size: int = DEFA
     is replaced as a whole).  A failure to write (disk full, permissions) is a
     :class:`TransformError` naming the directory and the cause.
     """
+    from .interop import check_format
+
+    check_format(format)
     directory = Path(directory)
     final = directory.resolve()
     _check_target(final)
@@ -84,11 +92,16 @@ def save(model: Any, directory: str | os.PathLike, *, max_shard_size: int = DEFA
         os.chmod(tmp, 0o777 & ~_umask())
         (tmp / _TMP_MARKER).write_text(f"{os.getpid()} {_boot_id()}\n")
         if is_pipeline(model):
-            _save_pipeline(model, tmp, max_shard_size, save_id)
+            _save_pipeline(model, tmp, max_shard_size, save_id, format)
+        elif isinstance(model, nn.Module) and format != FORMAT:
+            from .interop.export import save_library_module
+
+            save_library_module(model, tmp, format, max_shard_size)
         elif isinstance(model, nn.Module):
             save_module(model, tmp, max_shard_size, save_id)
         else:
             raise TransformError(f"save() takes an nn.Module or a diffusers pipeline, not {type(model).__name__}")
+        _write_manifest(tmp)
         _fsync_tree(tmp)
         (tmp / _TMP_MARKER).unlink()
         _swap_into_place(tmp, final)
@@ -136,6 +149,18 @@ def _not_a_complete_save(final: Path) -> str | None:
     if missing:
         return f"the save there is incomplete (missing {', '.join(missing[:3])})"
     return None
+
+
+def _write_manifest(directory: Path) -> None:
+    """List every file of the save in its metadata (``manifest``): what a later save may
+    replace is exactly that (:func:`_not_a_complete_save`)."""
+    path = directory / META_FILE
+    if not path.is_file():
+        return
+    meta = json.loads(path.read_text())
+    meta["manifest"] = sorted(str(p.relative_to(directory)) for p in directory.rglob("*")
+                              if not p.is_dir() and p != path and p.relative_to(directory) != Path(_TMP_MARKER))
+    _write_json(path, meta)
 
 
 #: Present in a temporary save directory while it is written: ``PID BOOT_ID``.
@@ -237,7 +262,6 @@ def save_module(module: nn.Module, directory: Path, max_shard_size: int = DEFAUL
         "tensors": {"files": files, **layout},
         "versions": _versions(),
         "save_id": save_id,
-        "manifest": sorted([*files, SCRIPT_FILE] + ([INDEX] if len(shards) > 1 else [])),
     }
     (directory / SCRIPT_FILE).write_text("\n".join(history.scripts) + ("\n" if history.scripts else ""))
     _write_json(directory / META_FILE, meta)
@@ -332,7 +356,10 @@ def _versions() -> dict:
     return out
 
 
-def _save_pipeline(pipe: Any, directory: Path, max_shard_size: int, save_id: str) -> None:
+def _save_pipeline(pipe: Any, directory: Path, max_shard_size: int, save_id: str, format: str = FORMAT) -> None:
+    if format == "transformers":
+        raise TransformError("format='transformers' saves a transformers model; a pipeline is saved with "
+                             "format='diffusers' (its transformers components in their own layout)")
     pipe.save_config(str(directory))
     components = {}
     for name, component in pipe.components.items():
@@ -341,7 +368,12 @@ def _save_pipeline(pipe: Any, directory: Path, max_shard_size: int, save_id: str
         target = directory / name
         target.mkdir()
         if isinstance(component, nn.Module) and history_of(component) is not None:
-            save_module(component, target, max_shard_size, save_id)
+            if format == FORMAT:
+                save_module(component, target, max_shard_size, save_id)
+            else:
+                from .interop.export import library_of, save_library_module
+
+                save_library_module(component, target, library_of(component) or format, max_shard_size)
             components[name] = "transformdsl"
         elif hasattr(component, "save_pretrained"):
             kwargs = {"safe_serialization": True} if isinstance(component, nn.Module) else {}
@@ -349,12 +381,10 @@ def _save_pipeline(pipe: Any, directory: Path, max_shard_size: int, save_id: str
             components[name] = "library"
         else:
             raise TransformError(f"cannot save pipeline component '{name}' ({type(component).__name__})")
-    manifest = sorted(str(p.relative_to(directory)) for p in directory.rglob("*")
-                      if not p.is_dir() and p.name != _TMP_MARKER)
     _write_json(directory / META_FILE, {
         "format": FORMAT, "format_version": FORMAT_VERSION, "kind": "pipeline",
         "pipeline_class": type(pipe).__name__, "components": components, "versions": _versions(),
-        "save_id": save_id, "manifest": manifest,
+        "save_id": save_id,
     })
 
 
@@ -455,6 +485,10 @@ def load(directory: str | os.PathLike, model: nn.Module | Callable[[], nn.Module
     for attempt in range(_LOAD_ATTEMPTS):
         try:
             with guard.loading(), SaveDir.open(directory) as folder:
+                if not folder.exists(META_FILE) and folder.exists("config.json"):
+                    from .interop.imports import load_library_directory
+
+                    return load_library_directory(folder, model, device, mmap)
                 meta = read_metadata(folder)
                 if meta["kind"] == "pipeline":
                     if model is not None:
@@ -597,6 +631,10 @@ def _check_module_meta(path: Path, meta: dict) -> None:
     aliases = _expect(path, tensors.get("aliases", {}), dict, "'tensors.aliases'")
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in aliases.items()):
         raise LoadError(f"{path}: 'tensors.aliases' must map names to names")
+    if "layout" in tensors:  # a save in a library's layout (format="transformers"/"diffusers")
+        from .interop import layout
+
+        layout.check(path, tensors["layout"])
 
 
 def _check_pipeline_meta(path: Path, meta: dict) -> None:
@@ -758,6 +796,10 @@ def load_module(folder: SaveDir, meta: dict, model: Any, device: torch.device, m
         tensors = files.read(device, mmap and device.type == "cpu")
     finally:
         files.close()
+    if meta["tensors"].get("layout"):
+        from .interop import layout
+
+        tensors = layout.to_own(tensors, meta["tensors"]["layout"], folder.path)
     _assign(skeleton, tensors, meta, folder.path)
     for cls, raw, options in steps:
         with _step_errors(meta_path, raw, "cannot finish"):
@@ -1199,6 +1241,12 @@ def _check_shard_index(path: Path, index: Any, files: set[str]) -> None:
 # =========================================================================== inspect
 
 
+def _interop_summary(value: Any) -> dict | None:
+    from .interop import summary
+
+    return summary(value)
+
+
 def inspect(directory: str | os.PathLike) -> dict:
     """What a saved model contains, from headers only (no tensor data is read).
 
@@ -1215,7 +1263,12 @@ def inspect(directory: str | os.PathLike) -> dict:
 def _inspect(folder: SaveDir) -> dict:
     from safetensors import safe_open
 
-    meta = read_metadata(folder)
+    if not folder.exists(META_FILE) and folder.exists("config.json"):
+        from .interop.imports import library_metadata
+
+        meta = library_metadata(folder)[0]  # a diffusers/transformers checkpoint: what load() would read
+    else:
+        meta = read_metadata(folder)
     if meta["kind"] == "pipeline":
         parts = {}
         for comp, how in meta["components"].items():
@@ -1257,4 +1310,5 @@ def _inspect(folder: SaveDir) -> dict:
         "files": meta["tensors"]["files"],
         "tensors": by_dtype,
         "versions": meta.get("versions", {}),
+        **({"interop": _interop_summary(meta.get("interop"))} if meta.get("interop") is not None else {}),
     }
