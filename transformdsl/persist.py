@@ -136,7 +136,7 @@ def _not_a_complete_save(final: Path) -> str | None:
             present = {rel for rel, info in folder.walk() if not stat.S_ISDIR(info.st_mode)}
             links = {rel for rel, info in folder.walk() if stat.S_ISLNK(info.st_mode)}
     except (LoadError, OSError) as exc:
-        return f"it is a non-empty directory that holds no readable transformdsl save ({exc})"
+        return f"it is a non-empty directory that holds no transformdsl save ({exc})"
     listed = meta.get("manifest")
     if listed is None:
         return "it holds a transformdsl save without a file list (saved by an older version)"
@@ -779,7 +779,7 @@ def load_module(folder: SaveDir, meta: dict, model: Any, device: torch.device, m
     # bounds the size of the model the metadata may describe.
     files = _TensorFiles(folder, meta["tensors"]["files"])
     try:
-        saved = sum(files.count_tensors(meta.get("save_id")))
+        saved = sum(files.count_tensors())
         aliases = meta["tensors"].get("aliases", {})
         if len(aliases) > _module_budget(saved):
             raise LoadError(f"{meta_path}: {len(aliases)} tensor aliases for {saved} saved tensors; refusing")
@@ -952,10 +952,10 @@ class _TensorFiles:
             os.close(fd)
         self.opened = []
 
-    def count_tensors(self, save_id: str | None) -> list[int]:
+    def count_tensors(self) -> list[int]:
         """Per file, how many non-empty tensors its header lists (safetensors checks the
         header's size, JSON, dtypes, shapes and offsets against the file before mapping
-        anything); each file must carry the metadata's save identifier, if any."""
+        anything)."""
         from safetensors import safe_open
 
         counts = []
@@ -963,16 +963,12 @@ class _TensorFiles:
             path = self.folder.path / name
             try:
                 with safe_open(source, framework="pt") as f:
-                    stored_id = (f.metadata() or {}).get("save_id")
                     count = 0
                     for key in f.keys():
                         if not is_padding(key) and math.prod(f.get_slice(key).get_shape()) > 0:
                             count += 1
             except Exception as exc:
                 raise LoadError(f"{path}: corrupt or truncated safetensors file: {exc}") from None
-            if save_id is not None and stored_id != save_id:
-                raise LoadError(f"{path}: belongs to another save than {META_FILE} (save id {_clip(stored_id)}, "
-                                f"expected {save_id!r}); the directory mixes two saves")
             counts.append(count)
         return counts
 
@@ -1214,7 +1210,7 @@ def _load_library_component(library: str, name: str, folder: SaveDir, index_path
         kwargs["use_safetensors"] = True
         weights = _TensorFiles(folder, sorted(r for r in files if "/" not in r and r.endswith(".safetensors")))
         try:
-            saved = sum(weights.count_tensors(None))
+            saved = sum(weights.count_tensors())
         finally:
             weights.close()
         limit = _module_limit(_module_budget(saved), folder.path)

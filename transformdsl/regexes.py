@@ -18,10 +18,10 @@ from collections.abc import Iterator
 import regex
 
 #: Seconds of ``re:`` matching one plan may spend, all selectors together.
-REGEX_BUDGET_S = 1.0
+REGEX_BUDGET_S = 0.5
 
-_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("transformdsl_regex_deadline",
-                                                                         default=None)
+#: Seconds of matching left to the current plan (a one-item list), or None outside one.
+_left: contextvars.ContextVar[list[float] | None] = contextvars.ContextVar("transformdsl_regex_left", default=None)
 
 
 class SelectorTooSlow(ValueError):
@@ -31,11 +31,11 @@ class SelectorTooSlow(ValueError):
 @contextlib.contextmanager
 def regex_budget(seconds: float = REGEX_BUDGET_S) -> Iterator[None]:
     """Bound the total time ``re:`` selectors may take in this block (one plan)."""
-    token = _deadline.set(time.monotonic() + seconds)
+    token = _left.set([seconds])
     try:
         yield
     finally:
-        _deadline.reset(token)
+        _left.reset(token)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -50,8 +50,9 @@ def search(compiled: regex.Pattern, path: str) -> bool:
     Raises :class:`SelectorTooSlow` once the budget is spent (outside a
     :func:`regex_budget` block, each call gets :data:`REGEX_BUDGET_S`).
     """
-    deadline = _deadline.get()
-    remaining = REGEX_BUDGET_S if deadline is None else deadline - time.monotonic()
+    left = _left.get()
+    remaining = REGEX_BUDGET_S if left is None else left[0]
+    started = time.monotonic()
     try:
         if remaining <= 0:
             raise TimeoutError
@@ -60,3 +61,6 @@ def search(compiled: regex.Pattern, path: str) -> bool:
         raise SelectorTooSlow(f"regular expression {compiled.pattern[:60]!r} takes too long to match module paths "
                               f"(over {REGEX_BUDGET_S:g} s for the script: nested repetition such as (a+)+ "
                               "backtracks without end); simplify it or use a glob") from None
+    finally:
+        if left is not None:  # only time spent matching counts, not the rest of planning
+            left[0] -= time.monotonic() - started
