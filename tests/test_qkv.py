@@ -16,6 +16,7 @@ from transformdsl.errors import LoadError, TransformError
 from transformdsl.executor import history_of
 from transformdsl.models import run
 from transformdsl.passes import qkv
+from transformdsl.passes._qkv_shared import ProjectionSlice
 from transformdsl.planner import plan
 from transformdsl.tree import ModuleTree, parameter_bytes
 
@@ -190,16 +191,11 @@ def test_gpt2_is_a_near_miss():
 
 
 def test_near_miss_reasons():
-    pipe = models.tiny_sd_pipeline()
-    reasons = {r for _, r in plan(pipe, "fuse qkv component=text_encoder").steps[0].skipped}
-    assert len(reasons) == 1 and reasons.pop().startswith(
-        "unknown attention layout: CLIPAttention.forward reads q_proj/k_proj/v_proj separately")
-
     llama = build("llama")
     llama.model.layers[0].self_attn.k_proj = nn.Linear(24, 32, bias=False)     # reads another input
     llama.model.layers[1].self_attn.v_proj = nn.Sequential(nn.Linear(64, 32))   # not a plain Linear
     reasons = dict(plan(llama, "fuse qkv").steps[0].skipped)
-    assert reasons["model.layers.0.self_attn"] == "projections read different inputs: k_proj has in_features 24, q_proj 64"
+    assert reasons["model.layers.0.self_attn"] == "projections read different inputs: v_proj has in_features 64, k_proj 24"
     assert reasons["model.layers.1.self_attn"] == "v_proj is a Sequential, not a plain nn.Linear (fuse qkv runs first)"
 
     unet = build("unet")
@@ -207,23 +203,21 @@ def test_near_miss_reasons():
     assert {r.split(" (")[0] for _, r in plan(unet, "fuse qkv").steps[0].skipped} == \
         {"already fused: to_qkv", "already fused: to_kv"}
 
-    from diffusers import SD3Transformer2DModel
-
-    sd35 = SD3Transformer2DModel(**models.SD3_CONFIG, qk_norm="rms_norm")
-    assert {r for _, r in plan(sd35, "fuse qkv").steps[0].skipped} == {
-        "qk-norm (norm_q, norm_k, norm_added_q, norm_added_k): diffusers' FusedJointAttnProcessor2_0 skips it, "
-        "so fusing would change outputs"}
-
 
 def test_a_second_statement_finds_the_modules_fused():
     step = plan(build("flux"), "fuse qkv\nfuse qkv in single_transformer_blocks").steps[1]
     assert not step.targets and {r for _, r in step.skipped} == {"already fused by an earlier statement"}
 
 
-def test_a_llama_forward_of_another_version_is_not_fused(monkeypatch):
+def test_a_llama_forward_of_another_version_shares_the_fused_projection(monkeypatch):
     monkeypatch.setattr(qkv, "LLAMA_FORWARD_FINGERPRINT", "0" * 16)
-    step = plan(build("llama"), "fuse qkv").steps[0]
-    assert not step.targets and "differs from the one this pass mirrors" in step.skipped[0][1]
+    model = build("llama")
+    before = run(model)
+    step, record = fuse(model)
+    assert len(step.targets) == 2 and {m["forward"] for m in record["modules"]} == {"shared"}
+    attention = model.model.layers[0].self_attn
+    assert type(attention).__name__ == "LlamaAttention" and isinstance(attention.q_proj, ProjectionSlice)
+    assert max_diff(run(model), before) <= 1e-5
 
 
 # --------------------------------------------------------------------------- planning
@@ -289,7 +283,8 @@ def test_load_refuses_what_it_cannot_replay_exactly(tmp_path, monkeypatch):
     # A record that does not fit the architecture (as if saved from another model).
     edit_record(tmp_path / "splits", lambda entry: entry["groups"][0].update(splits=[64, 64, 64]))
     with pytest.raises(LoadError, match=r"layers\.0\.self_attn was saved as qkv_proj = q_proj\+k_proj\+v_proj "
-                                         r"\(64\+64\+64 x 64\), but fuses as .* \(64\+32\+32 x 64\)"):
+                                         r"\(64\+64\+64 x 64\) through the fused Llama forward, but fuses as "
+                                         r".* \(64\+32\+32 x 64\)"):
         transformdsl.load(tmp_path / "splits")
     # A record naming projections this pass never fuses.
     edit_record(tmp_path / "sources", lambda entry: entry["groups"][0].update(sources=["q_proj", "o_proj"]))
@@ -297,7 +292,8 @@ def test_load_refuses_what_it_cannot_replay_exactly(tmp_path, monkeypatch):
         transformdsl.load(tmp_path / "sources")
     # A transformers whose LlamaAttention.forward is not the one the fused forward mirrors.
     monkeypatch.setattr(qkv, "LLAMA_FORWARD_FINGERPRINT", "0" * 16)
-    with pytest.raises(LoadError, match="cannot be fused on this model: LlamaAttention.forward of this transformers"):
+    with pytest.raises(LoadError, match=r"was saved as .* through the fused Llama forward, but fuses as .* "
+                                         r"through slices of the shared fused projection on this model"):
         transformdsl.load(tmp_path / "version")
 
 
@@ -335,3 +331,208 @@ def test_failure_midway_rolls_back_bit_identically(arch, helper, monkeypatch):
     assert list(after) == list(state) and all(after[k] is state[k] for k in state)   # the very same tensors
     assert torch.equal(run(model), before)
     assert history_of(model) is None
+
+
+# --------------------------------------------------------------------------- the shared fused projection
+
+#: Real transformers classes from tiny configs: (config class, model class, config, input kind).
+TRANSFORMERS = {
+    "mistral": ("MistralConfig", "MistralModel", dict(num_key_value_heads=2), "ids"),
+    "gemma2": ("Gemma2Config", "Gemma2Model", dict(num_key_value_heads=2, head_dim=8), "ids"),
+    "gptj": ("GPTJConfig", "GPTJModel", dict(n_embd=32, n_layer=2, n_head=4, rotary_dim=4), "ids"),
+    "opt": ("OPTConfig", "OPTModel", dict(ffn_dim=37, word_embed_proj_dim=32), "ids"),
+    "bert": ("BertConfig", "BertModel", {}, "ids"),
+    "t5-encoder": ("T5Config", "T5EncoderModel", dict(d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4), "ids"),
+    "clip-vision": ("CLIPVisionConfig", "CLIPVisionModel", dict(image_size=32, patch_size=8), "pixels"),
+    "vit": ("ViTConfig", "ViTModel", dict(image_size=32, patch_size=8), "pixels"),
+}
+SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37, vocab_size=99,
+             max_position_embeddings=64, pad_token_id=0)
+
+
+def build_transformers(name: str):
+    import transformers
+
+    config_class, model_class, extra, kind = TRANSFORMERS[name]
+    config = getattr(transformers, config_class)(**{**SMALL, **extra})
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(config).eval()
+    generator = torch.Generator().manual_seed(1)
+    if kind == "pixels":
+        return model, {"pixel_values": torch.randn(2, 3, 32, 32, generator=generator)}
+    return model, {"input_ids": torch.randint(1, 99, (2, 7), generator=generator)}
+
+
+def hidden(model, inputs) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**inputs).last_hidden_state
+
+
+def projection_owners(model: nn.Module) -> list[str]:
+    """Modules with separate q/k/v projections of a :data:`qkv.PROJECTIONS` convention."""
+    return [n for n, m in model.named_modules()
+            if any(type(m._modules.get(r.k)) is nn.Linear and type(m._modules.get(r.v)) is nn.Linear
+                   for r in qkv.PROJECTIONS)]
+
+
+@pytest.mark.parametrize("name", TRANSFORMERS)
+def test_transformers_attention_shares_one_fused_projection(name, tmp_path):
+    model, inputs = build_transformers(name)
+    owners = projection_owners(model)
+    before, bytes_before, keys_before = hidden(model, inputs), parameter_bytes(model), set(model.state_dict())
+    step, record = fuse(model)
+    assert owners and step.targets == owners
+    assert {m["forward"] for m in record["modules"]} == {"shared"}
+    after = hidden(model, inputs)
+    assert max_diff(after, before) <= 1e-6 * before.abs().max().item()
+    assert parameter_bytes(model) == bytes_before
+    # The projections' weights are gone from the state_dict: one fused key per attention.
+    keys = set(model.state_dict())
+    gone, new = keys_before - keys, keys - keys_before
+    assert gone and all(k.rsplit(".", 2)[-2] in {"q", "k", "v", "q_proj", "k_proj", "v_proj", "query", "key", "value"}
+                        for k in gone)
+    assert {k.rsplit(".", 2)[-2] for k in new} <= {"qkv", "qkv_proj", "query_key_value"}
+    transformdsl.save(model, tmp_path / "saved")
+    reloaded = transformdsl.load(tmp_path / "saved")          # no model=: rebuilt on a meta skeleton
+    assert torch.equal(hidden(reloaded, inputs), after)
+
+
+def test_sd35_qk_norm_and_dual_attention_fuse():
+    from diffusers import SD3Transformer2DModel
+
+    torch.manual_seed(0)
+    model = SD3Transformer2DModel(**models.SD3_CONFIG, qk_norm="rms_norm", dual_attention_layers=(0,)).eval()
+    before = run(model)
+    step, record = fuse(model)
+    assert step.targets == attention_paths(model) and not step.skipped
+    block = model.transformer_blocks[0]
+    # qk-norm: diffusers' FusedJointAttnProcessor2_0 would skip it; the processor is kept and
+    # reads the slices.  The second (dual) attention has no added projections.
+    assert type(block.attn.processor).__name__ == "JointAttnProcessor2_0"
+    assert isinstance(block.attn.to_q, ProjectionSlice) and isinstance(block.attn.add_k_proj, ProjectionSlice)
+    assert hasattr(block.attn, "to_added_qkv") and hasattr(block.attn2, "to_qkv")
+    assert max_diff(run(model), before) <= 1e-5
+
+
+def test_cross_attention_q_never_joins_k_v():
+    from transformers import T5Config, T5Model
+
+    torch.manual_seed(0)
+    model = T5Model(T5Config(vocab_size=99, d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4)).eval()
+    inputs = {"input_ids": torch.randint(1, 99, (2, 7)), "decoder_input_ids": torch.randint(1, 99, (2, 5))}
+    before = hidden(model, inputs)
+    step, record = fuse(model)
+    cross = model.decoder.block[0].layer[1].EncDecAttention     # declared by its name
+    assert type(cross.q) is nn.Linear and isinstance(cross.k, ProjectionSlice) and cross.kv.out_features == 64
+    assert isinstance(model.decoder.block[0].layer[0].SelfAttention.q, ProjectionSlice)
+    assert "2 cross-attention module(s)" in " ".join(step.notes)
+    assert max_diff(hidden(model, inputs), before) <= 1e-6
+    # A diffusers cross-attention whose processor has no fused counterpart shares to_kv too.
+    from diffusers.models.attention_processor import AttnProcessor
+
+    unet = build("unet")
+    unet.set_attn_processor(AttnProcessor())
+    before = run(unet)
+    fuse(unet)
+    attn2 = unet.get_submodule(ATTN2)
+    assert type(attn2.to_q) is nn.Linear and isinstance(attn2.to_k, ProjectionSlice) and hasattr(attn2, "to_kv")
+    assert max_diff(run(unet), before) <= 1e-5
+
+
+def test_slices_are_exact_in_any_order_and_with_any_input():
+    module, reference = _fused_toy()
+    x, y = torch.randn(2, 3, 8), torch.randn(2, 3, 8)
+    expected = {n: getattr(reference, n)(x) for n in ("q_proj", "k_proj", "v_proj")}
+    for order in (("v_proj", "q_proj", "k_proj"), ("k_proj", "k_proj", "q_proj", "v_proj")):
+        for n in order:
+            got = getattr(module, n)(x)
+            assert got.is_contiguous() and torch.allclose(got, expected[n], atol=1e-6, rtol=0)
+    # Another input (a cross-attention's encoder states): computed afresh, not a stale slice.
+    assert torch.allclose(module.q_proj(x), expected["q_proj"], atol=1e-6, rtol=0)
+    assert torch.allclose(module.k_proj(input=y), reference.k_proj(y), atol=1e-6, rtol=0)
+    # The same tensor changed in place after q took its part: k does not reuse the old result.
+    module.q_proj(x)
+    x.mul_(2)
+    assert torch.allclose(module.k_proj(x), reference.k_proj(x), atol=1e-6, rtol=0)
+    # Nothing is held once every slice has taken its part.
+    z = torch.randn(5, 8)
+    for n in ("q_proj", "k_proj", "v_proj"):
+        getattr(module, n)(z)
+    assert module.q_proj.shared.cache is None
+
+
+def _fused_toy():
+    torch.manual_seed(0)
+    module = nn.Module()
+    module.q_proj, module.k_proj, module.v_proj = nn.Linear(8, 8), nn.Linear(8, 4), nn.Linear(8, 4)
+    reference = copy.deepcopy(module)
+    fusion = qkv.analyse(module, qkv.QKVOptions())
+    from transformdsl.edit import Edit
+
+    qkv._install(Edit(), module, fusion, qkv._concatenated)
+    return module, reference
+
+
+def test_slices_read_like_linears_and_follow_a_replaced_fused_layer():
+    module, reference = _fused_toy()
+    q, k = module.q_proj, module.k_proj
+    assert (q.in_features, q.out_features, k.out_features) == (8, 8, 4)
+    assert torch.equal(k.weight, reference.k_proj.weight) and torch.equal(k.bias, reference.k_proj.bias)
+    assert k.weight.data_ptr() == module.qkv_proj.weight[8:].data_ptr()      # a view, no copy
+    assert not list(q.parameters()) and "q_proj.weight" not in module.state_dict()
+    # The fused layer is looked up at call time: replace it, the slices use the new one.
+    module.qkv_proj = nn.Linear(8, 16, bias=False)
+    x = torch.randn(3, 8)
+    assert torch.equal(module.v_proj(x), module.qkv_proj(x)[:, 12:])
+    # Copies (deepcopy, pickle) slice their own copy of the fused layer.
+    clone = copy.deepcopy(module)
+    assert clone.q_proj.shared.owner is clone
+    buffer = io.BytesIO()
+    torch.save(module, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert loaded.k_proj.shared.owner is loaded and torch.equal(loaded.k_proj(x), module.k_proj(x))
+
+
+def test_fuse_then_quantize_int8_quantizes_the_one_fused_layer(tmp_path):
+    model, inputs = build_transformers("mistral")
+    before = hidden(model, inputs)
+    script = "fuse qkv; quantize int8"
+    targets = plan(model, script).steps[1].targets
+    assert "layers.0.self_attn.qkv_proj" in targets and not any(t.endswith((".q_proj", ".k_proj")) for t in targets)
+    transformdsl.transform(model, script)
+    attention = model.layers[0].self_attn
+    assert type(attention.qkv_proj).__name__ == "Int8Linear" and isinstance(attention.q_proj, ProjectionSlice)
+    after = hidden(model, inputs)
+    assert max_diff(after, before) <= 0.05 * before.abs().max().item()
+    transformdsl.save(model, tmp_path / "saved")
+    assert torch.equal(hidden(transformdsl.load(tmp_path / "saved"), inputs), after)
+
+
+def test_fused_model_compiles_fullgraph():
+    model, inputs = build_transformers("mistral")
+    fuse(model)
+    eager = hidden(model, inputs)
+    torch._dynamo.reset()
+    graphs = []
+
+    def count_linears(gm, example_inputs):
+        graphs.append(sum(1 for n in gm.graph.nodes if n.op == "call_function" and "linear" in str(n.target)))
+        return gm
+
+    compiled = torch.compile(model, fullgraph=True, backend=count_linears)
+    assert torch.equal(hidden(compiled, inputs), eager)
+    # Per layer: qkv_proj once (not three slices), o_proj, and the MLP's gate, up and down.
+    assert graphs == [2 * 5]
+
+
+def test_version_1_records_still_load(tmp_path):
+    for arch in ("unet", "llama"):
+        model = build(arch)
+        fuse(model)
+        transformdsl.save(model, tmp_path / arch)
+        meta_path = tmp_path / arch / "transformdsl.json"
+        meta = json.loads(meta_path.read_text())
+        meta["steps"][0]["record"]["version"] = 1       # as saved before the shared projection existed
+        meta_path.write_text(json.dumps(meta))
+        assert torch.equal(run(transformdsl.load(tmp_path / arch)), run(model))

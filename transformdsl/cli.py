@@ -84,7 +84,7 @@ def cmd_apply(args) -> int:
     transform(model, the_plan, progress=not args.quiet and sys.stderr.isatty(),
               log=None if args.quiet else print, verify=args.verify)
     if args.out:
-        save(model, args.out)
+        save(model, args.out, format=args.format)
         if not args.quiet:
             print(f"saved to {args.out}")
     return 0
@@ -169,6 +169,13 @@ def _print_inspect(info: dict, human_bytes, indent: str) -> None:
         return
     print(f"{indent}model: {info['model']} ({info.get('library') or 'no config'}), "
           f"format version {info['format_version']}")
+    interop = info.get("interop") or {}
+    if interop.get("imported"):
+        print(f"{indent}a {interop['imported']} checkpoint; layers it holds already quantized are listed as applied")
+    elif interop.get("format"):
+        print(f"{indent}saved in the {interop['format']} layout: its stock from_pretrained loads it")
+        for note in interop["notes"]:
+            print(f"{indent}  {note}")
     if info["steps"]:
         print(f"{indent}applied:")
         for step in info["steps"]:
@@ -214,6 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", metavar="FILE")
     p.add_argument("--model", required=True, metavar="SPEC", help=model_help)
     p.add_argument("--out", metavar="DIR", help="directory to save the transformed model to")
+    p.add_argument("--format", default="transformdsl", choices=("transformdsl", "transformers", "diffusers"),
+                   help="layout of the save: transformdsl's (default), or one the library's stock from_pretrained "
+                        "loads without transformdsl (spec.md 'Interchange')")
     p.add_argument("--verify", action="store_true",
                    help="compare the model's output on a sample input before and after; fail (and leave the "
                         "model unchanged) if it moved beyond the script's error bound")

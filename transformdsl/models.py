@@ -644,6 +644,10 @@ def _from_directory(path: Path) -> Any:
         raise ValueError(f"--model {path}: cannot read {config_file}: {error}") from error
     if not isinstance(config, dict):
         raise ValueError(f"--model {path}: {config_file} is not a JSON object")
+    if (path / "transformdsl.json").is_file() or isinstance(config.get("quantization_config"), dict):
+        from .persist import load  # our save in a library's layout, or a quantized checkpoint: our layers
+
+        return load(path)
     if "_class_name" in config:
         import diffusers
 

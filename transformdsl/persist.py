@@ -55,8 +55,13 @@ DEFAULT_SHARD_BYTES = 5 * 1024**3
 # =========================================================================== save
 
 
-def save(model: Any, directory: str | os.PathLike, *, max_shard_size: int = DEFAULT_SHARD_BYTES) -> Path:
+def save(model: Any, directory: str | os.PathLike, *, max_shard_size: int = DEFAULT_SHARD_BYTES,
+         format: str = FORMAT) -> Path:
     """Save ``model`` (transformed or not; a module or a pipeline) to ``directory``.
+
+    ``format="transformers"`` or ``"diffusers"`` writes what the library's stock
+    ``from_pretrained`` loads without transformdsl (see :mod:`transformdsl.interop`); a
+    statement the format cannot carry is a :class:`TransformError` before anything is written.
 
     The write is atomic: everything is written to a temporary sibling directory, flushed,
     then swapped into place, so an interrupted save leaves any previous save intact and
@@ -64,6 +69,9 @@ def save(model: Any, directory: str | os.PathLike, *, max_shard_size: int = DEFA
     is replaced as a whole).  A failure to write (disk full, permissions) is a
     :class:`TransformError` naming the directory and the cause.
     """
+    from .interop import check_format
+
+    check_format(format)
     directory = Path(directory)
     final = directory.resolve()
     _check_target(final)
@@ -74,7 +82,11 @@ def save(model: Any, directory: str | os.PathLike, *, max_shard_size: int = DEFA
         raise _save_error(final, exc) from exc
     try:
         if is_pipeline(model):
-            _save_pipeline(model, tmp, max_shard_size)
+            _save_pipeline(model, tmp, max_shard_size, format)
+        elif isinstance(model, nn.Module) and format != FORMAT:
+            from .interop.export import save_library_module
+
+            save_library_module(model, tmp, format, max_shard_size)
         elif isinstance(model, nn.Module):
             save_module(model, tmp, max_shard_size)
         else:
@@ -226,7 +238,10 @@ def _versions() -> dict:
     return out
 
 
-def _save_pipeline(pipe: Any, directory: Path, max_shard_size: int) -> None:
+def _save_pipeline(pipe: Any, directory: Path, max_shard_size: int, format: str = FORMAT) -> None:
+    if format == "transformers":
+        raise TransformError("format='transformers' saves a transformers model; a pipeline is saved with "
+                             "format='diffusers' (its transformers components in their own layout)")
     pipe.save_config(str(directory))
     components = {}
     for name, component in pipe.components.items():
@@ -235,7 +250,12 @@ def _save_pipeline(pipe: Any, directory: Path, max_shard_size: int) -> None:
         target = directory / name
         target.mkdir()
         if isinstance(component, nn.Module) and history_of(component) is not None:
-            save_module(component, target, max_shard_size)
+            if format == FORMAT:
+                save_module(component, target, max_shard_size)
+            else:
+                from .interop.export import library_of, save_library_module
+
+                save_library_module(component, target, library_of(component) or format, max_shard_size)
             components[name] = "transformdsl"
         elif hasattr(component, "save_pretrained"):
             kwargs = {"safe_serialization": True} if isinstance(component, nn.Module) else {}
@@ -334,6 +354,10 @@ def load(directory: str | os.PathLike, model: nn.Module | Callable[[], nn.Module
     directory = Path(directory)
     if not directory.is_dir():
         raise LoadError(f"{directory}: no such directory")
+    if not (directory / META_FILE).exists() and (directory / "config.json").is_file():
+        from .interop.imports import load_library_directory
+
+        return load_library_directory(directory, model, device, mmap)
     meta = read_metadata(directory)
     if meta["kind"] == "pipeline":
         if model is not None:
@@ -432,6 +456,10 @@ def _check_module_meta(path: Path, meta: dict) -> None:
     aliases = _expect(path, tensors.get("aliases", {}), dict, "'tensors.aliases'")
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in aliases.items()):
         raise LoadError(f"{path}: 'tensors.aliases' must map names to names")
+    if "layout" in tensors:  # a save in a library's layout (format="transformers"/"diffusers")
+        from .interop import layout
+
+        layout.check(path, tensors["layout"])
 
 
 def _check_pipeline_meta(path: Path, meta: dict) -> None:
@@ -526,6 +554,10 @@ def load_module(directory: Path, meta: dict, model: Any, device: str | torch.dev
             cls.rebuild(skeleton, raw["record"], options)
         steps.append((cls, raw, options))
     tensors = _read_tensors(directory, meta, device, mmap and torch.device(device).type == "cpu")
+    if meta["tensors"].get("layout"):
+        from .interop import layout
+
+        tensors = layout.to_own(tensors, meta["tensors"]["layout"], directory)
     _assign(skeleton, tensors, meta, directory)
     for cls, raw, options in steps:
         with _step_errors(meta_path, raw, "cannot finish"):
@@ -873,12 +905,23 @@ def _load_library_component(library: str, name: str, folder: Path, index_path: P
 # =========================================================================== inspect
 
 
+def _interop_summary(value: Any) -> dict | None:
+    from .interop import summary
+
+    return summary(value)
+
+
 def inspect(directory: str | os.PathLike) -> dict:
     """What a saved model contains, from headers only (no tensor data is read)."""
     from safetensors import safe_open
 
     directory = Path(directory)
-    meta = read_metadata(directory)
+    if not (directory / META_FILE).exists() and (directory / "config.json").is_file():
+        from .interop.imports import library_metadata
+
+        meta = library_metadata(directory)[0]  # a diffusers/transformers checkpoint: what load() would read
+    else:
+        meta = read_metadata(directory)
     if meta["kind"] == "pipeline":
         parts = {}
         for comp, how in meta["components"].items():
@@ -917,4 +960,5 @@ def inspect(directory: str | os.PathLike) -> dict:
         "files": meta["tensors"]["files"],
         "tensors": by_dtype,
         "versions": meta.get("versions", {}),
+        **({"interop": _interop_summary(meta.get("interop"))} if meta.get("interop") is not None else {}),
     }

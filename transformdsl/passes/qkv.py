@@ -5,10 +5,11 @@ What users may rely on (spec.md, "fuse qkv"):
 - A fused attention module holds ONE ``nn.Linear`` whose weight (and bias) is the
   concatenation, along the output dimension and in q, k, v order, of the projections it
   replaces; the old projections are deleted, so parameter bytes do not change.
-- Names: diffusers ``to_q/to_k/to_v`` → ``to_qkv`` (self-attention) or ``to_k/to_v`` →
-  ``to_kv`` (cross-attention, ``to_q`` kept); ``add_q_proj/add_k_proj/add_v_proj`` →
-  ``to_added_qkv``; transformers ``q_proj/k_proj/v_proj`` → ``qkv_proj``.  These are the
-  state_dict keys a saved model has.
+- Names come from one table, :data:`PROJECTIONS`: diffusers ``to_q/to_k/to_v`` → ``to_qkv``
+  (self-attention) or ``to_k/to_v`` → ``to_kv`` (cross-attention, ``to_q`` kept);
+  ``add_q_proj/add_k_proj/add_v_proj`` → ``to_added_qkv``; transformers ``q_proj/k_proj/v_proj``
+  → ``qkv_proj``; ``query/key/value`` → ``query_key_value``; T5 ``q/k/v`` → ``qkv``; ...  These
+  are the state_dict keys a saved model has.
 - Outputs equal the unfused module's (fp32: max abs diff <= 1e-5; bit-equal in our CPU tests
   with one thread, ~1e-7 apart with several, where the wider matmul is partitioned
   differently).  A module that cannot be fused exactly is not fused: the plan lists it with
@@ -24,6 +25,15 @@ How a fused module computes, per layout (:data:`LAYOUTS`):
 - transformers ``LlamaAttention``: it has no fused path, so the module's class becomes a
   subclass whose ``forward`` is Llama's, with one ``qkv_proj`` matmul and a split in place of
   the three projections (grouped-query attention included: the split sizes differ).
+- every other module with projections named in :data:`PROJECTIONS` (all of transformers, and
+  diffusers processors without an exact fused counterpart, e.g. qk-norm joint attention): a
+  *shared fused projection* (:mod:`._qkv_shared`): the old attributes become parameter-free
+  slices of the fused Linear and the module's own forward runs unchanged.
+
+Cross-attention (q reads other states than k/v) is decided from what the model declares, never
+from shapes alone: an ``is_cross_attention`` attribute (diffusers, BERT), a class or module name
+saying so (:data:`CROSS_WORDS`: ``BertCrossAttention``, T5's ``EncDecAttention``, BART/Whisper
+``encoder_attn``), or q reading another width than k/v.  Then only k and v fuse.
 """
 
 from __future__ import annotations
@@ -42,10 +52,14 @@ from ..errors import LoadError, TransformError
 from ..options import option
 from ..registry import register
 from ..tree import ModuleInfo, ModuleTree
+from . import _qkv_shared
 from .base import ApplyContext, Transform
 
 #: Version of the record :meth:`QKVFusion.apply` returns (bump on any change of its layout).
-RECORD_VERSION = 1
+#: 2: adds ``forward: "shared"`` and the group names of :data:`PROJECTIONS`; version 1
+#: records (saved before) still load: every entry they can hold means the same in version 2.
+RECORD_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 DIFFUSERS_ATTENTION = "diffusers.models.attention_processor.Attention"
 FLUX_ATTENTION = "diffusers.models.transformers.transformer_flux.FluxAttention"
@@ -58,28 +72,63 @@ FUSED_PROCESSORS = {
     "JointAttnProcessor2_0": "FusedJointAttnProcessor2_0",
 }
 
-#: Fused Linear → the projections it replaces, concatenated in this order.
-GROUP_SOURCES = {
-    "to_qkv": ("to_q", "to_k", "to_v"),
-    "to_kv": ("to_k", "to_v"),                          # cross-attention: q reads other states
-    "to_added_qkv": ("add_q_proj", "add_k_proj", "add_v_proj"),
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-}
+
+@dataclass(frozen=True)
+class Projections:
+    """One naming convention of separate q, k, v projections and the names of their fusions."""
+
+    q: str
+    k: str
+    v: str
+    #: the fused Linear of q+k+v, and of k+v alone (cross-attention: q reads other states)
+    qkv: str
+    kv: str
+    #: whether the module's cross-attention declaration concerns these projections (the
+    #: added/context projections of joint attention all read the encoder states together)
+    declared_cross: bool = True
+
+    @property
+    def names(self) -> tuple[str, str, str]:
+        return (self.q, self.k, self.v)
+
+
+#: Which attributes count as q, k and v: one line per naming convention.  A new architecture
+#: that uses a convention listed here costs no code; a new convention costs one line.
+PROJECTIONS = (
+    Projections("to_q", "to_k", "to_v", "to_qkv", "to_kv"),                          # diffusers
+    Projections("add_q_proj", "add_k_proj", "add_v_proj", "to_added_qkv", "to_added_kv",
+                declared_cross=False),                                            # diffusers joint/added
+    Projections("to_q_t", "to_k_t", "to_v_t", "to_qkv_t", "to_kv_t", declared_cross=False),  # HiDream text
+    Projections("q_proj", "k_proj", "v_proj", "qkv_proj", "kv_proj"),                # most of transformers
+    Projections("query", "key", "value", "query_key_value", "key_value"),           # BERT family, ...
+    Projections("q", "k", "v", "qkv", "kv"),                                         # T5, UMT5
+    Projections("q_lin", "k_lin", "v_lin", "qkv_lin", "kv_lin"),                    # DistilBERT
+    Projections("query_proj", "key_proj", "value_proj", "qkv_proj", "kv_proj"),    # DeBERTa-v2
+    Projections("linear_q", "linear_k", "linear_v", "linear_qkv", "linear_kv"),     # Conformer
+    Projections("wq", "wk", "wv", "wqkv", "wkv"),
+    Projections("to_query", "to_key", "to_value", "to_qkv", "to_kv"),
+)
+
+#: Fused Linear → the projections it replaces, concatenated in this order (from :data:`PROJECTIONS`).
+GROUP_SOURCES: dict[str, tuple[str, ...]] = {}
+for _row in PROJECTIONS:
+    GROUP_SOURCES.setdefault(_row.qkv, _row.names)
+    GROUP_SOURCES.setdefault(_row.kv, (_row.k, _row.v))
+#: a fused name shared by two conventions: the record's sources say which
+GROUP_ALTERNATIVES = {(row.qkv, row.names) for row in PROJECTIONS} | {(row.kv, (row.k, row.v)) for row in PROJECTIONS}
 
 #: Attributes that mean "q, k and v are already projected together".
 ALREADY_FUSED = ("to_qkv", "to_kv", "to_added_qkv", "qkv_proj", "c_attn", "qkv", "Wqkv",
-                 "query_key_value", "in_proj_weight")
+                 "query_key_value", "in_proj_weight", "to_added_kv", "kv_proj", "key_value")
 
-#: Separate projections we recognise in layouts this pass has no fused forward for.
-SEPARATE = (("to_q", "to_k", "to_v"), ("q_proj", "k_proj", "v_proj"), ("query", "key", "value"))
+#: Words that, in an attention module's class name or its own name, declare a cross-attention.
+CROSS_WORDS = ("cross", "encdec", "encoder_attn")
 
 #: Fingerprint of the ``LlamaAttention.forward`` that :func:`_fused_llama_class` mirrors
 #: (transformers 5.24, comments and blank lines ignored).  Another forward is not fused:
 #: outputs could silently change.
 LLAMA_FORWARD_FINGERPRINT = "5cab7e5f7ca737e5"
 
-SUPPORTED = ("diffusers Attention (AttnProcessor2_0, JointAttnProcessor2_0), "
-             "FluxAttention (FluxAttnProcessor), transformers LlamaAttention")
 
 
 @dataclass(frozen=True)
@@ -122,13 +171,24 @@ class Fusion:
     processor: str | None = None
     #: whether ``fused_projections = True`` is set (diffusers' own flag).
     fused_projections: bool = False
-    #: ``"llama"``: the module's class becomes one whose forward reads ``qkv_proj``.
+    #: ``"llama"``: the module's class becomes one whose forward reads ``qkv_proj``;
+    #: ``"shared"``: the sources become slices of the fused Linear (:mod:`._qkv_shared`).
     forward: str | None = None
 
+    @property
+    def mechanism(self) -> str:
+        """How the module computes with the fused layout, in words."""
+        if self.forward == "shared":
+            return "slices of the shared fused projection"
+        if self.forward == "llama":
+            return "the fused Llama forward"
+        return self.processor or "the processor's fused path"
+
     def describe(self) -> str:
-        """``to_qkv = to_q+to_k+to_v (32+32+32 x 32)``, for messages."""
-        return "; ".join(f"{g.name} = {'+'.join(g.sources)} ({'+'.join(map(str, g.splits))} x {g.in_features})"
-                         for g in self.groups)
+        """``to_qkv = to_q+to_k+to_v (32+32+32 x 32) through FusedAttnProcessor2_0``, for messages."""
+        groups = "; ".join(f"{g.name} = {'+'.join(g.sources)} ({'+'.join(map(str, g.splits))} x {g.in_features})"
+                           for g in self.groups)
+        return f"{groups} through {self.mechanism}"
 
     def to_json(self) -> dict:
         return {
@@ -148,9 +208,10 @@ class Fusion:
         fusion = cls(data["kind"], groups, data.get("processor"), bool(data.get("fused_projections")),
                      data.get("forward"))
         if (fusion.kind not in ("self", "cross", "joint") or not groups
-                or any(GROUP_SOURCES.get(g.name) != g.sources or len(g.splits) != len(g.sources) for g in groups)
+                or any((g.name, g.sources) not in GROUP_ALTERNATIVES or len(g.splits) != len(g.sources)
+                       for g in groups)
                 or fusion.processor not in (None, *FUSED_PROCESSORS.values())
-                or fusion.forward not in (None, "llama")):
+                or fusion.forward not in (None, "llama", "shared")):
             raise LoadError(f"fuse qkv: malformed record entry {data!r}")
         return fusion
 
@@ -158,8 +219,10 @@ class Fusion:
 # --------------------------------------------------------------------------- analysis
 
 
-def analyse(module: nn.Module, options: QKVOptions) -> Fusion | str:
-    """The fusion for ``module``, or the reason it cannot be fused exactly (a plan near miss)."""
+def analyse(module: nn.Module, options: QKVOptions, path: str = "") -> Fusion | str:
+    """The fusion for ``module`` (at ``path``), or the reason it cannot be fused exactly (a plan
+    near miss).  A module with an exact fused path of its own (:data:`LAYOUTS`) uses it; any
+    other, the shared fused projection."""
     fused = next((n for n in ALREADY_FUSED
                   if module._modules.get(n) is not None or module._parameters.get(n) is not None), None)
     if fused is not None:
@@ -169,46 +232,100 @@ def analyse(module: nn.Module, options: QKVOptions) -> Fusion | str:
         klass = _base_class(module, base)
         if klass is None:
             continue
-        if type(module).forward is not klass.forward:
-            return f"unknown attention layout: {type(module).__name__} overrides {klass.__name__}.forward"
-        return layout(module, options)
-    return _unknown_layout(module)
+        if type(module).forward is klass.forward:
+            own = layout(module, options)
+            if isinstance(own, Fusion):
+                return own
+        break
+    return _shared(module, options, path)
+
+
+def _shared(module: nn.Module, options: QKVOptions, path: str) -> Fusion | str:
+    """A shared fused projection for every convention of :data:`PROJECTIONS` the module has."""
+    groups: list[Group] = []
+    cross = False
+    children = module._modules
+    for row in PROJECTIONS:
+        if children.get(row.k) is None or children.get(row.v) is None:
+            continue    # nothing to fuse (q alone, or none of these names)
+        q = children.get(row.q)
+        reads_other = q is None or (row.declared_cross and _declared_cross(module, path)) \
+            or not _same_input(q, children[row.k])
+        if reads_other:
+            if options.cross == "skip":
+                return CROSS_SKIPPED
+            cross = cross or q is not None
+            group = _group(module, row.kv, False, (row.k, row.v))
+        else:
+            group = _group(module, row.qkv, False, row.names)
+        if isinstance(group, str):
+            return group
+        if module._modules.get(group.name) is not None or group.name in module.__dict__ \
+                or group.name in module._parameters or group.name in module._buffers:
+            return f"{group.name} already exists: the fused projection needs that name"
+        groups.append(group)
+    if not groups:
+        return _no_projections(module)
+    kind = "cross" if cross else ("joint" if len(groups) > 1 else "self")
+    return Fusion(kind, tuple(groups), forward="shared")
+
+
+def _no_projections(module: nn.Module) -> str:
+    for name, child in module._modules.items():
+        if child is not None and any(child._modules.get(row.k) is not None for row in PROJECTIONS):
+            return (f"no q/k/v projections of its own: they are in its submodule {name} "
+                    f"({type(child).__name__}), fused on its own")
+    return f"no separate q/k/v projections with the names this pass knows in {type(module).__name__}"
+
+
+def _declared_cross(module: nn.Module, path: str) -> bool:
+    """Whether the model declares ``module`` a cross-attention (q reads other states than k/v)."""
+    if module.__dict__.get("is_cross_attention") is True:   # diffusers Attention, WanAttention, BertAttention
+        return True
+    names = (type(module).__name__.lower(), path.rpartition(".")[2].lower())
+    return any(word in name for word in CROSS_WORDS for name in names)
+
+
+def _same_input(q: nn.Module | None, k: nn.Module) -> bool:
+    """q may read the input k reads (same width); a q that is not a Linear is left alone."""
+    return q is not None and getattr(q, "in_features", None) == getattr(k, "in_features", None)
 
 
 def _base_class(module: nn.Module, qualified: str) -> type | None:
     """The class of ``module``'s MRO named ``qualified`` (matched by name: no library import)."""
-    for klass in type(module).__mro__:
+    return _base_of(type(module), qualified)
+
+
+@functools.lru_cache(maxsize=4096)
+def _base_of(cls: type, qualified: str) -> type | None:
+    for klass in cls.__mro__:
         if f"{klass.__module__}.{klass.__qualname__}" == qualified:
             return klass
     return None
 
 
-def _unknown_layout(module: nn.Module) -> str:
-    name = type(module).__name__
-    for names in SEPARATE:
-        if all(n in module._modules for n in names):
-            return (f"unknown attention layout: {name}.forward reads {'/'.join(names)} separately and this "
-                    f"pass has no fused forward for it (supported: {SUPPORTED})")
-    return f"unknown attention layout: {name} has no q/k/v projections this pass knows"
+def _plain_linear(module: nn.Module) -> bool:
+    """An ``nn.Linear`` (or a subclass computing what it computes: ``forward`` not overridden)."""
+    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
 
 
-def _group(module: nn.Module, name: str, equal: bool) -> Group | str:
+def _group(module: nn.Module, name: str, equal: bool, sources: tuple[str, ...] | None = None) -> Group | str:
     """A :class:`Group` if the projections ``name`` replaces can become one Linear, else the reason.
 
     ``equal``: the consumer splits the fused output into equal parts (diffusers' processors),
     so the projections must have the same width.
     """
-    sources = GROUP_SOURCES[name]
+    sources = sources or GROUP_SOURCES[name]
     linears = []
     for source in sources:
         linear = module._modules.get(source)
         if linear is None:
             return f"{source} is missing"
-        if type(linear) is not nn.Linear:
+        if not _plain_linear(linear):
             # Quantized, LoRA-wrapped or otherwise replaced layers compute differently.
             return f"{source} is a {type(linear).__name__}, not a plain nn.Linear (fuse qkv runs first)"
-        if linear._forward_hooks or linear._forward_pre_hooks or hasattr(linear, "_diffusers_hook") \
-                or hasattr(linear, "_hf_hook"):
+        if linear._forward_hooks or linear._forward_pre_hooks or "_diffusers_hook" in linear.__dict__ \
+                or "_hf_hook" in linear.__dict__:
             # Offloading/casting hooks would be lost on the fused Linear.
             return f"{source} has hooks (offloading, layerwise casting, ...) a fused Linear would not keep"
         linears.append(linear)
@@ -319,8 +436,11 @@ def _llama_attention(module: nn.Module, options: QKVOptions) -> Fusion | str:
     return Fusion("self", groups, forward="llama")
 
 
+@functools.lru_cache(maxsize=256)
 def _fingerprint(function: Callable) -> str:
-    """A hash of a function's code, ignoring indentation, blank lines and comments."""
+    """A hash of a function's code, ignoring indentation, blank lines and comments.
+
+    Cached per function: reading source is slow (ms), and a model repeats one class per layer."""
     try:
         source = inspect.getsource(function)
     except (OSError, TypeError):
@@ -373,6 +493,10 @@ def _install(edit: Edit, module: nn.Module, fusion: Fusion,
     """Replace ``fusion``'s projections on ``module`` and switch it to the fused computation."""
     # Build every new Linear before the first change, so a failure leaves the module as it was.
     fused = {g.name: make([module._modules[s] for s in g.sources], g) for g in fusion.groups}
+    if fusion.forward == "shared":
+        for group in fusion.groups:
+            _qkv_shared.install(edit, module, group.name, group.sources, group.splits, fused[group.name])
+        return
     for group in fusion.groups:
         for source in group.sources:
             edit.delattr(module, source)   # not kept beside the fused copy: bytes do not grow
@@ -473,13 +597,22 @@ class QKVFusion(Transform):
     default_target = ("*Attention",)
     runs_before = ("quantize *", "fp8 *", "compile*")
 
+    def _planned(self, path: str, module: nn.Module) -> Fusion | str:
+        """:func:`analyse`, once per module while planning (``apply`` analyses afresh)."""
+        cache = self.__dict__.setdefault("_analysed", {})
+        key = (path, id(module))
+        if key not in cache:
+            cache[key] = (module, analyse(module, self.options, path))   # the module kept: ids stay unique
+        return cache[key][1]
+
     def candidate(self, info: ModuleInfo, tree: ModuleTree) -> str | None:
         if info.module is None:
             return "not in the model yet (added by an earlier statement)"
-        fusion = analyse(info.module, self.options)
+        fusion = self._planned(info.path, info.module)
         if isinstance(fusion, str):
             return fusion
-        if any(f"{info.path}.{s}" not in tree for g in fusion.groups for s in g.sources):
+        if any(tree.get(f"{info.path}.{s}") is None or tree[f"{info.path}.{s}"].cls is _qkv_shared.ProjectionSlice
+               for g in fusion.groups for s in g.sources):
             # The live module is still unfused, but an earlier statement's plan effect fused it.
             return "already fused by an earlier statement"
         return None
@@ -487,19 +620,25 @@ class QKVFusion(Transform):
     def notes(self, tree: ModuleTree, targets: list[str]) -> list[str]:
         kinds: dict[str, int] = {}
         for path in targets:
-            fusion = analyse(tree[path].module, self.options)
+            fusion = self._planned(path, tree[path].module)
             kinds[fusion.kind] = kinds.get(fusion.kind, 0) + 1
         if not kinds.get("cross"):
             return []
-        return [f"{kinds['cross']} cross-attention module(s): k/v fused into to_kv, q kept (cross=kv)"]
+        return [f"{kinds['cross']} cross-attention module(s): k/v fused (to_kv, kv_proj, ...), q kept apart "
+                "(cross=kv)"]
 
     def plan_effect(self, tree: ModuleTree, targets: list[str]) -> None:
         for path in targets:
-            fusion = analyse(tree[path].module, self.options)
+            fusion = self._planned(path, tree[path].module)
             for group in fusion.groups:
                 sources = [tree[f"{path}.{s}"] for s in group.sources]
-                for source in sources:
-                    tree.remove(source.path)
+                for source, size in zip(sources, group.splits):
+                    if fusion.forward == "shared":
+                        # The projection stays, as a parameter-free slice of the fused Linear.
+                        tree.replace(source.path, _qkv_shared.ProjectionSlice, own_bytes=0, out_features=size)
+                        tree[source.path].facts.pop("weight_shape", None)
+                    else:
+                        tree.remove(source.path)
                 # The real module gets the fused Linear as its last child: same place here.
                 tree.add(f"{path}.{group.name}", nn.Linear, own_bytes=sum(s.own_bytes for s in sources),
                          after=path, in_features=group.in_features, out_features=group.out_features,
@@ -511,7 +650,7 @@ class QKVFusion(Transform):
         fused = []
         for path in ctx.progress(targets, total=len(targets), desc="fuse qkv"):
             module = ctx.root.get_submodule(path)
-            fusion = analyse(module, self.options)
+            fusion = analyse(module, self.options, path)
             if isinstance(fusion, str):
                 raise TransformError(f"fuse qkv: {path or '<root>'}: {fusion} (the model changed after planning)")
             _install(ctx.edit, module, fusion, _concatenated)
@@ -526,8 +665,9 @@ class QKVFusion(Transform):
         architecture, or a library version whose attention this pass no longer mirrors, is a
         :class:`LoadError`, never a model that loads and then computes something else.
         """
-        if record.get("version") != RECORD_VERSION:
-            raise LoadError(f"fuse qkv: record version {record.get('version')!r}, expected {RECORD_VERSION}")
+        if record.get("version") not in READABLE_VERSIONS:
+            raise LoadError(f"fuse qkv: record version {record.get('version')!r}, expected one of "
+                            f"{', '.join(map(str, READABLE_VERSIONS))} (saved by a newer transformdsl?)")
         edit = Edit()   # nothing to roll back on a skeleton; the Edit just carries the changes
         for entry in record["modules"]:
             path = entry["path"]
@@ -536,7 +676,7 @@ class QKVFusion(Transform):
                 module = root.get_submodule(path)
             except AttributeError as error:
                 raise LoadError(f"fuse qkv: the model has no module {path!r} to fuse: {error}") from None
-            here = analyse(module, options)
+            here = analyse(module, options, path)
             if isinstance(here, str):
                 raise LoadError(f"fuse qkv: {path} cannot be fused on this model: {here}")
             if here != saved:

@@ -1,0 +1,45 @@
+"""Saves the ecosystem loads, and ecosystem checkpoints transformdsl loads (spec.md "Interchange").
+
+- :mod:`.export`: ``save(model, dir, format="transformers" | "diffusers")`` writes a directory that
+  the library's stock ``from_pretrained`` loads without transformdsl installed (``config.json``
+  with the library's own ``quantization_config``, ``model.safetensors`` in the library's key
+  layout), plus our metadata and script so that :func:`transformdsl.load` restores everything.
+- :mod:`.imports`: :func:`transformdsl.load` on a diffusers/transformers directory whose
+  ``config.json`` carries a bitsandbytes ``quantization_config`` rebuilds our quantized layers
+  from the saved tensors (nothing is quantized again), as if a ``quantize`` statement had run.
+- :mod:`.layout`: how tensor keys move between the library's layout and ours (fp8 scale names,
+  unfused q/k/v projections), written into the metadata and undone on load.
+- :mod:`.rules`: the libraries' own rules for which layers they quantize, checked against the
+  layers the script quantized before anything is written.
+"""
+
+from __future__ import annotations
+
+#: ``format=`` values :func:`transformdsl.save` takes.
+FORMATS = ("transformdsl", "transformers", "diffusers")
+#: What a library checkpoint's configuration file is called.
+CONFIG_FILE = "config.json"
+
+
+def check_format(value: object) -> str:
+    """``value`` if it is a known save format, else a clear error."""
+    from ..errors import TransformError
+
+    if value not in FORMATS:
+        raise TransformError(f"unknown save format {value!r}; choose one of {', '.join(FORMATS)}")
+    return value  # type: ignore[return-value]
+
+
+def summary(value: object) -> dict | None:
+    """The metadata's ``interop`` field as ``inspect`` reports it: checked, printable, bounded
+    (it comes from a file)."""
+    if not isinstance(value, dict):
+        return None
+    if value.get("imported") in FORMATS[1:]:
+        return {"imported": value["imported"]}
+    notes = value.get("notes")
+    if value.get("format") in FORMATS[1:] and isinstance(notes, list):
+        return {"format": value["format"],
+                "notes": ["".join(c if c.isprintable() else "?" for c in n[:300]) for n in notes[:50]
+                          if isinstance(n, str)]}
+    return None

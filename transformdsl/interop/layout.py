@@ -1,0 +1,77 @@
+"""How saved tensors move between a library's key layout and ours.
+
+A save written with ``format="transformers"`` or ``"diffusers"`` holds the tensors under the
+names the library expects; the metadata's ``tensors.layout`` lists, for each of our tensors
+stored otherwise, how to get it back:
+
+- ``{"key": ours, "from": [saved], "op": "rename", "shape": [...]}``: the same values under another
+  name and shape (fp8 ``weight_scale`` is stored as transformers' ``weight_scale_inv``);
+- ``{"key": ours, "from": [saved, ...], "op": "cat"}``: the concatenation along dimension 0
+  (a fused ``qkv_proj`` stored as its ``q_proj``/``k_proj``/``v_proj``);
+- ``{"key": ours, "from": [saved, ...], "op": "same"}``: equal copies, one kept (a per-tensor
+  scale or format tag stored once per unfused projection).
+
+Every operation is exact: reloading gives our tensors bit for bit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..errors import LoadError
+
+OPS = ("rename", "cat", "same")
+
+
+def check(path: Path, layout: object) -> list[dict]:
+    """The ``tensors.layout`` field of a metadata file, checked entry by entry (it comes from a file)."""
+    if not isinstance(layout, list):
+        raise LoadError(f"{path}: 'tensors.layout' is malformed (got {type(layout).__name__})")
+    for entry in layout:
+        ok = (isinstance(entry, dict) and isinstance(entry.get("key"), str) and entry.get("op") in OPS
+              and isinstance(entry.get("from"), list) and entry["from"]
+              and all(isinstance(k, str) for k in entry["from"]))
+        if ok and entry["op"] == "rename":
+            shape = entry.get("shape")
+            ok = len(entry["from"]) == 1 and isinstance(shape, list) and all(
+                isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+        if not ok:
+            raise LoadError(f"{path}: malformed 'tensors.layout' entry: {str(entry)[:200]}")
+    return layout  # type: ignore[return-value]
+
+
+def to_own(tensors: dict[str, torch.Tensor], layout: list[dict], directory: Path) -> dict[str, torch.Tensor]:
+    """Our tensors from the saved ones (``tensors`` is modified and returned); the entries are
+    undone in reverse order (an fp8 scale renamed after its projection was unfused)."""
+    for entry in reversed(layout):
+        key, sources, op = entry["key"], entry["from"], entry["op"]
+        missing = [s for s in sources if s not in tensors]
+        if missing:
+            raise LoadError(f"{directory}: tensor '{missing[0]}' (part of '{key}') is missing")
+        if key in tensors and key not in sources:
+            raise LoadError(f"{directory}: tensor '{key}' is stored and also rebuilt from {sources}")
+        parts = [tensors.pop(s) for s in sources]
+        if op == "rename":
+            shape = tuple(entry["shape"])
+            if parts[0].numel() != _numel(shape):
+                raise LoadError(f"{directory}: tensor '{sources[0]}' has {parts[0].numel()} values; "
+                                f"'{key}' needs shape {list(shape)}")
+            tensors[key] = parts[0].reshape(shape)
+        elif op == "cat":
+            if len({(p.dtype, p.shape[1:]) for p in parts}) != 1 or any(p.dim() == 0 for p in parts):
+                raise LoadError(f"{directory}: tensors {sources} cannot be concatenated into '{key}'")
+            tensors[key] = torch.cat(parts, dim=0)
+        else:
+            if any(not torch.equal(parts[0], p) for p in parts[1:]):
+                raise LoadError(f"{directory}: tensors {sources} should be equal copies of '{key}'")
+            tensors[key] = parts[0]
+    return tensors
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
