@@ -295,8 +295,11 @@ class Worker:
 
 
 def run_matrix(cells: list[tuple[str, str]], workers: int = 2, timeout: float = CELL_TIMEOUT,
-               progress: bool = True) -> list[dict]:
-    """Run ``cells`` on ``workers`` processes; results in the order of ``cells``."""
+               progress: bool = True, partial: Path | None = None) -> list[dict]:
+    """Run ``cells`` on ``workers`` processes; results in the order of ``cells``.
+
+    ``partial``: a file that gets one JSON line per finished cell, as they finish.
+    """
     results: dict[int, dict] = {}
     lock = threading.Lock()
     queue = list(enumerate(cells))
@@ -313,6 +316,9 @@ def run_matrix(cells: list[tuple[str, str]], workers: int = 2, timeout: float = 
                 result = worker.run(model_id, script_name, timeout)
                 with lock:
                     results[index] = result
+                    if partial is not None:
+                        with open(partial, "a") as stream:
+                            stream.write(json.dumps(result) + "\n")
                     if progress:
                         print(f"[{len(results)}/{len(cells)} {time.perf_counter() - started:.0f}s] {model_id} | "
                               f"{script_name}: {result['status']}"
@@ -373,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=CELL_TIMEOUT, help="seconds per cell")
     parser.add_argument("--json", default=str(ROOT / "docs" / "SUPPORT.json"), help="where results go")
     parser.add_argument("--markdown", default=None, help="also write the support page here (docs/SUPPORT.md)")
+    parser.add_argument("--first", help="comma-separated ids or substrings of models to run before the others")
     args = parser.parse_args(argv)
     if args.worker:
         _worker()
@@ -382,9 +389,15 @@ def main(argv: list[str] | None = None) -> int:
 
     models = _select([e["id"] for e in corpus.entries()], args.models)
     columns = _select(SCRIPTS, args.scripts)
+    if args.first:
+        first = _select(models, args.first)
+        models = first + [m for m in models if m not in first]
     cells = [(m, s) for m in models for s in scripts_for(m) if s in columns]
     started = time.perf_counter()
-    results = run_matrix(cells, workers=args.workers, timeout=args.timeout)
+    partial = Path(args.json).with_suffix(".partial.jsonl")
+    partial.unlink(missing_ok=True)
+    results = run_matrix(cells, workers=args.workers, timeout=args.timeout, partial=partial)
+    partial.unlink(missing_ok=True)
     report = {
         "command": "python -m tests.zoo.matrix" + ("" if argv is None else " " + " ".join(argv)),
         "commit": commit(),
@@ -395,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         "compile_slice": list(COMPILE_SLICE),
         "skipped": corpus.skipped(),
         "models": [{"id": e["id"], "library": e["library"], "class": e["class"]}
-                   for e in corpus.entries() if e["id"] in models],
+                   for e in corpus.entries() if e["id"] in models],  # corpus order, whatever ran first
         "cells": results,
     }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
