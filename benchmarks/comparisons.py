@@ -93,6 +93,10 @@ COMPARISONS: list[Comparison] = [
         Baseline("torchao Int8DynamicActivationInt8WeightConfig (W8A8)", hand.torchao_int8_dynamic,
                  needs="torchao", sizes=("tiny", "medium")),
     )),
+    # The same scheme as torchao's W8A16; fp32 is the other anchor (the "latency ÷ original" column).
+    Comparison("quantize int8 weight_only", "quantize int8 weight_only=true", (
+        Baseline("torchao Int8WeightOnlyConfig (W8A16)", hand.torchao_int8_weight_only, needs="torchao"),
+    )),
     Comparison("quantize nf4", "quantize nf4", (Baseline("bitsandbytes Linear4bit nf4 by hand",
                                                          hand.bnb_4bit("nf4")),)),
     Comparison("quantize fp4", "quantize fp4", (Baseline("bitsandbytes Linear4bit fp4 by hand",

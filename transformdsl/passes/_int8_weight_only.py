@@ -1,0 +1,101 @@
+"""Weight-only int8 (W8A16): int8 weights with one scale per output channel, float activations.
+
+The scheme torchao's ``Int8WeightOnlyConfig`` uses, as a plain ``nn.Module`` (no tensor
+subclass, no backend import): each call casts the int8 weight to the input's dtype, runs the
+ordinary matmul and multiplies the *output* by the per-channel scales,
+
+    y = F.linear(x, W_int8.to(x.dtype)) * scale + bias
+
+which is exact algebra (the scale is constant along each output column) and costs one
+elementwise pass over the output instead of one over the full-size weight.  Activations are
+never quantized, so the error is the weight rounding alone (half a step of ``amax / 127`` per
+row) and the matmul is the float one: no int8 GEMM, which CPUs without VNNI/AMX run ~35x slower
+than fp32 (bitsandbytes' ``quantize int8``).
+
+>>> layer = Int8WeightOnlyLinear.build(torch.eye(4) * 2.0, None)
+>>> layer.weight.dtype, layer.weight_scale.shape
+(torch.int8, torch.Size([4]))
+>>> layer(torch.ones(2, 4)).tolist()
+[[2.0, 2.0, 2.0, 2.0], [2.0, 2.0, 2.0, 2.0]]
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+#: Largest int8 magnitude used: symmetric, so -128 is never produced.
+QMAX = 127
+#: Rows quantized at a time: bounds the float32 working copy to ~``_CHUNK_ELEMENTS`` values.
+_CHUNK_ELEMENTS = 1 << 22
+#: Lower bound on a row's ``amax``: an all-zero row gets a tiny scale and zero values.
+_TINY = 1e-12
+
+
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(int8 values, float32 scale per row)`` with ``values * scale[:, None] ≈ weight``.
+
+    Works row-chunk by row-chunk, so the float32 working copy stays small whatever the layer
+    size; ``weight`` is read, never written.  On the meta device it returns meta tensors of the
+    right shapes and dtypes (what loading replays).
+
+    >>> q, s = quantize_rows(torch.tensor([[0.5, -1.0], [0.0, 0.0]]))
+    >>> q.tolist(), [round(v, 6) for v in s.tolist()]
+    ([[64, -127], [0, 0]], [0.007874, 0.0])
+    """
+    rows, cols = weight.shape
+    values = torch.empty(rows, cols, dtype=torch.int8, device=weight.device)
+    scale = torch.empty(rows, dtype=torch.float32, device=weight.device)
+    if weight.is_meta:
+        return values, scale
+    step = max(1, _CHUNK_ELEMENTS // max(cols, 1))
+    for start in range(0, rows, step):
+        chunk = weight[start:start + step].detach().to(torch.float32, copy=True)  # worked on in place
+        amax = chunk.abs().amax(dim=1, keepdim=True).clamp_(min=_TINY)
+        torch.div(chunk, amax, out=chunk).mul_(QMAX).round_()
+        values[start:start + step] = chunk.to(torch.int8)
+        scale[start:start + step] = (amax / QMAX).squeeze(1)
+    return values, scale
+
+
+class Int8WeightOnlyLinear(nn.Module):
+    """A linear layer with an int8 weight and float activations (drop-in for ``nn.Linear``).
+
+    State dict: ``weight`` (int8, out x in), ``weight_scale`` (float32, one per output row),
+    ``bias`` (the original, unchanged).  ``forward`` takes any leading dimensions and returns
+    the input's dtype; the weight is dequantized into that dtype at every call.
+    """
+
+    weight: torch.Tensor
+    weight_scale: torch.Tensor
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", weight)
+        self.register_buffer("weight_scale", scale)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    @classmethod
+    def build(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> Int8WeightOnlyLinear:
+        """Quantize an ``(out, in)`` float weight (left untouched); on meta, the empty structure."""
+        values, scale = quantize_rows(weight)
+        return cls(values, scale, bias)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002  (nn.Linear.forward's name)
+        scale = self.weight_scale
+        if scale.dtype != input.dtype:
+            scale = scale.to(input.dtype)  # out-features values only
+        out = F.linear(input, self.weight.to(input.dtype))
+        if self.bias is None:
+            return out * scale
+        return torch.addcmul(self.bias.to(input.dtype), out, scale)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight this layer multiplies by (for inspection and error checks)."""
+        return self.weight.float() * self.weight_scale.float()[:, None]
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, weight=int8, scale=per-output-channel")
