@@ -3,8 +3,7 @@
 Each cell is what ``make zoo`` checks (tests/zoo/matrix.py, :func:`run_cell`): the transform runs
 with ``verify=True`` on the model's test input, the error stays within the script's declared bound on
 a held-out input too, ``load(dir)`` alone (no ``model=``) rebuilds it and the reloaded output is
-bit-identical.  Cells that fail today because of a defect listed in issue 11 are marked
-``xfail(strict=True)``: the fix makes them pass, and whoever lands it removes the mark.
+bit-identical.  ``make zoo`` runs every corpus model and writes docs/SUPPORT.md.
 """
 
 from __future__ import annotations
@@ -29,59 +28,8 @@ DIFFUSERS = (
 )
 TRANSFORMERS = ("Llama", "Qwen3", "Gemma2", "T5-encoder", "CLIP-text", "CLIP-vision", "Falcon", "BERT")
 MODELS = tuple(f"diffusers/{m}" for m in DIFFUSERS) + tuple(f"transformers/{m}" for m in TRANSFORMERS)
-SCRIPTS = ("fuse qkv", "quantize int8", "quantize nf4", "quantize hqq", "fp8 storage", "fp8 native",
+SCRIPTS = ("fuse qkv", "quantize int8", "quantize nf4", "quantize hqq auto", "fp8 storage", "fp8 native",
            "fuse qkv; quantize int8", "fuse bias_act_dropout")
-
-D1 = "issue 11 defect 1: tensors held as plain attributes are not saved; load(dir) leaves them on meta"
-D9 = "issue 11 defect 9: hqq group_size that does not divide a layer fails the statement"
-
-#: (model, script) -> the issue 11 defect that makes the cell fail today (from `make zoo` on main).
-KNOWN = {
-    ("diffusers/UNet2DConditionModel", "quantize hqq"): D9,
-    ("diffusers/SD3Transformer2DModel[SD35Transformer]", "quantize hqq"): D9,
-    ("diffusers/FluxTransformer2DModel[FluxTransformer]", "quantize hqq"): D9,
-    ("diffusers/WanTransformer3DModel", "quantize hqq"): D9,
-    ("diffusers/QwenImageTransformer2DModel", "fuse qkv"): D1,
-    ("diffusers/QwenImageTransformer2DModel", "quantize int8"): D1,
-    ("diffusers/QwenImageTransformer2DModel", "quantize nf4"): D1,
-    ("diffusers/QwenImageTransformer2DModel", "quantize hqq"): D9,
-    ("diffusers/QwenImageTransformer2DModel", "fp8 storage"): D1,
-    ("diffusers/QwenImageTransformer2DModel", "fp8 native"): D1,
-    ("diffusers/QwenImageTransformer2DModel", "fuse qkv; quantize int8"): D1,
-    ("diffusers/QwenImageTransformer2DModel", "fuse bias_act_dropout"): D1,
-    ("diffusers/LTXVideoTransformer3DModel", "quantize hqq"): D9,
-    ("diffusers/SanaTransformer2DModel", "quantize hqq"): D9,
-    ("diffusers/HunyuanVideoTransformer3DModel[HunyuanVideoTransformer]", "quantize hqq"): D9,
-    ("diffusers/CogVideoXTransformer3DModel[CogVideoXTransformer]", "quantize hqq"): D9,
-    ("diffusers/Lumina2Transformer2DModel", "fuse qkv"): D1,
-    ("diffusers/Lumina2Transformer2DModel", "quantize int8"): D1,
-    ("diffusers/Lumina2Transformer2DModel", "quantize nf4"): D1,
-    ("diffusers/Lumina2Transformer2DModel", "quantize hqq"): D9,
-    ("diffusers/Lumina2Transformer2DModel", "fp8 storage"): D1,
-    ("diffusers/Lumina2Transformer2DModel", "fp8 native"): D1,
-    ("diffusers/Lumina2Transformer2DModel", "fuse qkv; quantize int8"): D1,
-    ("transformers/Llama", "quantize hqq"): D9,
-    ("transformers/Qwen3", "quantize hqq"): D9,
-    ("transformers/Gemma2", "quantize hqq"): D9,
-    ("transformers/T5-encoder", "quantize nf4"): "issue 11 defect 4: nf4 ignores _keep_in_fp32_modules (T5's wo)",
-    ("transformers/T5-encoder", "quantize hqq"): D9,
-    ("transformers/T5-encoder", "fp8 storage"):
-        "issue 11 defect 6: an fp8 storage Embedding returns bf16 in a float32 model",
-    ("transformers/T5-encoder", "fp8 native"):
-        "issue 11 defect 5: model code reads .weight.dtype (here an fp8 native weight)",
-    ("transformers/CLIP-text", "quantize hqq"): D9,
-    ("transformers/CLIP-vision", "quantize hqq"): D9,
-    ("transformers/CLIP-vision", "fp8 storage"):
-        "issue 11 defect 3: fp8 storage ignores _skip_layerwise_casting_patterns",
-    ("transformers/Falcon", "quantize hqq"): D9,
-    ("transformers/Falcon", "fp8 storage"):
-        "issue 11 defect 8: fp8 storage refuses nn.Linear subclasses (FalconLinear)",
-    ("transformers/Falcon", "fp8 native"): "issue 11 defect 8: fp8 refuses nn.Linear subclasses (FalconLinear)",
-    ("transformers/BERT", "quantize hqq"): D9,
-}
-
-#: Models whose attention ``fuse qkv`` does not (all) fuse yet (issue 11, QKV fusion by mechanism).
-NOT_FUSED = {}
 
 
 @functools.cache
@@ -90,15 +38,10 @@ def _cell(model_id: str, script: str) -> dict:
     return matrix.run_cell(model_id, script)
 
 
-def _cells():
-    for model in MODELS:
-        for script in SCRIPTS:
-            reason = KNOWN.get((model, script))
-            marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
-            yield pytest.param(model, script, marks=marks, id=f"{model.split('/', 1)[1]}|{script}")
+CELLS = [pytest.param(model, script, id=f"{model.split('/', 1)[1]}|{script}") for model in MODELS for script in SCRIPTS]
 
 
-@pytest.mark.parametrize(("model_id", "script"), list(_cells()))
+@pytest.mark.parametrize(("model_id", "script"), CELLS)
 def test_cell(model_id, script):
     cell = _cell(model_id, script)
     assert cell["status"] in ("ok", "not applicable"), f"{cell['status']}: {cell['detail']}"
@@ -108,16 +51,11 @@ def test_cell(model_id, script):
         assert cell["error"] <= cell["bound"] + 1e-5 and cell["reload"] == "bit-identical", cell
 
 
-def _fusion_params():
-    for model in MODELS:
-        if model == "transformers/Falcon":  # query_key_value: already one projection
-            continue
-        reason = NOT_FUSED.get(model)
-        marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
-        yield pytest.param(model, marks=marks, id=model.split("/", 1)[1])
+#: Slice models whose attention has separate q, k, v projections (Falcon's query_key_value is one already).
+FUSABLE = [pytest.param(model, id=model.split("/", 1)[1]) for model in MODELS if model != "transformers/Falcon"]
 
 
-@pytest.mark.parametrize("model_id", list(_fusion_params()))
+@pytest.mark.parametrize("model_id", FUSABLE)
 def test_fuse_qkv_fuses_every_attention_with_separate_projections(model_id):
     cell = _cell(model_id, "fuse qkv")
     assert cell["candidates"], "every slice model has attention with separate q, k, v projections"

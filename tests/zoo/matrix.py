@@ -47,6 +47,7 @@ SCRIPTS = {
     "quantize int8": "quantize int8",
     "quantize nf4": "quantize nf4",
     "quantize hqq": "quantize hqq",
+    "quantize hqq auto": "quantize hqq group_size=auto",  # the tiny models' layers are narrower than 64
     "fp8 storage": "fp8 storage",
     "fp8 native": "fp8 native",
     "fuse qkv; quantize int8": "fuse qkv; quantize int8",
