@@ -371,7 +371,7 @@ def test_model_to_dtype_keeps_fp8_weights_and_float32_scales(bf16_models):
     before = {k: v.view(torch.uint8).clone() for k, v in model.state_dict().items() if k.endswith("weight_scale")}
     model.to(torch.float16)  # what pipe.to("cuda", torch.float16) does to its components
     layers = fp8_layers(model)
-    assert {m.weight.dtype for m in layers.values()} == {E4M3}
+    assert {m.fp8_weight.dtype for m in layers.values()} == {E4M3}
     assert {m.weight_scale.dtype for m in layers.values()} == {torch.float32}
     assert all(torch.equal(model.state_dict()[k].view(torch.uint8), v) for k, v in before.items())
     assert models.run(model).dtype == torch.float16
@@ -388,7 +388,7 @@ def test_outputs_stay_within_bounds_of_the_bf16_model(bf16_models, name, mode):
     layers = fp8_layers(out_model)
     assert layers
     expected = fp8.FP8_DTYPES["e5m2"] if mode == "storage-e5m2" else E4M3
-    assert {m.weight.dtype for m in layers.values()} == {expected}
+    assert {m.fp8_weight.dtype for m in layers.values()} == {expected}
     for cpu_mm in ((False, True) if mode in ("native", "both") else (False,)):
         with fp8.cpu_scaled_mm(cpu_mm):
             error = rel_error(models.run(out_model), ref)

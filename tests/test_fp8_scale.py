@@ -38,7 +38,7 @@ def test_each_scale_mode_within_bound_and_reloads_bit_exactly(name, mode, tmp_pa
         elif mode == "tensor":
             assert layer.weight_scale.numel() == 1
         else:
-            assert layer.weight_scale.numel() == layer.weight.shape[1 if type(layer).__name__ == "FP8Conv1D" else 0]
+            assert layer.weight_scale.numel() == layer.fp8_weight.shape[1 if type(layer).__name__ == "FP8Conv1D" else 0]
     out = models.run(model)
     assert rel_error(out, reference) < 2 * MEASURED[name][MODES.index(mode)]
 
@@ -58,7 +58,8 @@ def test_scale_none_is_the_plain_cast():
     torch.manual_seed(0)
     linear = torch.nn.Linear(32, 16).to(torch.bfloat16)
     layer = fp8.FP8Linear.from_linear(linear, torch.float8_e4m3fn, torch.bfloat16, scale="none")
-    assert torch.equal(layer.weight.view(torch.uint8), linear.weight.detach().to(torch.float8_e4m3fn).view(torch.uint8))
+    assert torch.equal(layer.fp8_weight.view(torch.uint8),
+                       linear.weight.detach().to(torch.float8_e4m3fn).view(torch.uint8))
 
 
 def test_plan_says_which_scales_each_mode_keeps():

@@ -423,7 +423,7 @@ def test_metadata_too_large_is_not_read(saved):
 
 
 @pytest.mark.parametrize("field, value, match", [
-    (("format_version",), 2, "format version 2; .* upgrade transformdsl"),
+    (("format_version",), 3, "format version 3; .* upgrade transformdsl"),
     (("format_version",), 0, "unknown format version 0"),
     (("format_version",), "1", "format_version is missing or not an integer"),
     (("format_version",), True, "format_version is missing or not an integer"),

@@ -130,6 +130,11 @@ def coerce(f: dataclasses.Field, value: Any) -> Any:
     elif kind == "int":
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"expected an integer, got {value!r}")
+    elif kind == "int_or_auto":
+        if value == "auto":
+            return value
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"expected an integer or auto, got {value!r}")
     elif kind == "float":
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"expected a number, got {value!r}")

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import __version__, registry
+from . import __version__, plain_tensors, registry
 from .errors import LoadError, TransformError
 from .executor import AppliedStep, History, history_of, set_history
 from .options import coerce
@@ -42,7 +42,9 @@ from .planner import is_pipeline
 from .safetensors_io import is_padding, save_aligned
 
 FORMAT = "transformdsl"
-FORMAT_VERSION = 1
+#: The newest format this version reads.  A save writes the lowest version that can read it:
+#: 2 only when it stores tensors held as plain module attributes (``tensors.attributes``).
+FORMAT_VERSION = 2
 META_FILE = "transformdsl.json"
 SCRIPT_FILE = "script.tfm"
 WEIGHTS = "model.safetensors"
@@ -137,7 +139,7 @@ def save_module(module: nn.Module, directory: Path, max_shard_size: int = DEFAUL
         _write_json(directory / INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
     meta = {
         "format": FORMAT,
-        "format_version": FORMAT_VERSION,
+        "format_version": 2 if plain_tensors.saved_names(layout.get("attributes", {})) else 1,
         "kind": "module",
         "model": _model_description(module),
         "scripts": history.scripts,
@@ -176,9 +178,18 @@ def _collect_tensors(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict]:
         if tensor.device.type != "cpu":
             tensor = tensor.cpu()
         tensors[key] = tensor.contiguous()
+    layout = {"nonpersistent": sorted(nonpersistent), "aliases": aliases}
+    # Tensors held as plain attributes (not parameters or buffers): see plain_tensors.py.
+    attribute_tensors, attributes = plain_tensors.collect(module)
+    if attributes:
+        clash = sorted(set(attribute_tensors) & (set(tensors) | set(aliases)))
+        if clash:
+            raise TransformError(f"cannot save attribute tensor '{clash[0]}': its name is also a state_dict key")
+        tensors.update({key: t.cpu().contiguous() for key, t in attribute_tensors.items()})
+        layout["attributes"] = attributes
     # safetensors refuses tensors sharing memory; distinct views of one storage are copied.
     tensors = _unshare(tensors)
-    return tensors, {"nonpersistent": sorted(nonpersistent), "aliases": aliases}
+    return tensors, layout
 
 
 def _unshare(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -264,7 +275,7 @@ def _save_pipeline(pipe: Any, directory: Path, max_shard_size: int, format: str 
         else:
             raise TransformError(f"cannot save pipeline component '{name}' ({type(component).__name__})")
     _write_json(directory / META_FILE, {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "kind": "pipeline",
+        "format": FORMAT, "format_version": 1, "kind": "pipeline",  # its components say what they need
         "pipeline_class": type(pipe).__name__, "components": components, "versions": _versions(),
     })
 
@@ -456,6 +467,7 @@ def _check_module_meta(path: Path, meta: dict) -> None:
     aliases = _expect(path, tensors.get("aliases", {}), dict, "'tensors.aliases'")
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in aliases.items()):
         raise LoadError(f"{path}: 'tensors.aliases' must map names to names")
+    plain_tensors.check_layout(tensors.get("attributes", {}), path)
     if "layout" in tensors:  # a save in a library's layout (format="transformers"/"diffusers")
         from .interop import layout
 
@@ -554,11 +566,14 @@ def load_module(directory: Path, meta: dict, model: Any, device: str | torch.dev
             cls.rebuild(skeleton, raw["record"], options)
         steps.append((cls, raw, options))
     tensors = _read_tensors(directory, meta, device, mmap and torch.device(device).type == "cpu")
+    attributes = meta["tensors"].get("attributes", {})
+    attribute_tensors = plain_tensors.take(tensors, attributes, directory)
     if meta["tensors"].get("layout"):
         from .interop import layout
 
         tensors = layout.to_own(tensors, meta["tensors"]["layout"], directory)
     _assign(skeleton, tensors, meta, directory)
+    plain_tensors.restore(skeleton, attributes, attribute_tensors, directory)
     for cls, raw, options in steps:
         with _step_errors(meta_path, raw, "cannot finish"):
             cls.finalize(skeleton, raw["record"], options)

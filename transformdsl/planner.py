@@ -15,6 +15,7 @@ from typing import Any
 
 from torch import nn
 
+from .declarations import declared_exclusions
 from .errors import Problem, ScriptError
 from .ir import Script, Selector, source_lines
 from .parser import make_selector, parse, parse_file
@@ -248,27 +249,36 @@ class Planner:
         else:
             defaults = [make_selector(text) for text in transform.default_target]
             candidates = _union([select(s, tree, roots) for s in defaults])
-        # 3. exclusions: what `except` names, and the transform's defaults, with their subtrees.
-        exclusions: list[tuple[Selector, list[str]]] = []
+        # 3. exclusions: what `except` names, the transform's defaults and what the model itself
+        #    declares (declarations.py), with their subtrees; each labelled as the plan shows it.
+        exclusions: list[tuple[str, list[str]]] = []
+        declared: list[tuple[str, list[str]]] = []
         if statement.exclude:
             found = self._selectors_or_problem(statement.exclude, tree, None)
-            exclusions.extend(zip(statement.exclude, found))
+            exclusions.extend((f"except {s.text}", paths) for s, paths in zip(statement.exclude, found))
         if transform.common.default_except:
             for text in transform.default_except:
-                selector = make_selector(text)
-                exclusions.append((selector, select(selector, tree, None)))
+                exclusions.append((f"default: {text}", select(make_selector(text), tree, None)))
+            for declaration, paths in declared_exclusions(tree, transform.honoured_declarations):
+                declared.append((f"model: {declaration.label}", paths))
         if len(self.problems) > before:
             return None
         step = Step(transform, component, [])
         kept = []
-        excluded_below = [(s, frozenset(roots_)) for s, roots_ in exclusions]
+        excluded_below = [(label, frozenset(roots_)) for label, roots_ in exclusions + declared]
+        by_declaration: dict[str, list[str]] = {}
         for path in candidates:
-            hit = next((s for s, roots_ in excluded_below if below_any(path, roots_)), None)
-            if hit is not None:
-                label = f"except {hit.text}" if hit in statement.exclude else f"default: {hit.text}"
+            label = next((label for label, roots_ in excluded_below if below_any(path, roots_)), None)
+            if label is not None:
                 step.excluded[label] = step.excluded.get(label, 0) + 1
+                if label.startswith("model: "):
+                    by_declaration.setdefault(label, []).append(path)
             else:
                 kept.append(path)
+        for label, paths in by_declaration.items():
+            shown = ", ".join(paths[:2]) + (f" (+{len(paths) - 2})" if len(paths) > 2 else "")
+            step.notes.append(f"the model declares {label.removeprefix('model: ')}: {shown} left as they are "
+                              "(default_except=false transforms them too)")
         # 4. can the transform change each one?  Near misses are kept with their reason.
         errors = []
         for path in kept:

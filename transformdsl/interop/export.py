@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .. import plain_tensors
 from ..errors import TransformError
 from ..executor import History, history_of
 from . import CONFIG_FILE, rules
@@ -56,6 +57,8 @@ class Exported:
     layout: list[dict] = field(default_factory=list)
     aliases: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    #: Tensors held as plain module attributes (``plain_tensors.py``): in ``extra``, not buffers.
+    attributes: dict = field(default_factory=dict)
 
 
 def library_of(module: nn.Module) -> str | None:
@@ -76,12 +79,15 @@ def export(module: nn.Module, library: str) -> Exported:
     history = history_of(module) or History([], [])
     tensors, layout = _collect_tensors(module)
     extra = {name: tensors.pop(name) for name in layout["nonpersistent"]}
+    # Plain tensor attributes go beside the non-persistent buffers (stock loaders recompute them).
+    extra.update({name: tensors.pop(name) for name in plain_tensors.saved_names(layout.get("attributes", {}))})
     aliases = dict(layout["aliases"])
     if library == "diffusers":  # diffusers ties nothing on load: store tied tensors under each name
         for key, target in aliases.items():
             tensors[key] = tensors[target].clone()
         aliases = {}
-    out = Exported(library, tensors, extra, _config(module, library), aliases=aliases)
+    out = Exported(library, tensors, extra, _config(module, library), aliases=aliases,
+                   attributes=layout.get("attributes", {}))
     quantized: set[str] = set()
     bnb: dict[tuple, object] = {}
     fp8: list[tuple[str, dict]] = []
@@ -286,8 +292,9 @@ def save_library_module(module: nn.Module, directory: Path, library: str, max_sh
         "model": persist._model_description(module),
         "scripts": history.scripts,
         "steps": [s.to_json() for s in history.steps],
-        "tensors": {"files": files, "nonpersistent": sorted(exported.extra), "aliases": exported.aliases,
-                    "layout": exported.layout},
+        "tensors": {"files": files, "aliases": exported.aliases, "layout": exported.layout,
+                    "nonpersistent": sorted(set(exported.extra) - set(plain_tensors.saved_names(exported.attributes))),
+                    **({"attributes": exported.attributes} if exported.attributes else {})},
         "interop": {"format": library, "notes": exported.notes},
         "versions": persist._versions(),
     }

@@ -83,14 +83,14 @@ class Int8WeightOnlyLinear(nn.Module):
         values, scale = quantize_rows(weight)
         return cls(values, scale, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002  (nn.Linear.forward's name)
         scale = self.weight_scale
-        if scale.dtype != x.dtype:
-            scale = scale.to(x.dtype)  # out-features values only
-        out = F.linear(x, self.weight.to(x.dtype))
+        if scale.dtype != input.dtype:
+            scale = scale.to(input.dtype)  # out-features values only
+        out = F.linear(input, self.weight.to(input.dtype))
         if self.bias is None:
             return out * scale
-        return torch.addcmul(self.bias.to(x.dtype), out, scale)
+        return torch.addcmul(self.bias.to(input.dtype), out, scale)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight this layer multiplies by (for inspection and error checks)."""

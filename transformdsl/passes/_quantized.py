@@ -109,12 +109,15 @@ class Int8Linear(bnb.nn.Linear8bitLt):
         self.state.CB = data
         self.state.SCB = scales
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002  (nn.Linear.forward's name)
+        """Any number of leading dimensions (bitsandbytes' CPU path takes at most 3)."""
         self.state.is_training = self.training
         bias = self.bias
-        if bias is not None and bias.dtype != x.dtype:
-            bias = bias.to(x.dtype)  # a cast copy: bitsandbytes would rebind self.bias.data
-        return bnb.matmul(x, self.weight, bias=bias, state=self.state)
+        if bias is not None and bias.dtype != input.dtype:
+            bias = bias.to(input.dtype)  # a cast copy: bitsandbytes would rebind self.bias.data
+        rows = input.reshape(-1, input.shape[-1])
+        out = bnb.matmul(rows, self.weight, bias=bias, state=self.state)
+        return out.reshape(*input.shape[:-1], out.shape[-1])
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -174,6 +177,9 @@ class FourBitLinear(bnb.nn.Linear4bit):
         # would cast it in place); bitsandbytes casts it to the compute dtype anyway.
         layer.bias = _frozen(None if bias is None else bias.detach().to(compute))
         return layer
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002  (nn.Linear.forward's name)
+        return super().forward(input)
 
     def _set_quantized(self, data: torch.Tensor, state: QuantState) -> None:
         self.weight = bnb.nn.Params4bit(data, requires_grad=False, quant_state=state, blocksize=state.blocksize,
@@ -244,6 +250,8 @@ class HQQLayer(HQQLinear):
         del layer.bias  # HQQLinear's plain attribute, replaced by a registered parameter (or None)
         layer.bias = _frozen(None if bias is None else bias.detach().to(compute))
         layer.out_features, layer.in_features = weight.shape
+        #: The dtype of the weight this layer replaced: what :attr:`weight` reads as.
+        layer.weight_dtype = weight.dtype
         layer.ready = True
         return layer
 
@@ -254,11 +262,17 @@ class HQQLayer(HQQLinear):
     def dequantize(self) -> torch.Tensor:
         return Quantizer.dequantize(self.W_q, {**self.meta, "scale": self.scale, "zero": self.zero})
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.matmul(x.to(self.compute_dtype), self.dequantize().t())
+    @property
+    def weight(self) -> torch.Tensor:
+        """The effective weight, (out_features, in_features) in :attr:`weight_dtype`: a new tensor,
+        dequantized on each read (model code reads ``layer.weight.dtype`` to cast its inputs)."""
+        return self.dequantize().to(self.weight_dtype)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002  (nn.Linear.forward's name)
+        out = torch.matmul(input.to(self.compute_dtype), self.dequantize().t())
         if self.bias is not None:
             out = out + self.bias
-        return out.to(x.dtype)
+        return out.to(input.dtype)
 
     # HQQLinear overrides these to encode meta data or to do nothing; plain nn.Module behaviour
     # is right for registered tensors.

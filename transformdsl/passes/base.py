@@ -6,7 +6,9 @@ registered with :func:`transformdsl.registry.register`.  It declares:
 - its ``verb`` and ``mode`` (the registry key is ``"verb mode"``), a one-line ``summary``;
 - ``Options``: a frozen dataclass of typed options (:func:`transformdsl.options.option`);
 - ``default_target`` / ``default_except``: selector text used when a statement gives none
-  (``default_target = None`` means "the modules the ``in`` clause names, or the root");
+  (``default_target = None`` means "the modules the ``in`` clause names, or the root"), and
+  ``honoured_declarations``: the model's own declarations (``_keep_in_fp32_modules``...) whose
+  modules are default exclusions too;
 - ordering rules: ``runs_after`` / ``runs_before`` (registry keys, globs allowed);
 - ``exclusive``: a group name; two statements of the same group may not touch the same
   module (e.g. two quantizations), unless one ``overrides`` the other, in which case the
@@ -53,6 +55,9 @@ class Transform:
     Options: ClassVar[type] = NoOptions
     default_target: ClassVar[tuple[str, ...] | None] = ("Linear",)
     default_except: ClassVar[tuple[str, ...]] = ()
+    #: Model declarations whose modules are default exclusions too (``declarations.KNOWN``:
+    #: ``_keep_in_fp32_modules``, ``_skip_layerwise_casting_patterns``...), shown in the plan.
+    honoured_declarations: ClassVar[tuple[str, ...]] = ()
     runs_after: ClassVar[tuple[str, ...]] = ()
     runs_before: ClassVar[tuple[str, ...]] = ()
     exclusive: ClassVar[str | None] = None

@@ -38,14 +38,18 @@ from torch import nn
 from ..errors import LoadError
 from ..options import option
 from ..registry import register
-from ..tree import ModuleInfo, ModuleTree
+from ..tree import ModuleInfo, ModuleTree, class_names
 from .base import ApplyContext, Transform
+from .quantize import QUANTIZED_CLASS_NAMES
 
 #: diffusers' layerwise-casting defaults (``diffusers.hooks.layerwise_casting.DEFAULT_SKIP_MODULES_PATTERN``
 #: in diffusers 0.42: ``("pos_embed", "patch_embed", "norm", "^proj_in$", "^proj_out$")``, matched with
 #: ``re.search`` on the module path).  The words match the same names here; the anchored regexes
 #: stay regexes.  Excluding a module excludes its subtree, as in diffusers.
 DEFAULT_EXCEPT = ("norm", "pos_embed", "patch_embed", "re:^proj_in$", "re:^proj_out$")
+#: What the model declares, as diffusers' ``enable_layerwise_casting`` honours it: its own skip
+#: patterns and the modules kept in float32 (transformers' too); see ``declarations.py``.
+DECLARATIONS = ("_skip_layerwise_casting_patterns", "_keep_in_fp32_modules", "_keep_in_fp32_modules_strict")
 
 #: float8 formats by option value.
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -328,15 +332,20 @@ def _dtype(name: str) -> torch.dtype:
 
 
 class FP8Module(nn.Module):
-    """Base of the fp8 layers: ``weight`` (float8 buffer), ``weight_scale`` (float32 buffer,
-    one value per output channel or per tensor, shaped to broadcast against ``weight``) and
-    an optional ``bias`` (the original parameter, unchanged).
+    """Base of the fp8 layers: the float8 weight (:attr:`fp8_weight`, a buffer saved under the
+    state-dict key ``weight``), ``weight_scale`` (float32 buffer, one value per output channel or
+    per tensor, shaped to broadcast against the weight) and an optional ``bias`` (the original
+    parameter, unchanged).
 
     State-dict keys: ``weight``, ``weight_scale`` and ``bias``, whatever the dtype, so a saved
     model reloads with ``load_state_dict(..., assign=True)`` into :meth:`empty` skeletons.
+
+    A drop-in for the layer it replaces: model code that reads ``layer.weight`` (its dtype to
+    cast inputs, its shape or device) gets the effective weight, dequantized on each read into
+    :attr:`weight_dtype` (the dtype of the weight it replaced, following ``model.to(dtype)``),
+    never a float8 tensor.
     """
 
-    weight: torch.Tensor
     weight_scale: torch.Tensor
 
     def _init_fp8(self, weight: torch.Tensor, scale: torch.Tensor | None, bias: nn.Parameter | None,
@@ -345,29 +354,49 @@ class FP8Module(nn.Module):
         self.register_buffer("weight_scale", scale)
         self.bias = bias
         self.compute_dtype = compute
+        #: The dtype of the weight this layer replaced: what :attr:`weight` reads as (the
+        #: constructors set it from the source layer).
+        self.weight_dtype = compute
+
+    @property
+    def fp8_weight(self) -> torch.Tensor:
+        """The stored float8 weight (saved as ``weight``)."""
+        try:
+            return self._buffers["weight"]
+        except KeyError:  # before _init_fp8: an AttributeError, as for a missing attribute
+            raise AttributeError("fp8_weight") from None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The effective weight in :attr:`weight_dtype` (a new tensor, computed on each read)."""
+        return dequantize(self.fp8_weight, self.weight_scale, self.weight_dtype)
 
     def _apply(self, fn, recurse: bool = True):
         """``.to(device)`` moves the fp8 weight and its scale; ``.to(dtype)``, ``.half()``... leave
         their dtypes alone (diffusers pipelines call ``pipe.to("cuda", torch.bfloat16)``, which
         would otherwise upcast every stored weight and round the float32 scales).  The bias
-        follows the model's dtype as usual."""
+        follows the model's dtype as usual, and so does :attr:`weight_dtype`."""
         kept = {name: self._buffers[name] for name in ("weight", "weight_scale")}
         super()._apply(fn, recurse)
         for name, before in kept.items():
             after = self._buffers[name]
             if after is not None and before is not None and after.dtype != before.dtype:
                 self._buffers[name] = before.to(after.device)  # the device move only, from the original
+        probe = fn(torch.empty(0, dtype=self.weight_dtype, device=self._buffers["weight"].device))
+        if probe.is_floating_point():
+            self.weight_dtype = probe.dtype
         return self
 
     def upcast_weight(self) -> torch.Tensor:
-        return dequantize(self.weight, self.weight_scale, self.compute_dtype)
+        return dequantize(self.fp8_weight, self.weight_scale, self.compute_dtype)
 
     def _bias(self, dtype: torch.dtype) -> torch.Tensor | None:
         return None if self.bias is None else self.bias.to(dtype)
 
     def extra_repr(self) -> str:
         scale = "none" if self.weight_scale is None else tuple(self.weight_scale.shape)
-        return f"weight={self.weight.dtype}{tuple(self.weight.shape)}, scale={scale}, compute={self.compute_dtype}"
+        return (f"weight={self.fp8_weight.dtype}{tuple(self.fp8_weight.shape)}, scale={scale}, "
+                f"compute={self.compute_dtype}")
 
 
 class FP8Linear(FP8Module):
@@ -401,8 +430,10 @@ class FP8Linear(FP8Module):
             weight, scale = quantize(linear.weight, dtype, dims=None if scaling == "tensor" else (1,))
         else:
             weight, scale = quantize_weight(linear.weight, dtype, (1,), scale)
-        return cls(linear.in_features, linear.out_features, weight, scale, linear.bias, compute,
-                   native=native, scaling=scaling, strict=strict)
+        layer = cls(linear.in_features, linear.out_features, weight, scale, linear.bias, compute,
+                    native=native, scaling=scaling, strict=strict)
+        layer.weight_dtype = linear.weight.dtype
+        return layer
 
     @classmethod
     def empty(cls, linear: nn.Module, dtype: torch.dtype, compute: torch.dtype, *, native: bool = False,
@@ -412,16 +443,18 @@ class FP8Linear(FP8Module):
         weight = torch.empty(linear.out_features, linear.in_features, dtype=dtype, device=device)
         mode = "tensor" if native and scaling == "tensor" else "row" if native else scale
         scale = empty_scale(tuple(weight.shape), 0, mode, device)
-        return cls(linear.in_features, linear.out_features, weight, scale, linear.bias, compute,
-                   native=native, scaling=scaling, strict=strict)
+        layer = cls(linear.in_features, linear.out_features, weight, scale, linear.bias, compute,
+                    native=native, scaling=scaling, strict=strict)
+        layer.weight_dtype = linear.weight.dtype
+        return layer
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002  (nn.Linear.forward's name)
         if self.native:
-            if has_fp8_matmul(x.device):
-                return self._scaled_mm_forward(x)
+            if has_fp8_matmul(input.device):
+                return self._scaled_mm_forward(input)
             if self.strict:
-                raise RuntimeError(f"fp8 native (strict=true): {device_fp8_problem(x.device)}")
-        return self._upcast_forward(x)
+                raise RuntimeError(f"fp8 native (strict=true): {device_fp8_problem(input.device)}")
+        return self._upcast_forward(input)
 
     def _upcast_forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.compute_dtype
@@ -433,7 +466,7 @@ class FP8Linear(FP8Module):
         if a.shape[0] == 0:  # amax of nothing is undefined; the product is empty anyway
             return x.new_empty(*lead, self.out_features)
         a8, scale_a = quantize_activation(a, self.scaling)
-        b = self.weight.t()  # (K, N) column-major: the transpose of the contiguous (N, K) weight
+        b = self.fp8_weight.t()  # (K, N) column-major: the transpose of the contiguous (N, K) weight
         scale_b = self.weight_scale.t()  # (1, 1) or (1, N)
         fused = _fuses_bias(self.compute_dtype) and self.bias is not None
         bias = self._bias(self.compute_dtype) if fused else None
@@ -462,6 +495,7 @@ class FP8Conv(FP8Module):
                      "padding_mode", "_reversed_padding_repeated_twice"):
             setattr(self, name, getattr(conv, name))
         self._init_fp8(weight, scale, conv.bias, compute)
+        self.weight_dtype = conv.weight.dtype
 
     @classmethod
     def from_conv(cls, conv: nn.Module, dtype: torch.dtype, compute: torch.dtype, scale: str = "row") -> FP8Conv:
@@ -474,7 +508,8 @@ class FP8Conv(FP8Module):
         return cls(conv, torch.empty(w.shape, dtype=dtype, device=w.device),
                    empty_scale(tuple(w.shape), 0, scale, w.device), compute)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002  (nn.ConvNd.forward's name)
+        x = input
         c = self.compute_dtype
         conv = (F.conv1d, F.conv2d, F.conv3d)[self.dims - 1]
         padding = self.padding
@@ -500,6 +535,7 @@ class FP8Embedding(FP8Module):
         self.embedding_dim = embedding.embedding_dim
         self.padding_idx = embedding.padding_idx
         self._init_fp8(weight, scale, None, compute)
+        self.weight_dtype = embedding.weight.dtype
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, dtype: torch.dtype, compute: torch.dtype,
@@ -514,12 +550,13 @@ class FP8Embedding(FP8Module):
         return cls(embedding, torch.empty(w.shape, dtype=dtype, device=w.device),
                    empty_scale(tuple(w.shape), 0, scale, w.device), compute)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = F.embedding(ids, self.weight)
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002  (nn.Embedding.forward's name)
+        """The rows in :attr:`weight_dtype`, as the original embedding returned them."""
+        rows = F.embedding(input, self.fp8_weight)
         scale = self.weight_scale
         if scale is not None and scale.shape[0] > 1:
-            scale = F.embedding(ids, scale)  # the rows' own scales (a tensor-wise one broadcasts)
-        return dequantize(rows, scale, self.compute_dtype)
+            scale = F.embedding(input, scale)  # the rows' own scales (a tensor-wise one broadcasts)
+        return dequantize(rows, scale, self.weight_dtype)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, " + super().extra_repr()
@@ -533,6 +570,7 @@ class FP8Conv1D(FP8Module):
         self.nf = conv1d.nf
         self.nx = conv1d.weight.shape[0]
         self._init_fp8(weight, scale, conv1d.bias, compute)
+        self.weight_dtype = conv1d.weight.dtype
 
     @classmethod
     def from_conv1d(cls, conv1d: nn.Module, dtype: torch.dtype, compute: torch.dtype,
@@ -562,17 +600,25 @@ _CONV_CLASSES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
 def _kind(cls: type) -> str | None:
-    """The layer kind fp8 knows for exactly this class (subclasses such as bitsandbytes'
-    ``Linear8bitLt`` are not plain layers: their weight is not an ordinary tensor)."""
-    if cls is nn.Linear:
-        return "linear"
-    if cls in _CONV_CLASSES:
-        return "conv"
-    if cls is nn.Embedding:
+    """The layer kind fp8 knows for this class, by the same rule as ``quantize``: ``nn.Linear``
+    and its subclasses (Falcon's ``FalconLinear``...), except layers that already hold quantized
+    weights (bitsandbytes'); convolutions and embeddings, and their subclasses that keep the
+    base class's computation (a subclass with its own ``forward``, e.g. a causal-padding
+    convolution, would lose it); GPT-2's ``Conv1D``."""
+    if issubclass(cls, nn.Linear):
+        return None if QUANTIZED_CLASS_NAMES.intersection(class_names(cls)) else "linear"
+    for base in _CONV_CLASSES:
+        if issubclass(cls, base) and _same_computation(cls, base, ("forward", "_conv_forward")):
+            return "conv"
+    if issubclass(cls, nn.Embedding) and _same_computation(cls, nn.Embedding, ("forward",)):
         return "embedding"
     if cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers."):
         return "conv1d"
     return None
+
+
+def _same_computation(cls: type, base: type, methods: tuple[str, ...]) -> bool:
+    return all(getattr(cls, name, None) is getattr(base, name, None) for name in methods)
 
 
 def _weight_owners(tree: ModuleTree) -> dict[int, list[str]]:
@@ -664,6 +710,28 @@ def _channel_count(info: ModuleInfo) -> int:
     return shape[1] if _kind(info.cls) == "conv1d" else shape[0]
 
 
+#: The weight dtypes a layer's record may name (the dtype of the weight it replaced).
+_WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _with_weight_dtype(layer: FP8Module, spec: dict, path: str) -> FP8Module:
+    """The layer with the weight dtype its record names (records before it was kept: the
+    skeleton's dtype, which the constructor took)."""
+    name = spec.get("weight_dtype")
+    if name is not None:
+        if name not in _WEIGHT_DTYPES:
+            from ..errors import LoadError
+
+            raise LoadError(f"fp8: the record of '{path}' names weight dtype {str(name)[:40]!r}; expected one of "
+                            f"{', '.join(_WEIGHT_DTYPES)}")
+        layer.weight_dtype = _WEIGHT_DTYPES[name]
+    return layer
+
+
 def _set(root: nn.Module, path: str, module: nn.Module) -> None:
     """Put ``module`` at ``path`` on a skeleton (loading: no undo log needed)."""
     root.set_submodule(path, module)
@@ -695,6 +763,7 @@ class FP8Storage(Transform):
     Options = StorageOptions
     default_target = ("Linear", "Conv1d", "Conv2d", "Conv3d", "Embedding", "Conv1D")
     default_except = DEFAULT_EXCEPT
+    honoured_declarations = DECLARATIONS
     runs_after = ("fuse *",)
     exclusive = "weights"
 
@@ -741,7 +810,7 @@ class FP8Storage(Transform):
             old = ctx.root.get_submodule(path)
             kind = _kind(type(old))
             ctx.edit.replace(ctx.root, path, _convert(old, kind, fmt, compute, self.options.scale))
-            layers[path] = {"kind": kind}
+            layers[path] = {"kind": kind, "weight_dtype": _dtype_name(old.weight.dtype)}
         return {"format": 1, "dtype": self.options.dtype, "compute": self.options.compute,
                 "scale": self.options.scale, "layers": layers}
 
@@ -753,7 +822,8 @@ class FP8Storage(Transform):
             raise LoadError(f"fp8 storage: unknown scale {str(scale)[:40]!r} in the record (expected one of "
                             f"{', '.join(SCALE_MODES)})")
         for path, spec in record["layers"].items():
-            _set(root, path, _empty(root.get_submodule(path), spec["kind"], fmt, compute, scale))
+            layer = _empty(root.get_submodule(path), spec["kind"], fmt, compute, scale)
+            _set(root, path, _with_weight_dtype(layer, spec, path))
 
 
 def _layer_class(kind: str) -> type[FP8Module]:
@@ -798,6 +868,7 @@ class FP8Native(Transform):
     Options = NativeOptions
     default_target = ("Linear",)
     default_except = DEFAULT_EXCEPT
+    honoured_declarations = DECLARATIONS
     runs_after = ("fuse *",)
     # The planner lets a statement give modules up only to one that claimed them *earlier*:
     # running first is what makes ``overrides`` take ``fp8 storage``'s shared layers.
@@ -888,7 +959,7 @@ class FP8Native(Transform):
             new = FP8Linear.from_linear(old, NATIVE_DTYPE, self.compute, native=not problems,
                                         scaling=self.options.scaling, strict=self.options.strict)
             ctx.edit.replace(ctx.root, path, new)
-            layers[path] = {"kind": "linear", "native": not problems}
+            layers[path] = {"kind": "linear", "native": not problems, "weight_dtype": _dtype_name(old.weight.dtype)}
             if problems:
                 layers[path]["fallback"] = "; ".join(problems)
         return {"format": 1, "scaling": self.options.scaling, "compute": self.options.compute,
@@ -898,5 +969,6 @@ class FP8Native(Transform):
     def rebuild(cls, root: nn.Module, record: dict, options: Any) -> None:
         compute, scaling = _dtype(record["compute"]), record["scaling"]
         for path, spec in record["layers"].items():
-            _set(root, path, FP8Linear.empty(root.get_submodule(path), NATIVE_DTYPE, compute, native=spec["native"],
-                                             scaling=scaling, strict=record["strict"]))
+            layer = FP8Linear.empty(root.get_submodule(path), NATIVE_DTYPE, compute, native=spec["native"],
+                                    scaling=scaling, strict=record["strict"])
+            _set(root, path, _with_weight_dtype(layer, spec, path))

@@ -118,6 +118,9 @@ class _Quantize(Transform):
     verb = "quantize"
     default_target = LINEAR_TARGETS
     default_except = DEFAULT_EXCEPT
+    #: The modules transformers and diffusers keep in float32, as their own bitsandbytes
+    #: integrations leave them unquantized (T5's ``wo``: relative error > 1 in nf4 otherwise).
+    honoured_declarations = ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict")
     runs_after = ("fuse *",)
     exclusive = "weights"
 
@@ -374,17 +377,21 @@ class FP4Quantization(_FourBit):
 
 #: Rows of quantized values hqq packs into one stored row, per bit width (3-bit: 10 per int32).
 _HQQ_ROWS_PER_PACK = {1: 8, 2: 4, 3: 10, 4: 2, 8: 1}
+#: The group sizes ``group_size=auto`` tries for each layer, largest first.
+AUTO_GROUP_SIZES = (128, 64, 32, 16, 8)
 
 
 @dataclass(frozen=True)
 class HQQOptions:
     bits: int = option(4, "bits per weight", choices=(1, 2, 3, 4, 8))
-    group_size: int = option(64, "weights per quantization group (a multiple of 8 that divides in_features)", min=8)
+    group_size: int | str = option(64, "weights per quantization group (a multiple of 8 that divides in_features), "
+                                   "or auto: the largest of 128, 64, 32, 16, 8 that suits each layer",
+                                   min=8, kind="int_or_auto")
     axis: int = option(1, "axis the groups run along (1: along a row's inputs; 0: down a column)", choices=(0, 1))
     compute: str = option("float32", "dtype the matmul runs in", kind="dtype")
 
     def __post_init__(self):
-        if self.group_size % 8:
+        if self.group_size != "auto" and self.group_size % 8:
             below = max(8, self.group_size // 8 * 8)
             raise ValueError(f"hqq group_size must be a multiple of 8, got {self.group_size}; "
                              f"try {below} or {below + 8}")
@@ -404,37 +411,69 @@ class HQQQuantization(_Quantize):
     def error_bound(self) -> float | None:  # depends on the options (see Transform.error_bound)
         return self.BOUNDS[self.options.bits]
 
-    def check(self, info: ModuleInfo, tree: ModuleTree) -> str | None:
+    def candidate(self, info: ModuleInfo, tree: ModuleTree) -> str | None:
+        """A layer the group size does not suit is a near miss (the others are quantized)."""
+        reason = super().candidate(info, tree)
         dims = linear_dims(info)
-        if dims is None:
-            return None
-        in_f, out_f = dims
-        size = self.options.group_size
-        if self.options.axis == 1 and in_f % size:
-            return f"group_size={size} does not divide its in_features ({in_f})"
-        groups, rem = divmod(in_f * out_f, size)
-        if rem:
-            return f"group_size={size} does not divide its {in_f}x{out_f} weights"
-        per_pack = _HQQ_ROWS_PER_PACK[self.options.bits]
-        # axis=1: one stored row per group, packed `per_pack` rows at a time (3-bit pads).
-        if self.options.axis == 1 and self.options.bits != 3 and groups % per_pack:
-            return (f"bits={self.options.bits} packs {per_pack} groups together but it has {groups} groups of "
-                    f"{size}; use a smaller group_size")
-        return None
+        if reason is not None or dims is None:
+            return reason
+        size, problem = layer_group_size(self.options, *dims)
+        if problem and self.options.group_size != "auto":
+            problem += "; group_size=auto picks a size per layer"
+        return problem
 
     @classmethod
     def build(cls, backend, options, weight, bias, layer=None):
-        return backend.HQQLayer.build(weight, bias, options.bits, options.group_size, options.axis,
-                                      DTYPES[options.compute])
+        size = (layer or {}).get("group_size")
+        if size is None:
+            size, problem = layer_group_size(options, weight.shape[1], weight.shape[0])
+            if problem:
+                raise LoadError(f"'{cls.key()}': {problem}") if weight.is_meta else ValueError(problem)
+        elif not (isinstance(size, int) and not isinstance(size, bool) and size >= 8 and size % 8 == 0):
+            raise LoadError(f"'{cls.key()}': the record of '{layer.get('path')}' has an invalid group size "
+                            f"{str(size)[:40]}")
+        return backend.HQQLayer.build(weight, bias, options.bits, size, options.axis, DTYPES[options.compute])
+
+    def describe(self, path, old, weight, bias, new):
+        entry = super().describe(path, old, weight, bias, new)
+        entry["group_size"] = int(new.meta["group_size"])  # per layer (group_size=auto): reload is exact
+        return entry
 
     @classmethod
     def estimate_bytes(cls, options, in_features, out_features, bias, dtype):
         n = in_features * out_features
-        groups = n // options.group_size
+        size = layer_group_size(options, in_features, out_features)[0] or 64
+        groups = n // size
         if options.bits == 3:
-            rows = groups if options.axis == 1 else options.group_size
+            rows = groups if options.axis == 1 else size
             packed = math.ceil(rows / 10) * (n // rows) * 4
         else:
             packed = n * options.bits // 8
         compute = _size(options.compute)
         return packed + 2 * groups * compute + (out_features * compute if bias else 0)
+
+
+def layer_group_size(options: HQQOptions, in_features: int, out_features: int) -> tuple[int | None, str | None]:
+    """``(group size, None)`` for this layer, or ``(None, why no size suits it)``."""
+    if options.group_size != "auto":
+        return options.group_size, _group_problem(options.bits, options.axis, options.group_size, in_features,
+                                                  out_features)
+    for size in AUTO_GROUP_SIZES:
+        if _group_problem(options.bits, options.axis, size, in_features, out_features) is None:
+            return size, None
+    return None, (f"no group size of {', '.join(map(str, AUTO_GROUP_SIZES))} suits its {in_features}x{out_features} "
+                  f"weights (in_features {in_features})")
+
+
+def _group_problem(bits: int, axis: int, size: int, in_f: int, out_f: int) -> str | None:
+    if axis == 1 and in_f % size:
+        return f"group_size={size} does not divide its in_features ({in_f})"
+    groups, rem = divmod(in_f * out_f, size)
+    if rem:
+        return f"group_size={size} does not divide its {in_f}x{out_f} weights"
+    per_pack = _HQQ_ROWS_PER_PACK[bits]
+    # axis=1: one stored row per group, packed `per_pack` rows at a time (3-bit pads).
+    if axis == 1 and bits != 3 and groups % per_pack:
+        return (f"bits={bits} packs {per_pack} groups together but it has {groups} groups of {size}; use a smaller "
+                "group_size")
+    return None
