@@ -94,6 +94,10 @@ def export(module: nn.Module, library: str) -> Exported:
     fusions: list[tuple[str, dict]] = []
     for step in history.steps:
         where = f"line {step.line}: '{step.statement}'"
+        if step.key in BNB and step.options.get("weight_only"):
+            raise TransformError(f"format={library!r} cannot carry {where}: bitsandbytes (the library's int8 "
+                                 "format) has no weight-only int8, and its LLM.int8 would compute something else; "
+                                 "drop weight_only=true, or save with format='transformdsl'")
         if step.key in BNB:
             bnb[(step.key, tuple(sorted(step.options.items())))] = step
             quantized.update(layer["path"] for layer in step.record["layers"])
