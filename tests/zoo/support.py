@@ -123,7 +123,8 @@ def render(report: dict) -> str:
         "(tests/zoo/): the tiny configurations diffusers' own model tests use, for every denoiser class they "
         "cover, and tiny configurations of transformers families, with random weights, on CPU.",
         "",
-        "Versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items())
+        f"Commit {report.get('commit', 'unknown')}; versions: "
+        + ", ".join(f"{k} {v}" for k, v in report["versions"].items())
         + f".  {len(report['cells'])} cells in {report['seconds'] / 60:.0f} min on {report['workers']} "
         "worker processes.",
         "",
