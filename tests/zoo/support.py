@@ -128,6 +128,7 @@ def render(report: dict) -> str:
         + f".  {len(report['cells'])} cells in {report['seconds'] / 60:.0f} min on {report['workers']} "
         "worker processes.",
         "",
+        *([f"**Partial run:** {report['note']}", ""] if report.get("note") else []),
         "Scripts: " + "; ".join(f"**{name}** = `{text}`" for name, text in report["scripts"].items())
         + (f" (`compile` on {', '.join(m.split('/', 1)[1] for m in report['compile_slice'])} only: it is slow)"
            if "compile" in report["scripts"] else "") + ".",
