@@ -88,6 +88,14 @@ def vit():
     return model, dict(pixel_values=torch.randn(2, 3, 30, 30))
 
 
+def siglip_vision():
+    from transformers import SiglipVisionConfig, SiglipVisionModel
+
+    model = SiglipVisionModel(SiglipVisionConfig(image_size=30, patch_size=2, num_channels=3, hidden_size=32,
+                                                 intermediate_size=37, num_hidden_layers=2, num_attention_heads=4))
+    return model, dict(pixel_values=torch.randn(2, 3, 30, 30))
+
+
 def build(factory):
     torch.manual_seed(0)
     model, inputs = factory()
@@ -179,6 +187,20 @@ def test_replacement_linear_layers_are_drop_ins(name):
                                     "quantize hqq group_size=auto", "fp8 storage", "fp8 native"])
 def test_animatediff_motion_unet_calls_proj_in_with_input_keyword(script):
     model, inputs, ref = transformed(unet_motion, script)
+    assert relative_error(ref, output(model, inputs)) < 0.4
+
+
+@pytest.mark.parametrize("script", ["quantize int8", "quantize nf4", "quantize hqq group_size=auto"])
+def test_multihead_attention_out_proj_is_left_to_layers_with_a_float_weight(script):
+    # nn.MultiheadAttention (SigLIP's pooling head) passes out_proj.weight to its matmul itself.
+    model, inputs = build(siglip_vision)
+    step = plan(model, script).steps[0]
+    path = "head.attention.out_proj"
+    if "hqq" in script:
+        assert path in step.targets  # HQQLayer.weight is the dequantized weight
+    else:
+        assert dict(step.skipped)[path].startswith("nn.MultiheadAttention reads out_proj.weight itself")
+    model, inputs, ref = transformed(siglip_vision, script)
     assert relative_error(ref, output(model, inputs)) < 0.4
 
 

@@ -325,8 +325,8 @@ def test_hash_inside_quotes_is_not_a_comment():
 @pytest.mark.parametrize("text, line, column, message", [
     # The regex compiler's recursion / repeat limits raised RecursionError / OverflowError.
     ("fuse re:" + "(" * 3000 + ")" * 3000, 1, 6, "regular expression too complex"),
-    ("fuse re:a{99999999999999999999}", 1, 6, "regular expression too complex"),
-    ("fuse re:a{4294967296}", 1, 6, "regular expression too complex"),
+    ("fuse re:a{99999999999999999999}", 1, 6, "repeat count too big"),
+    ("fuse re:a{4294967296}", 1, 6, "repeat count too big"),
     # Positions at end of input came from str.splitlines(), which also splits at \f, \r,
     # \x85, \u2028: the reported line could be past the last line.
     ("fuse qkv in\f ", 1, 12, "expected a selector after 'in'"),
@@ -410,7 +410,7 @@ def test_parse_time_grows_linearly():
         parse(text)
         return time.process_time() - started
 
-    small, large = min(timed(150) for _ in range(2)), min(timed(1200) for _ in range(2))
+    small, large = min(timed(32) for _ in range(2)), min(timed(256) for _ in range(2))
     assert large < 3 * 8 * small + 0.05, (small, large)  # 8x the text: linear ~8x, quadratic ~64x
 
 

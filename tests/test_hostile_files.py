@@ -347,7 +347,7 @@ def test_weights_not_a_regular_file(saved, kind):
         (saved / WEIGHTS).mkdir()
     else:
         os.mkfifo(saved / WEIGHTS)  # reading it would block forever
-    assert_refused(saved, "missing tensor file")
+    assert_refused(saved, "missing tensor file|not a regular file")
 
 
 # --------------------------------------------------------------------------- paths and links
@@ -376,7 +376,7 @@ def test_subdirectory_symlink_out_refused(saved, tmp_path):
     shutil.move(saved / WEIGHTS, tmp_path / "elsewhere" / WEIGHTS)
     (saved / "sub").symlink_to(tmp_path / "elsewhere")
     edit_meta(saved, ("tensors", "files"), [f"sub/{WEIGHTS}"])
-    assert_refused(saved, "symbolic link or leads outside")
+    assert_refused(saved, "symbolic link or leads outside|refusing file name")
 
 
 @pytest.mark.parametrize("name", ["../model.safetensors", "/etc/passwd", "a/../../x", "x\x00y", "", "."])

@@ -275,7 +275,7 @@ def test_bad_regex(text, pattern):
         "  hint: write 'Linear, Conv1D'",
     ]),
     ("quantize int8 except re:(abc", [
-        "s.tfm:1:22: invalid regular expression '(abc': missing ), unterminated subpattern at position 0",
+        "s.tfm:1:22: invalid regular expression '(abc': missing ) at position 4",
         "   1 | quantize int8 except re:(abc",
         "                            ^^^^^^^",
     ]),

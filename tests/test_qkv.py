@@ -536,3 +536,42 @@ def test_version_1_records_still_load(tmp_path):
         meta["steps"][0]["record"]["version"] = 1       # as saved before the shared projection existed
         meta_path.write_text(json.dumps(meta))
         assert torch.equal(run(transformdsl.load(tmp_path / arch)), run(model))
+
+
+# --------------------------------------------------------------------------- the corpus (tests/zoo)
+
+#: Diffusers denoisers whose attention has no exact fused path of its own: every one fuses
+#: through the shared projection, including qk-norm, dual, added-kv and cross attentions.
+CORPUS = [
+    "diffusers/Flux2Transformer2DModel[Flux2Transformer]",
+    "diffusers/WanTransformer3DModel",
+    "diffusers/QwenImageTransformer2DModel",
+    "diffusers/LTXVideoTransformer3DModel",
+    "diffusers/SanaTransformer2DModel",
+    "diffusers/CogVideoXTransformer3DModel[CogVideoXTransformer]",
+    "diffusers/HunyuanVideoTransformer3DModel[HunyuanVideoTransformer]",
+    "diffusers/Lumina2Transformer2DModel",
+    "diffusers/MochiTransformer3DModel",
+    "diffusers/AuraFlowTransformer2DModel",
+    "diffusers/HiDreamImageTransformer2DModel",
+    "diffusers/SD3Transformer2DModel[SD35Transformer]",
+]
+
+
+@pytest.mark.parametrize("model_id", CORPUS)
+def test_corpus_denoisers_fuse_every_attention(model_id, tmp_path):
+    from tests.zoo import corpus
+
+    model, inputs = corpus.build(corpus.entry(model_id))
+    owners = projection_owners(model)
+    before, bytes_before = corpus.run(model, inputs), parameter_bytes(model)
+    step, record = fuse(model)
+    assert owners and set(owners) <= set(step.targets), dict(step.skipped)
+    after = corpus.run(model, inputs)
+    assert max_diff(after, before) <= 1e-6 * before.abs().max().item()
+    assert parameter_bytes(model) == bytes_before
+    # k and v always fuse (q too, unless a cross-attention): their tensors are gone.
+    state = model.state_dict()
+    assert not any(f"{path}.{n}.weight" in state for path in owners for n in ("to_k", "to_v", "add_k_proj", "add_v_proj"))
+    transformdsl.save(model, tmp_path / "saved")
+    assert torch.equal(corpus.run(transformdsl.load(tmp_path / "saved"), inputs), after)

@@ -93,16 +93,15 @@ def cmd_apply(args) -> int:
 def cmd_fmt(args) -> int:
     """Rewrite scripts in canonical form (or, with --check, list those that are not)."""
     from .formatter import format_script
-    from .parser import parse
+    from .parser import MAX_SCRIPT_CHARS, parse, read_script_file
 
     status = 0
     for name in args.files:
         if name == "-":
-            text, filename = sys.stdin.read(), "<stdin>"
+            text, filename = sys.stdin.read(MAX_SCRIPT_CHARS + 1), "<stdin>"  # parse refuses longer
         else:
             try:
-                with open(name, encoding="utf-8", newline="") as f:
-                    text, filename = f.read(), name
+                text, filename = read_script_file(name, newline=""), name
             except (OSError, UnicodeDecodeError) as exc:
                 _err(f"{name}: cannot read: {exc}")
                 status = 1
@@ -149,10 +148,22 @@ def cmd_inspect(args) -> int:
 
     info = inspect(args.dir)
     if args.json:
-        print(json.dumps(info, indent=1))
+        print(json.dumps(info, indent=1))  # ensure_ascii: control characters come out as \u escapes
         return 0
-    _print_inspect(info, human_bytes, indent="")
+    _print_inspect(_escaped(info), human_bytes, indent="")
     return 0
+
+
+def _escaped(value, keep: str = " "):
+    """``value`` with every string's control characters shown escaped (``\x1b``): text from
+    a shared save must not drive the terminal (retitle, clear, fake output)."""
+    if isinstance(value, str):
+        return "".join(c if c.isprintable() or c in keep else repr(c)[1:-1] for c in value)
+    if isinstance(value, dict):
+        return {_escaped(k): _escaped(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_escaped(v) for v in value]
+    return value
 
 
 def _print_inspect(info: dict, human_bytes, indent: str) -> None:
@@ -221,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", metavar="FILE")
     p.add_argument("--model", required=True, metavar="SPEC", help=model_help)
     p.add_argument("--out", metavar="DIR", help="directory to save the transformed model to")
-    p.add_argument("--format", default="transformdsl", choices=("transformdsl", "transformers", "diffusers"),
+    p.add_argument("--format", default="transformdsl", choices=("transformdsl", "transformers", "diffusers", "compressed-tensors"),
                    help="layout of the save: transformdsl's (default), or one the library's stock from_pretrained "
                         "loads without transformdsl (spec.md 'Interchange')")
     p.add_argument("--verify", action="store_true",
@@ -252,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     except ScriptError as exc:
         _err(str(exc))
     except LoadError as exc:
-        _err(f"error: {exc}")
+        _err("error: " + _escaped(str(exc), keep=" \n"))
     except TransformError as exc:
         _err(f"error: {exc}")
     except KeyboardInterrupt:

@@ -60,6 +60,8 @@ class Declaration:
             if not path.startswith(self.owner + "."):
                 return False
             path = path[len(self.owner) + 1:]
+        if self.pattern.isidentifier() and self.pattern not in path:
+            return False  # a plain name matches only where it occurs (the common case: cheap)
         return bool(path) and _regex(self.library, self.pattern)(path)
 
 

@@ -23,6 +23,10 @@ class LoadError(TransformError):
     """A saved model cannot be loaded: missing, corrupt, tampered or mismatched files."""
 
 
+#: Problems shown in full by ``str(ScriptError)``; all of them stay in ``.problems``.
+MAX_RENDERED_PROBLEMS = 50
+
+
 class Problem:
     """One diagnostic: a message anchored at one or more source spans."""
 
@@ -78,11 +82,17 @@ class ScriptError(TransformError):
         return self.problems[0].message
 
     def _render(self) -> str:
-        return "\n".join(p.render(self.source) for p in self.problems)
+        shown = [p.render(self.source) for p in self.problems[:MAX_RENDERED_PROBLEMS]]
+        return "\n".join(shown + self._more())
 
     def diagnostics(self) -> list[str]:
-        """One ``FILE:LINE:COL: message`` line per problem (the CLI's stderr format)."""
-        return [p.headline() for p in self.problems]
+        """One ``FILE:LINE:COL: message`` line per problem (the CLI's stderr format), the
+        first :data:`MAX_RENDERED_PROBLEMS` of them and a count of the rest."""
+        return [p.headline() for p in self.problems[:MAX_RENDERED_PROBLEMS]] + self._more()
+
+    def _more(self) -> list[str]:
+        rest = len(self.problems) - MAX_RENDERED_PROBLEMS
+        return [f"... and {rest} more problem(s) (fix the first ones and check again)"] if rest > 0 else []
 
 
 def _problem_order(problem: Problem):

@@ -29,17 +29,27 @@ class Span:
         if not 1 <= self.line <= len(lines):
             return []
         # One column per character, as the parser counts them: a tab or a stray \r is one space.
+        # Control characters (a terminal escape in a shared script) are shown as `?`.
         text = lines[self.line - 1].expandtabs(1).translate(_BLANKS)
         end = self.end_column if self.end_line == self.line else len(text) + 1
-        width = max(1, end - self.column)
+        column = self.column
+        if len(text) > _EXCERPT_WIDTH:  # a long line: the part around the span
+            start = max(0, min(column - 1 - _EXCERPT_WIDTH // 4, len(text) - _EXCERPT_WIDTH))
+            text = ("..." if start else "") + text[start : start + _EXCERPT_WIDTH] + (
+                "..." if start + _EXCERPT_WIDTH < len(text) else "")
+            shift = start - (3 if start else 0)
+            column, end = column - shift, min(end - shift, len(text) + 1)
+        width = max(1, end - column)
         gutter = f"{self.line:>4} | "
-        return [gutter + text, " " * len(gutter) + " " * (self.column - 1) + "^" * width]
+        return [gutter + text, " " * len(gutter) + " " * (column - 1) + "^" * width]
 
     def to_json(self) -> list[int]:
         return [self.line, self.column, self.end_line, self.end_column]
 
 
-_BLANKS = {ord(c): " " for c in "\r\f\v"}
+_BLANKS = {ord(c): " " for c in "\r\f\v"} | {c: "?" for c in (*range(32), 127) if chr(c) not in "\t\r\f\v"}
+#: Characters of a long line shown around a span in an error.
+_EXCERPT_WIDTH = 160
 
 
 def source_lines(source: str) -> list[str]:

@@ -9,6 +9,7 @@ type, out of range, not one of the choices) with the span of the offending text.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import MISSING, dataclass, field
 from typing import Any
 
@@ -136,8 +137,8 @@ def coerce(f: dataclasses.Field, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"expected an integer or auto, got {value!r}")
     elif kind == "float":
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"expected a number, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"expected a number, got {value!r}")  # NaN passes every min/max test
         value = float(value)
     elif kind in ("str", "Optional[str]", "str | None"):
         if not isinstance(value, str):

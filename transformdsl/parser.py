@@ -8,20 +8,34 @@ validator's business (:mod:`transformdsl.validate`).
 
 from __future__ import annotations
 
+import errno
 import functools
+import io
 import math
+import os
 import re
+import stat
 from importlib import resources
 from pathlib import Path
 
 import lark
+import regex
 from lark import Lark, Token, Tree
 
 from .errors import Problem, ScriptError
 from .ir import Option, Script, Selector, Span, Statement
+from .regexes import compile_regex
 
 #: Scripts longer than this are refused before parsing (no unbounded work on hostile input).
 MAX_SCRIPT_CHARS = 256 * 1024
+
+#: Statements (counting comments, see :func:`_pieces`) a script may hold: real scripts
+#: have a few dozen; 32k one-word statements (256 KiB) took seconds to check, and each
+#: statement is planned against every module of the model.
+MAX_STATEMENTS = 256
+#: Selectors and options a script may hold, counted (over-counted) as its commas and ``=``.
+MAX_LIST_ITEMS = 256
+_PIECE_RE = re.compile(r"[^\s;]+[^;\n]*")
 
 _MODE_RE = re.compile(r"[a-z][a-z0-9_]*\Z")
 _IDENT_RE = re.compile(r"[a-z0-9_]+\Z")
@@ -56,6 +70,7 @@ def parse(text: str, filename: str | None = None) -> Script:
     if len(text) > MAX_SCRIPT_CHARS:
         span = Span(filename, 1, 1, 1, 2)
         raise ScriptError([Problem(f"script is {len(text)} characters; the limit is {MAX_SCRIPT_CHARS}", [span])], text)
+    _check_counts(text, filename)
     try:
         tree = _parser().parse(text)
     except lark.exceptions.UnexpectedInput as exc:
@@ -67,10 +82,50 @@ def parse(text: str, filename: str | None = None) -> Script:
     return Script(statements, source=text, filename=filename)
 
 
+def _check_counts(text: str, filename: str | None) -> None:
+    """Refuse, before parsing, scripts with more statements, selectors or options than
+    :data:`MAX_STATEMENTS` / :data:`MAX_LIST_ITEMS` (planning cost grows with each)."""
+    counts = (("statements or comments", _pieces(text), MAX_STATEMENTS),
+              ("commas (selectors)", text.count(","), MAX_LIST_ITEMS),
+              ("'=' signs (options)", text.count("="), MAX_LIST_ITEMS))
+    for what, count, limit in counts:
+        if count > limit:
+            span = Span(filename, 1, 1, 1, 2)
+            raise ScriptError([Problem(f"script has {count} {what}; the limit is {limit} (checking and planning "
+                                       "cost grows with each)", [span])], text)
+
+
+def _pieces(text: str) -> int:
+    """An upper bound on the statements in ``text``: its non-blank pieces between ``;``
+    and newlines (comments and quoted separators count too), found without parsing."""
+    return sum(1 for _ in _PIECE_RE.finditer(text))
+
+
+def read_script_file(path: str | Path, newline: str | None = None) -> str:
+    """A script file's text (UTF-8; ``newline`` as for :func:`open`), checked before reading.
+
+    The file is opened without blocking and must be a regular file (not a FIFO, a device
+    such as ``/dev/zero`` or a directory) of at most 4 bytes per allowed character; at
+    most that much is read.  Raises ``OSError`` or ``ValueError`` (decoding) otherwise.
+    """
+    limit = 4 * MAX_SCRIPT_CHARS
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file (a script is read from a file)", str(path))
+        if info.st_size > limit:
+            raise OSError(errno.EFBIG, f"{info.st_size} bytes; the limit is {limit}", str(path))
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise OSError(errno.EFBIG, f"over {limit} bytes", str(path))
+    return io.TextIOWrapper(io.BytesIO(data), encoding="utf-8", newline=newline).read()
+
+
 def parse_file(path: str | Path) -> Script:
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_script_file(path)
     except (OSError, UnicodeDecodeError) as exc:
         raise ScriptError([Problem(f"cannot read script: {exc}", [Span(str(path), 1, 1, 1, 2)])]) from None
     return parse(text, filename=str(path))
@@ -279,14 +334,15 @@ def make_selector(text: str, span: Span | None = None) -> Selector:
         if not pattern:
             raise ValueError("empty regular expression after 're:'")
         try:
-            re.compile(pattern)
-        except re.error as exc:
+            compile_regex(pattern)
+        except regex.error as exc:
             raise ValueError(f"invalid regular expression {pattern!r}: {exc}") from None
         except (RecursionError, OverflowError) as exc:
             # Deeply nested groups exhaust the regex compiler's recursion, huge
             # repeat counts overflow it: both are malformed input, not crashes.
             raise ValueError(f"regular expression too complex ({type(exc).__name__}): {_clip(pattern)}") from None
         return Selector(text, "regex", pattern, span)
+    _check_brackets(text)
     if "." in text:
         segments = text.split(".")
         if any(not s for s in segments):
@@ -302,11 +358,36 @@ def make_selector(text: str, span: Span | None = None) -> Selector:
     raise ValueError("empty selector")  # pragma: no cover - grammar forbids it
 
 
+def _check_brackets(text: str) -> None:
+    """Refuse malformed ``[...]`` classes in a glob: empty (``[]``, ``[!]``) or with a
+    reversed range (``[z-a]``).  A ``[`` with no closing ``]`` is a literal character."""
+    i = 0
+    while i < len(text):
+        if text[i] != "[":
+            i += 1
+            continue
+        close = text.find("]", i + 1)
+        if close == -1:
+            return
+        body = text[i + 1 : close]
+        if body.startswith("!"):
+            body = body[1:]
+        if not body:
+            raise ValueError(f"empty character class {text[i:close + 1]!r} in {text!r}; a class names at least "
+                             "one character, e.g. [0-9] or [!0]")
+        for low, high in re.findall(r"(.)-(.)", body):
+            if low > high:
+                raise ValueError(f"reversed range '{low}-{high}' in {text!r}; write it low to high: [{high}-{low}]")
+        i = close + 1
+
+
 def typed_value(text: str):
     """``true``/``false`` → bool, integers → int, decimals → float, anything else → str."""
     lowered = text.lower()
     if lowered in ("true", "false"):
         return lowered == "true"
+    if not text.isascii():
+        return text  # Python's int() and float() accept other scripts' digits (`４`); a script does not
     try:
         return int(text, 10)
     except ValueError:

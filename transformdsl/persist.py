@@ -22,11 +22,15 @@ import contextlib
 import ctypes
 import ctypes.util
 import dataclasses
+import glob
 import json
+import math
 import os
 import shutil
+import stat
 import tempfile
 import threading
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,12 +38,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import __version__, plain_tensors, registry
+from . import __version__, guard, plain_tensors, registry
 from .errors import LoadError, TransformError
 from .executor import AppliedStep, History, history_of, set_history
 from .options import coerce
 from .planner import is_pipeline
 from .safetensors_io import is_padding, save_aligned
+from .savedir import SaveDir, Vanished
 
 FORMAT = "transformdsl"
 #: The newest format this version reads.  A save writes the lowest version that can read it:
@@ -77,23 +82,30 @@ def save(model: Any, directory: str | os.PathLike, *, max_shard_size: int = DEFA
     directory = Path(directory)
     final = directory.resolve()
     _check_target(final)
+    save_id = uuid.uuid4().hex
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temporaries(final)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     except OSError as exc:
         raise _save_error(final, exc) from exc
     try:
+        # mkdtemp makes 0700 folders; a save is shared like any folder the user makes.
+        os.chmod(tmp, 0o777 & ~_umask())
+        (tmp / _TMP_MARKER).write_text(f"{os.getpid()} {_boot_id()}\n")
         if is_pipeline(model):
-            _save_pipeline(model, tmp, max_shard_size, format)
+            _save_pipeline(model, tmp, max_shard_size, save_id, format)
         elif isinstance(model, nn.Module) and format != FORMAT:
             from .interop.export import save_library_module
 
             save_library_module(model, tmp, format, max_shard_size)
         elif isinstance(model, nn.Module):
-            save_module(model, tmp, max_shard_size)
+            save_module(model, tmp, max_shard_size, save_id)
         else:
             raise TransformError(f"save() takes an nn.Module or a diffusers pipeline, not {type(model).__name__}")
+        _write_manifest(tmp)
         _fsync_tree(tmp)
+        (tmp / _TMP_MARKER).unlink()
         _swap_into_place(tmp, final)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -105,12 +117,111 @@ def save(model: Any, directory: str | os.PathLike, *, max_shard_size: int = DEFA
 
 
 def _check_target(final: Path) -> None:
-    """Refuse a target that is not a previous save: saving replaces (deletes) what is there."""
-    if final.exists() and not final.is_dir():
+    """Refuse a target that is not empty or a complete previous save: saving replaces
+    (deletes) what is there, so a directory holding anything a save did not write, or
+    missing a file its save listed, is left alone."""
+    if final.is_symlink() or (final.exists() and not final.is_dir()):
         raise TransformError(f"cannot save to {final}: it exists and is not a directory")
-    if final.is_dir() and not (final / META_FILE).is_file() and any(final.iterdir()):
-        raise TransformError(f"cannot save to {final}: it is a non-empty directory that holds no transformdsl "
-                             "save, and saving replaces the whole directory; choose a new or empty directory")
+    if not final.is_dir() or not any(final.iterdir()):
+        return
+    problem = _not_a_complete_save(final)
+    if problem:
+        raise TransformError(f"cannot save to {final}: {problem}, and saving replaces the whole directory "
+                             "(deleting what is there); choose a new or empty directory, or remove it yourself")
+
+
+def _not_a_complete_save(final: Path) -> str | None:
+    """Why ``final`` is not exactly a save's files (``None`` if it is)."""
+    try:
+        with SaveDir.open(final) as folder:
+            meta = read_metadata(folder)
+            present = {rel for rel, info in folder.walk() if not stat.S_ISDIR(info.st_mode)}
+            links = {rel for rel, info in folder.walk() if stat.S_ISLNK(info.st_mode)}
+    except (LoadError, OSError) as exc:
+        return f"it is a non-empty directory that holds no transformdsl save ({exc})"
+    listed = meta.get("manifest")
+    if listed is None:
+        return "it holds a transformdsl save without a file list (saved by an older version)"
+    listed = set(listed) | {META_FILE}
+    extra, missing = sorted(present - listed), sorted(listed - present)
+    if links:
+        return f"it holds symbolic links ({', '.join(sorted(links)[:3])})"
+    if extra:
+        return f"it holds files the save there did not write ({', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''})"
+    if missing:
+        return f"the save there is incomplete (missing {', '.join(missing[:3])})"
+    return None
+
+
+def _write_manifest(directory: Path) -> None:
+    """List every file of the save in its metadata (``manifest``): what a later save may
+    replace is exactly that (:func:`_not_a_complete_save`)."""
+    path = directory / META_FILE
+    if not path.is_file():
+        return
+    meta = json.loads(path.read_text())
+    meta["manifest"] = sorted(str(p.relative_to(directory)) for p in directory.rglob("*")
+                              if not p.is_dir() and p != path and p.relative_to(directory) != Path(_TMP_MARKER))
+    _write_json(path, meta)
+
+
+#: Present in a temporary save directory while it is written: ``PID BOOT_ID``.
+_TMP_MARKER = ".transformdsl-incomplete"
+
+
+def _umask() -> int:
+    try:  # Linux: read it without changing it (os.umask sets it, racing other threads)
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return "unknown"
+
+
+def _remove_stale_temporaries(final: Path) -> None:
+    """Remove ``.NAME.tmp-*`` / ``.NAME.old-*`` siblings left by saves that were killed.
+
+    Only directories carrying our marker (or old copies named by a dead process id) whose
+    writing process is gone (not running on this boot) are removed: a save still in
+    progress elsewhere is left alone.
+    """
+    for sibling in final.parent.glob(f".{glob.escape(final.name)}.*-*"):
+        kind = sibling.name[len(final.name) + 2:].split("-", 1)[0]
+        if kind not in ("tmp", "old") or sibling.is_symlink() or not sibling.is_dir():
+            continue
+        try:
+            if kind == "tmp":
+                pid_text, boot = (sibling / _TMP_MARKER).read_text().split()
+            else:
+                pid_text, boot = sibling.name.rsplit("-", 1)[1], _boot_id()
+            pid = int(pid_text)
+        except (OSError, ValueError):
+            continue  # not ours (no marker), or finished and being swapped in: leave it
+        if boot == _boot_id() and _process_alive(pid):
+            continue
+        shutil.rmtree(sibling, ignore_errors=True)
+
+
+def _process_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists, owned by someone else
+    return True
 
 
 def _save_error(final: Path, exc: OSError) -> TransformError:
@@ -119,20 +230,26 @@ def _save_error(final: Path, exc: OSError) -> TransformError:
                           "previous save there, if any, is intact")
 
 
-def save_module(module: nn.Module, directory: Path, max_shard_size: int = DEFAULT_SHARD_BYTES) -> None:
-    """Write one module in the transformdsl format into an existing empty ``directory``."""
+def save_module(module: nn.Module, directory: Path, max_shard_size: int = DEFAULT_SHARD_BYTES,
+                save_id: str | None = None) -> None:
+    """Write one module in the transformdsl format into an existing empty ``directory``.
+
+    ``save_id`` (a fresh one by default) is written into the metadata and every tensor
+    file, so that a reader can tell files of two saves apart.
+    """
+    save_id = save_id or uuid.uuid4().hex
     history = history_of(module) or History([], [])
     tensors, layout = _collect_tensors(module)
     shards = _shard(tensors, max_shard_size)
     if len(shards) == 1:
-        save_aligned(shards[0], directory / WEIGHTS, metadata={"format": "pt"})
+        save_aligned(shards[0], directory / WEIGHTS, metadata={"format": "pt", "save_id": save_id})
         files = [WEIGHTS]
     else:
         files = []
         weight_map = {}
         for i, shard in enumerate(shards, 1):
             name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_aligned(shard, directory / name, metadata={"format": "pt"})
+            save_aligned(shard, directory / name, metadata={"format": "pt", "save_id": save_id})
             files.append(name)
             weight_map.update({key: name for key in shard})
         total = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -146,9 +263,10 @@ def save_module(module: nn.Module, directory: Path, max_shard_size: int = DEFAUL
         "steps": [s.to_json() for s in history.steps],
         "tensors": {"files": files, **layout},
         "versions": _versions(),
+        "save_id": save_id,
     }
-    _write_json(directory / META_FILE, meta)
     (directory / SCRIPT_FILE).write_text("\n".join(history.scripts) + ("\n" if history.scripts else ""))
+    _write_json(directory / META_FILE, meta)
 
 
 def _collect_tensors(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict]:
@@ -249,9 +367,9 @@ def _versions() -> dict:
     return out
 
 
-def _save_pipeline(pipe: Any, directory: Path, max_shard_size: int, format: str = FORMAT) -> None:
-    if format == "transformers":
-        raise TransformError("format='transformers' saves a transformers model; a pipeline is saved with "
+def _save_pipeline(pipe: Any, directory: Path, max_shard_size: int, save_id: str, format: str = FORMAT) -> None:
+    if format in ("transformers", "compressed-tensors"):
+        raise TransformError(f"format={format!r} saves a transformers model; a pipeline is saved with "
                              "format='diffusers' (its transformers components in their own layout)")
     pipe.save_config(str(directory))
     components = {}
@@ -262,7 +380,7 @@ def _save_pipeline(pipe: Any, directory: Path, max_shard_size: int, format: str 
         target.mkdir()
         if isinstance(component, nn.Module) and history_of(component) is not None:
             if format == FORMAT:
-                save_module(component, target, max_shard_size)
+                save_module(component, target, max_shard_size, save_id)
             else:
                 from .interop.export import library_of, save_library_module
 
@@ -277,6 +395,7 @@ def _save_pipeline(pipe: Any, directory: Path, max_shard_size: int, format: str 
     _write_json(directory / META_FILE, {
         "format": FORMAT, "format_version": 1, "kind": "pipeline",  # its components say what they need
         "pipeline_class": type(pipe).__name__, "components": components, "versions": _versions(),
+        "save_id": save_id,
     })
 
 
@@ -308,7 +427,11 @@ def _swap_into_place(new: Path, final: Path) -> None:
     if not final.is_dir() or final.is_symlink():
         raise TransformError(f"cannot save to {final}: it exists and is not a directory")
     if _renameat2_exchange(new, final):
-        shutil.rmtree(new, ignore_errors=True)  # now holds the previous save
+        # `new` now holds the previous save: mark it, so that a kill during its removal
+        # leaves something the next save cleans up.
+        with contextlib.suppress(OSError):
+            (new / _TMP_MARKER).write_text(f"{os.getpid()} {_boot_id()}\n")
+        shutil.rmtree(new, ignore_errors=True)
         _fsync_directory(final.parent)
         return
     # No atomic exchange on this platform: move the old copy aside first, so that at
@@ -358,30 +481,75 @@ def load(directory: str | os.PathLike, model: nn.Module | Callable[[], nn.Module
     Each transform's structure is replayed without recomputation and the saved tensors
     are loaded as they are.  Any problem raises :class:`LoadError` saying what is wrong.
 
+    The directory is opened once and every file is read through that descriptor (see
+    :mod:`.savedir`), so a load sees one save, never a mix of two; if a concurrent
+    :func:`save` replaces it while it is read, the load starts over on the new one.
+    Library calls run with the hub offline and standard input closed (:mod:`.guard`);
+    nothing from the directory is imported or executed.
+
     With ``mmap=True`` (the default) tensors on the CPU are memory-mapped from the saved
     files (copy on write): do not truncate or rewrite those files in place while the model
     is in use (:func:`save` never does; it writes a new directory and swaps it in).
     """
     directory = Path(directory)
-    if not directory.is_dir():
-        raise LoadError(f"{directory}: no such directory")
-    if not (directory / META_FILE).exists() and (directory / "config.json").is_file():
-        from .interop.imports import load_library_directory
+    device = _check_device(device)
+    for attempt in range(_LOAD_ATTEMPTS):
+        try:
+            with guard.loading(), SaveDir.open(directory) as folder:
+                if not folder.exists(META_FILE) and folder.exists("config.json"):
+                    from .interop.imports import load_library_directory
 
-        return load_library_directory(directory, model, device, mmap)
-    meta = read_metadata(directory)
-    if meta["kind"] == "pipeline":
-        if model is not None:
-            raise LoadError(f"{directory}: a saved pipeline is loaded from its files alone; drop model=")
-        return _load_pipeline(directory, meta, device, mmap)
-    return load_module(directory, meta, model, device, mmap)
+                    return load_library_directory(folder, model, device, mmap)
+                meta = read_metadata(folder)
+                if meta["kind"] == "pipeline":
+                    if model is not None:
+                        raise LoadError(f"{directory}: a saved pipeline is loaded from its files alone; drop model=")
+                    return _load_pipeline(folder, meta, device, mmap)
+                return load_module(folder, meta, model, device, mmap)
+        except Vanished:
+            if attempt == _LOAD_ATTEMPTS - 1:
+                raise
+        except OSError as exc:  # anything the checks above did not name
+            raise LoadError(f"{directory}: cannot read the save: {exc.strerror or exc}") from None
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
-def read_metadata(directory: Path) -> dict:
-    path = _inside(directory, META_FILE)
-    if not path.is_file():
-        raise LoadError(f"{directory}: not a transformdsl save ({META_FILE} is missing)")
-    meta = _read_json(path, "metadata")
+#: A load restarts when a concurrent save replaces the directory under it; this often.
+_LOAD_ATTEMPTS = 5
+
+
+def _check_device(device: str | torch.device) -> torch.device:
+    """``device`` as a torch.device that exists on this machine, else a LoadError naming it."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise LoadError(f"load(device={device!r}): not a device: {exc}") from None
+    kind, index = parsed.type, parsed.index
+    if kind == "cpu":
+        if index not in (None, 0):
+            raise LoadError(f"load(device={device!r}): this machine has one CPU device, 'cpu'")
+        return parsed
+    if kind == "meta":
+        raise LoadError(f"load(device={device!r}): the meta device holds no data; load to 'cpu' or an accelerator")
+    backend = getattr(torch, kind, None)
+    available = getattr(backend, "is_available", None)
+    count = getattr(backend, "device_count", None)
+    if not (callable(available) and available()):
+        raise LoadError(f"load(device={device!r}): no {kind} device on this machine; use device='cpu'")
+    if index is not None and callable(count) and index >= count():
+        raise LoadError(f"load(device={device!r}): this machine has {count()} {kind} device(s) "
+                        f"({kind}:0 to {kind}:{count() - 1})")
+    return parsed
+
+
+def read_metadata(folder: SaveDir) -> dict:
+    """The checked metadata of an opened save."""
+    path = folder.path / META_FILE
+    if not folder.exists(META_FILE):
+        if folder.replaced():
+            raise Vanished(f"{folder.root.path}: replaced by another save while loading")
+        raise LoadError(f"{folder.path}: not a transformdsl save ({META_FILE} is missing)")
+    meta = _read_json(folder, META_FILE, "metadata")
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise LoadError(f"{path}: not transformdsl metadata (format is {_short(meta, 'format')})")
     version = meta.get("format_version")
@@ -396,6 +564,12 @@ def read_metadata(directory: Path) -> dict:
     if kind not in ("module", "pipeline"):
         raise LoadError(f"{path}: unknown kind {kind!r} (expected 'module' or 'pipeline')")
     _expect(path, meta.get("versions", {}), dict, "'versions'")
+    save_id = meta.get("save_id")
+    if save_id is not None:
+        _expect(path, save_id, str, "'save_id'")
+    manifest = meta.get("manifest")
+    if manifest is not None and not (isinstance(manifest, list) and all(isinstance(m, str) for m in manifest)):
+        raise LoadError(f"{path}: 'manifest' must list file names")
     if kind == "module":
         _check_module_meta(path, meta)
     else:
@@ -403,19 +577,17 @@ def read_metadata(directory: Path) -> dict:
     return meta
 
 
-def _read_json(path: Path, what: str) -> Any:
-    """A JSON file's content, refusing oversized files before reading them."""
-    size = path.stat().st_size
-    if size > MAX_META_BYTES:
-        raise LoadError(f"{path}: {what} is {size} bytes, over the {MAX_META_BYTES} limit")
+def _read_json(folder: SaveDir, name: str, what: str) -> Any:
+    """A JSON file's content, read through the open folder; a file over
+    :data:`MAX_META_BYTES`, or not a regular file, is refused before reading."""
+    path = folder.path / name
+    data = folder.read_bytes(name, MAX_META_BYTES, what)
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(data.decode("utf-8"))
     except (ValueError, UnicodeDecodeError) as exc:
         raise LoadError(f"{path}: {what} is not valid JSON: {exc}") from None
     except RecursionError:  # `[[[[...` thousands deep
         raise LoadError(f"{path}: {what} is not valid JSON: nested too deeply") from None
-    except OSError as exc:
-        raise LoadError(f"{path}: cannot read the {what}: {exc}") from None
 
 
 def _short(meta: Any, key: str) -> str:
@@ -438,7 +610,7 @@ def _check_module_meta(path: Path, meta: dict) -> None:
     config = model.get("config")
     if config is not None:
         _expect(path, config, dict, "'model.config'")
-        _check_config(path, config)
+        _check_config(path, config, strip=True)
     scripts = _expect(path, meta.get("scripts"), list, "'scripts'")
     if not all(isinstance(text, str) for text in scripts):
         raise LoadError(f"{path}: 'scripts' must list script texts")
@@ -461,6 +633,9 @@ def _check_module_meta(path: Path, meta: dict) -> None:
     files = _expect(path, tensors.get("files"), list, "'tensors.files'")
     if not files or not all(isinstance(f, str) for f in files):
         raise LoadError(f"{path}: 'tensors.files' must list the safetensors files")
+    if len(set(files)) != len(files) or len(files) > MAX_TENSOR_FILES:
+        raise LoadError(f"{path}: 'tensors.files' lists {len(files)} names ({len(set(files))} different); "
+                        f"each file once, at most {MAX_TENSOR_FILES}")
     nonpersistent = _expect(path, tensors.get("nonpersistent", []), list, "'tensors.nonpersistent'")
     if not all(isinstance(name, str) for name in nonpersistent):
         raise LoadError(f"{path}: 'tensors.nonpersistent' must list buffer names")
@@ -484,43 +659,80 @@ def _check_pipeline_meta(path: Path, meta: dict) -> None:
             raise LoadError(f"{path}: component '{name}' has unknown storage {_clip(how)}")
 
 
-def _check_config(path: Path, config: dict) -> None:
-    """Refuse configuration values that make a library fetch code (a Hub attention kernel).
+#: Configuration keys that point a library at code to import (custom classes, pipelines).
+_CODE_KEYS = frozenset({"auto_map", "custom_pipeline", "trust_remote_code", "custom_code"})
 
-    transformers reads ``attn_implementation: "org/repo"`` (at any depth: sub-configs
-    have their own) as a kernel to download and run.  Saved configurations never carry
-    one (transformers does not serialise it), so its presence means tampering.
+
+def _check_config(path: Path, config: Any, scheduler: bool = False, strip: bool = False) -> None:
+    """Refuse configuration values that could make a library fetch or run code, or reach the hub.
+
+    At every depth: ``auto_map`` / ``custom_pipeline`` / ``trust_remote_code`` (custom
+    code shipped with a save: transformers asks whether to run it, even for a nested
+    sub-configuration), a hub attention kernel (``attn_implementation: "org/repo"``) and
+    a hub repository as ``backbone`` (looked up online).  A scheduler's numbers are
+    bounded (``num_train_timesteps: 3e9`` allocates gigabytes).  Saved configurations
+    carry none of these, so their presence means tampering.  With ``strip`` (a model
+    configuration that :func:`_sanitized` cleans before use) code keys and pretrained
+    backbones are left to it.
     """
     stack: list[Any] = [config]
     while stack:  # iterative: the JSON may be nested as deep as the parser allowed
         node = stack.pop()
         items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
         for key, value in items:
-            if isinstance(key, str) and "implementation" in key:
-                values = value.values() if isinstance(value, dict) else [value]
-                if any(isinstance(v, str) and ("/" in v or ":" in v) for v in values):
-                    raise LoadError(f"{path}: the configuration asks for the code kernel {_clip(value)} "
-                                    f"({key}); refusing to load code named by a saved file")
+            if isinstance(key, str):
+                if key in _CODE_KEYS and not strip and value not in (None, False, {}, [], ""):
+                    raise LoadError(f"{path}: the configuration names code to run ({key}: {_clip(value)}); "
+                                    "refusing to load code shipped with a saved file")
+                if "implementation" in key:
+                    values = value.values() if isinstance(value, dict) else [value]
+                    if any(isinstance(v, str) and ("/" in v or ":" in v) for v in values):
+                        raise LoadError(f"{path}: the configuration asks for the code kernel {_clip(value)} "
+                                        f"({key}); refusing to load code named by a saved file")
+                if key.endswith("backbone") and isinstance(value, str) and ("/" in value or ":" in value):
+                    raise LoadError(f"{path}: the configuration names the hub repository {_clip(value)} ({key}); "
+                                    "a save must hold its whole model (loading never reaches the network)")
+                if key == "use_pretrained_backbone" and value is True and not strip:
+                    raise LoadError(f"{path}: the configuration asks for pretrained backbone weights "
+                                    "(use_pretrained_backbone: true), which would be downloaded; a save holds its "
+                                    "weights")
+            if scheduler and isinstance(value, (int, float)) and not isinstance(value, bool) and (
+                    value != value or abs(value) > MAX_SCHEDULER_NUMBER):
+                raise LoadError(f"{path}: scheduler setting {key} = {_clip(value)} is out of range "
+                                f"(at most {MAX_SCHEDULER_NUMBER:g})")
+            if scheduler and isinstance(value, list) and len(value) > MAX_SCHEDULER_NUMBER:
+                raise LoadError(f"{path}: scheduler setting {key} lists {len(value)} values")
             if isinstance(value, (dict, list)):
                 stack.append(value)
+
+
+def _sanitized(config: dict) -> dict:
+    """A copy of a saved model configuration without what could reach code or the network:
+    ``auto_map``-like keys are dropped and ``use_pretrained_backbone`` is false (the
+    weights come from the save), at every depth.  What :func:`_check_config` refuses
+    (hub kernels and repositories) is refused before this."""
+    def clean(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: (False if k == "use_pretrained_backbone" else clean(v))
+                    for k, v in node.items() if k not in _CODE_KEYS}
+        if isinstance(node, list):
+            return [clean(v) for v in node]
+        return node
+
+    return clean(config)
+
+
+#: Largest number (and longest list) a scheduler configuration may hold: real ones
+#: count training steps in thousands.
+MAX_SCHEDULER_NUMBER = 1e6
+#: Files a module's metadata may list.
+MAX_TENSOR_FILES = 10_000
 
 
 def _clip(value: Any, limit: int = 80) -> str:
     """``repr(value)``, shortened: hostile files may hold megabytes in one field."""
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
-
-
-def _inside(directory: Path, name: str) -> Path:
-    """``directory/name``, refusing names and symbolic links that lead outside it."""
-    if not name or "\x00" in name or os.path.isabs(name) or ".." in Path(name).parts:
-        raise LoadError(f"{directory}: refusing file name {name!r}")
-    path = directory / name
-    base = os.path.realpath(directory)
-    real = os.path.realpath(path)
-    if os.path.commonpath([base, real]) != base or (path.is_symlink()):
-        raise LoadError(f"{path}: is a symbolic link or leads outside {directory}; refusing to read it")
-    return path
 
 
 def _rebuild_options(cls, values: dict, path: Path, key: str, common: bool = False):
@@ -537,6 +749,27 @@ def _rebuild_options(cls, values: dict, path: Path, key: str, common: bool = Fal
         raise LoadError(f"{path}: step '{key}' has invalid options: {exc}") from None
 
 
+def _check_record(cls, raw: dict, options: Any, path: Path) -> None:
+    """A step's record against its (checked) options: a field named like an option, at the
+    top of the record or in its ``options``, must hold the option's value; so a tampered
+    record cannot bring in a value the script could not (``compute: "load"``,
+    ``backend: "tvm"``, ``strict: "no"``, ``threshold: NaN``)."""
+    record = raw["record"]
+    values = dataclasses.asdict(options) if dataclasses.is_dataclass(options) else {}
+    nested = record.get("options")
+    if nested is not None:
+        if not isinstance(nested, dict):
+            raise LoadError(f"{path}: step '{raw['key']}' record options are malformed")
+        checked = _rebuild_options(cls, nested, path, raw["key"])
+        if dataclasses.asdict(checked) != values:
+            raise LoadError(f"{path}: step '{raw['key']}' record options {_clip(nested)} disagree with its "
+                            f"options {_clip(values)}")
+    for name, value in values.items():
+        if name in record and record[name] != value:
+            raise LoadError(f"{path}: step '{raw['key']}' record field {name} = {_clip(record[name])} disagrees "
+                            f"with the option's checked value {value!r}")
+
+
 @contextlib.contextmanager
 def _step_errors(meta_path: Path, raw: dict, what: str, where: str = ""):
     """Turn a transform's failure while loading into a LoadError naming the step."""
@@ -550,36 +783,45 @@ def _step_errors(meta_path: Path, raw: dict, what: str, where: str = ""):
                         f"{type(exc).__name__}: {exc}") from None
 
 
-def load_module(directory: Path, meta: dict, model: Any, device: str | torch.device, mmap: bool = True) -> nn.Module:
-    meta_path = directory / META_FILE
-    # Headers first: a corrupt file is reported before anything is built, and the
-    # number of saved tensors bounds the size of the model the metadata may describe.
-    files = [_tensor_file(directory, name) for name in meta["tensors"]["files"]]
-    saved = sum(len(_header_keys(path)) for path in files) + len(meta["tensors"].get("aliases", {}))
-    skeleton = _skeleton(meta, model, meta_path, max_modules=_module_budget(saved))
-    steps = []
-    for raw in meta["steps"]:
-        cls = registry.get(raw["key"])
-        options = _rebuild_options(cls, raw["options"], meta_path, raw["key"])
-        _rebuild_options(cls, raw["common"], meta_path, raw["key"], common=True)
-        with _step_errors(meta_path, raw, "cannot replay", "on this architecture"):
-            cls.rebuild(skeleton, raw["record"], options)
-        steps.append((cls, raw, options))
-    tensors = _read_tensors(directory, meta, device, mmap and torch.device(device).type == "cpu")
+def load_module(folder: SaveDir, meta: dict, model: Any, device: torch.device, mmap: bool = True) -> nn.Module:
+    """Rebuild one saved module from an opened save folder and its checked metadata."""
+    meta_path = folder.path / META_FILE
+    # Every tensor file is opened (and checked on its descriptor) first; headers next: a
+    # corrupt file is reported before anything is built, and the number of saved tensors
+    # bounds the size of the model the metadata may describe.
+    files = _TensorFiles(folder, meta["tensors"]["files"])
+    try:
+        saved = sum(files.count_tensors())
+        aliases = meta["tensors"].get("aliases", {})
+        if len(aliases) > _module_budget(saved):
+            raise LoadError(f"{meta_path}: {len(aliases)} tensor aliases for {saved} saved tensors; refusing")
+        skeleton = _skeleton(meta, model, meta_path, max_modules=_module_budget(saved))
+        steps = []
+        for raw in meta["steps"]:
+            cls = registry.get(raw["key"])
+            options = _rebuild_options(cls, raw["options"], meta_path, raw["key"])
+            _rebuild_options(cls, raw["common"], meta_path, raw["key"], common=True)
+            _check_record(cls, raw, options, meta_path)
+            with _step_errors(meta_path, raw, "cannot replay", "on this architecture"):
+                cls.rebuild(skeleton, raw["record"], options)
+            steps.append((cls, raw, options))
+        tensors = files.read(device, mmap and device.type == "cpu")
+    finally:
+        files.close()
     attributes = meta["tensors"].get("attributes", {})
-    attribute_tensors = plain_tensors.take(tensors, attributes, directory)
+    attribute_tensors = plain_tensors.take(tensors, attributes, folder.path)
     if meta["tensors"].get("layout"):
         from .interop import layout
 
-        tensors = layout.to_own(tensors, meta["tensors"]["layout"], directory)
-    _assign(skeleton, tensors, meta, directory)
-    plain_tensors.restore(skeleton, attributes, attribute_tensors, directory)
+        tensors = layout.to_own(tensors, meta["tensors"]["layout"], folder.path)
+    _assign(skeleton, tensors, meta, folder.path)
+    plain_tensors.restore(skeleton, attributes, attribute_tensors, folder.path)
     for cls, raw, options in steps:
         with _step_errors(meta_path, raw, "cannot finish"):
             cls.finalize(skeleton, raw["record"], options)
     left = [n for n, t in list(skeleton.named_parameters()) + list(skeleton.named_buffers()) if t.is_meta]
     if left:
-        raise LoadError(f"{directory}: the saved tensors do not cover {len(left)} tensor(s) of the model: "
+        raise LoadError(f"{folder.path}: the saved tensors do not cover {len(left)} tensor(s) of the model: "
                         + ", ".join(left[:5]))
     skeleton.eval()
     set_history(skeleton, History(list(meta["scripts"]),
@@ -601,6 +843,8 @@ def _skeleton(meta: dict, model: Any, meta_path: Path, max_modules: int) -> nn.M
     if model is not None:
         raise LoadError(f"model= takes an nn.Module or a factory, not {type(model).__name__}")
     library, name, config = description.get("library"), description["class"], description.get("config")
+    if isinstance(config, dict):
+        config = _sanitized(config)
     if library is None or not isinstance(config, dict):
         raise LoadError(f"{meta_path}: the saved model ({name}) has no configuration to rebuild it from; "
                         "pass model= (a module of the same architecture, or a factory)")
@@ -699,53 +943,77 @@ def meta_copy(module: nn.Module) -> nn.Module:
     return copied
 
 
-def _read_tensors(directory: Path, meta: dict, device, mmap: bool) -> dict[str, torch.Tensor]:
-    """Every saved tensor, by name.
+class _TensorFiles:
+    """The safetensors files of one saved module, opened through the save's folder.
 
-    With ``mmap`` (the default) tensors are views of the memory-mapped files (copy on
-    write): loading costs what mapping the files costs, and pages are read when first
-    used.  Files are written with 64-byte aligned tensors (:mod:`.safetensors_io`), so
-    mapped tensors compute exactly as freshly allocated ones.  Without ``mmap`` the
-    bytes are copied into fresh memory.
+    Each is opened once, by name relative to the folder, not following links, and
+    checked on its descriptor (a regular file); safetensors then reads it through
+    ``/proc/self/fd/N`` (:meth:`SaveDir.fd_path`), so what is checked is what is read.
     """
-    from safetensors.torch import load_file
 
-    tensors: dict[str, torch.Tensor] = {}
-    for name in meta["tensors"]["files"]:
-        path = _tensor_file(directory, name)
+    def __init__(self, folder: SaveDir, names: list[str]):
+        self.folder = folder
+        self.opened: list[tuple[str, int, str]] = []  # (name, descriptor, path to hand to safetensors)
         try:
-            part = load_file(str(path), device=str(device))
-        except Exception as exc:  # SafetensorError, OSError, and torch's errors for odd dtypes
-            raise LoadError(f"{path}: corrupt or truncated safetensors file: {exc}") from None
-        for key, tensor in part.items():
-            if is_padding(key):
-                continue
-            if key in tensors:
-                raise LoadError(f"{path}: tensor '{key}' is stored twice")
-            aligned = tensor.numel() == 0 or tensor.data_ptr() % 64 == 0
-            # Misaligned data (a file not written by transformdsl) is copied: see above.
-            tensors[key] = tensor if (mmap and aligned) else tensor.clone()
-    return tensors
+            for name in names:
+                fd = folder.open_file(name, what="tensor file")
+                self.opened.append((name, fd, folder.fd_path(fd, name)))
+        except BaseException:
+            self.close()
+            raise
 
+    def close(self) -> None:
+        for _, fd, _ in self.opened:
+            os.close(fd)
+        self.opened = []
 
-def _tensor_file(directory: Path, name: str) -> Path:
-    """A weights file named by the metadata: inside ``directory``, a regular file."""
-    path = _inside(directory, name)
-    if not path.is_file():  # missing, a directory, or a FIFO (which would block reading)
-        raise LoadError(f"{path}: missing tensor file (or not a regular file)")
-    return path
+    def count_tensors(self) -> list[int]:
+        """Per file, how many non-empty tensors its header lists (safetensors checks the
+        header's size, JSON, dtypes, shapes and offsets against the file before mapping
+        anything)."""
+        from safetensors import safe_open
 
+        counts = []
+        for name, _, source in self.opened:
+            path = self.folder.path / name
+            try:
+                with safe_open(source, framework="pt") as f:
+                    count = 0
+                    for key in f.keys():
+                        if not is_padding(key) and math.prod(f.get_slice(key).get_shape()) > 0:
+                            count += 1
+            except Exception as exc:
+                raise LoadError(f"{path}: corrupt or truncated safetensors file: {exc}") from None
+            counts.append(count)
+        return counts
 
-def _header_keys(path: Path) -> list[str]:
-    """Tensor names in a safetensors file, from its header (safetensors checks the header's
-    size, JSON, dtypes, shapes and offsets against the file before mapping anything)."""
-    from safetensors import safe_open
+    def read(self, device: torch.device, mmap: bool) -> dict[str, torch.Tensor]:
+        """Every saved tensor, by name.
 
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            return [key for key in f.keys() if not is_padding(key)]
-    except Exception as exc:
-        raise LoadError(f"{path}: corrupt or truncated safetensors file: {exc}") from None
+        With ``mmap`` (the default) tensors are views of the memory-mapped files (copy on
+        write): loading costs what mapping the files costs, and pages are read when first
+        used.  Files are written with 64-byte aligned tensors (:mod:`.safetensors_io`), so
+        mapped tensors compute exactly as freshly allocated ones.  Without ``mmap`` the
+        bytes are copied into fresh memory.
+        """
+        from safetensors.torch import load_file
+
+        tensors: dict[str, torch.Tensor] = {}
+        for name, _, source in self.opened:
+            path = self.folder.path / name
+            try:
+                part = load_file(source, device=str(device))
+            except Exception as exc:  # SafetensorError, OSError, and torch's errors for odd dtypes
+                raise LoadError(f"{path}: cannot read the tensors to {device}: {type(exc).__name__}: {exc}") from None
+            for key, tensor in part.items():
+                if is_padding(key):
+                    continue
+                if key in tensors:
+                    raise LoadError(f"{path}: tensor '{key}' is stored twice")
+                aligned = tensor.numel() == 0 or tensor.data_ptr() % 64 == 0
+                # Misaligned data (a file not written by transformdsl) is copied: see above.
+                tensors[key] = tensor if (mmap and aligned) else tensor.clone()
+        return tensors
 
 
 def _assign(skeleton: nn.Module, tensors: dict[str, torch.Tensor], meta: dict, directory: Path) -> None:
@@ -761,6 +1029,13 @@ def _assign(skeleton: nn.Module, tensors: dict[str, torch.Tensor], meta: dict, d
     for key, target in aliases.items():
         if target not in tensors:
             raise LoadError(f"{directory}: alias '{key}' points to missing tensor '{target}'")
+        if key in tensors:
+            raise LoadError(f"{directory}: alias '{key}' would replace the stored tensor of that name")
+        want, source = expected.get(key), expected.get(target)
+        if isinstance(want, nn.Parameter) and isinstance(source, nn.Parameter) and want is not source:
+            raise LoadError(f"{directory}: alias '{key}' -> '{target}' would tie two parameters that this "
+                            "architecture keeps apart")
+    for key, target in aliases.items():
         tensors[key] = tensors[target]
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
@@ -790,7 +1065,8 @@ def _assign(skeleton: nn.Module, tensors: dict[str, torch.Tensor], meta: dict, d
     for name in nonpersistent:
         owner, attr = _owner(skeleton, name)
         owner._buffers[attr] = tensors[name]
-    # Tied weights (saved once) become one Parameter again, as they were.
+    # Tied weights (saved once; the architecture ties them, checked above) are one
+    # Parameter again, as they were.
     for key, target in aliases.items():
         (owner, attr), (source, source_attr) = _owner(skeleton, key), _owner(skeleton, target)
         if attr in owner._parameters and source_attr in source._parameters:
@@ -810,10 +1086,13 @@ def _describe(tensor: torch.Tensor) -> str:
     return f"{dtype}{list(tensor.shape)}"
 
 
-def _load_pipeline(directory: Path, meta: dict, device, mmap: bool) -> Any:
+def _load_pipeline(folder: SaveDir, meta: dict, device: torch.device, mmap: bool) -> Any:
+    """A saved pipeline, assembled by calling its class with an explicit mapping of the
+    components its signature declares: no name from a file becomes a keyword argument,
+    and diffusers' own loading (custom pipelines, remote code) is never entered."""
     import diffusers
 
-    path = directory / META_FILE
+    path = folder.path / META_FILE
     name = meta["pipeline_class"]  # read_metadata checked the types
     try:
         cls = getattr(diffusers, name) if name.isidentifier() else None
@@ -821,42 +1100,64 @@ def _load_pipeline(directory: Path, meta: dict, device, mmap: bool) -> Any:
         cls = None
     if not (isinstance(cls, type) and issubclass(cls, diffusers.DiffusionPipeline)):
         raise LoadError(f"{path}: {_clip(name)} is not a diffusers pipeline class")
+    guard.offline_constants()
+    expected, optional = cls._get_signature_keys(cls)
     components_meta: dict[str, str] = meta["components"]
-    index_path = _inside(directory, "model_index.json")
-    if not index_path.is_file():
+    index_path = folder.path / "model_index.json"
+    if not folder.exists("model_index.json"):
         raise LoadError(f"{index_path}: cannot read the pipeline index: missing")
-    index = _read_json(index_path, "pipeline index")
-    _check_pipeline_index(index_path, index, name, components_meta)
-    loaded = {}
-    for comp, how in components_meta.items():
-        folder = _inside(directory, comp)
+    index = _read_json(folder, "model_index.json", "pipeline index")
+    _check_pipeline_index(index_path, index, name, components_meta, set(expected), set(optional))
+    loaded: dict[str, Any] = {}
+    for comp in sorted(expected):
+        how = components_meta.get(comp)
+        if how is None:
+            loaded[comp] = None  # an absent optional component ([null, null] in the index)
+            continue
+        sub = folder.subdir(comp)
         if how == "transformdsl":
-            loaded[comp] = load_module(folder, read_metadata(folder), None, device, mmap)
+            loaded[comp] = load_module(sub, read_metadata(sub), None, device, mmap)
         else:
             library, class_name = index[comp]
-            loaded[comp] = _load_library_component(library, class_name, folder, index_path)
+            loaded[comp] = _load_library_component(library, class_name, sub, index_path)
+    arguments = {key: index[key] for key in sorted(optional) if key in index
+                 and (index[key] is None or isinstance(index[key], (bool, int, float, str)))}
     try:
-        # Every component is passed in, so diffusers itself imports and loads nothing.
-        return cls.from_pretrained(str(directory), local_files_only=True, **loaded)
+        pipe = cls(**loaded, **arguments)
     except Exception as exc:
-        raise LoadError(f"{directory}: cannot assemble the {name}: {type(exc).__name__}: {exc}") from None
+        raise LoadError(f"{folder.path}: cannot assemble the {name}: {type(exc).__name__}: {exc}") from None
+    for component in loaded.values():
+        if isinstance(component, nn.Module):
+            component.eval()
+    return pipe
 
 
-def _check_pipeline_index(index_path: Path, index: Any, name: str, components: dict[str, str]) -> None:
-    """``model_index.json`` as diffusers will read it: nothing in it may make diffusers
-    import a module, run custom pipeline code, or load a component itself."""
+def _check_pipeline_index(index_path: Path, index: Any, name: str, components: dict[str, str],
+                          expected: set[str], optional: set[str]) -> None:
+    """``model_index.json`` and the metadata's components against the pipeline class: every
+    component is one the class declares, every declared one is saved or explicitly absent."""
     if not isinstance(index, dict):
         raise LoadError(f"{index_path}: cannot read the pipeline index: not a JSON object")
     if index.get("_class_name") != name:
         # A [file, class] pair here is custom pipeline code diffusers would run.
         raise LoadError(f"{index_path}: model_index.json names {_clip(index.get('_class_name'))}, "
                         f"the metadata '{name}'")
+    declared = ", ".join(sorted(expected))
+    for comp in components:
+        if comp not in expected:
+            raise LoadError(f"{index_path.parent / META_FILE}: {_clip(comp)} is not a component of {name} "
+                            f"(its components: {declared}); refusing to pass it on")
     for key, entry in index.items():
-        if key.startswith("_") or not isinstance(entry, (list, dict)):
-            continue  # diffusers' own keys, and scalar pipeline arguments
-        if key not in components and entry not in ([None, None], [None]):
+        if key.startswith("_"):
+            continue  # diffusers' own keys
+        if key not in expected and key not in optional:
+            raise LoadError(f"{index_path}: {_clip(key)} is neither a component nor an argument of {name}")
+        if key in expected and key not in components and entry not in ([None, None], [None], None):
             raise LoadError(f"{index_path}: component '{key}' of model_index.json is not in the metadata's "
                             "components; refusing to let diffusers load it")
+    for comp in expected:
+        if comp not in components and comp in index and index[comp] not in ([None, None], [None], None):
+            raise LoadError(f"{index_path}: component '{comp}' is missing from the save")
     for comp, how in components.items():
         entry = index.get(comp)
         if how == "library" and not (isinstance(entry, list) and len(entry) == 2
@@ -877,13 +1178,22 @@ def _component_bases() -> tuple[type, ...]:
             *(getattr(transformers, n) for n in names if isinstance(getattr(transformers, n, None), type)))
 
 
-def _load_library_component(library: str, name: str, folder: Path, index_path: Path) -> Any:
+def _load_library_component(library: str, name: str, folder: SaveDir, index_path: Path) -> Any:
+    """An untransformed pipeline component, loaded by its library from the opened folder.
+
+    Before the library sees the folder: no entry is a symbolic link or anything but a
+    regular file or folder; no JSON file in it names code, a hub repository or a kernel
+    (:func:`_check_config`), or a weights file outside the folder (shard indexes).  The
+    library gets the folder as ``/proc/self/fd/N`` (the folder checked, not its name),
+    ``local_files_only``, ``use_safetensors`` and ``trust_remote_code=False``.
+    """
     if library not in ("diffusers", "transformers") or not name.isidentifier():
         raise LoadError(f"{index_path}: component class {_clip(library)[1:-1]}.{_clip(name)[1:-1]} is not allowed "
                         "(only diffusers and transformers classes are loaded)")
     import diffusers
     import transformers
 
+    guard.offline_constants()
     module = diffusers if library == "diffusers" else transformers
     try:
         cls = getattr(module, name)
@@ -892,29 +1202,51 @@ def _load_library_component(library: str, name: str, folder: Path, index_path: P
     if not (isinstance(cls, type) and issubclass(cls, _component_bases())):
         raise LoadError(f"{index_path}: {library}.{name} is not a loadable component class "
                         "(a diffusers or transformers model, scheduler, tokenizer or processor)")
-    # The library reads whatever files it wants from the folder: none may lead elsewhere.
-    for inner in sorted(folder.rglob("*")):
-        if inner.is_symlink():
-            raise LoadError(f"{inner}: is a symbolic link; refusing to read it")
+    entries = folder.walk()
+    files = {rel for rel, info in entries if stat.S_ISREG(info.st_mode)}
+    for rel, info in entries:
+        if not (stat.S_ISREG(info.st_mode) or stat.S_ISDIR(info.st_mode)):
+            kind = "a symbolic link" if stat.S_ISLNK(info.st_mode) else "not a regular file"
+            raise LoadError(f"{folder.path / rel}: is {kind}; refusing to read it")
+    scheduler = issubclass(cls, diffusers.SchedulerMixin)
+    for rel in sorted(files):
+        if not rel.endswith(".json"):
+            continue
+        holder, name = folder.descend(rel)
+        content = _read_json(holder, name, "component file")
+        _check_config(folder.path / rel, content, scheduler=scheduler)
+        if rel.endswith(".index.json"):
+            _check_shard_index(folder.path / rel, content, files)
     kwargs: dict[str, Any] = {"local_files_only": True}
+    if library == "transformers":
+        kwargs["trust_remote_code"] = False
     limit = contextlib.nullcontext()
     if issubclass(cls, nn.Module):
         kwargs["use_safetensors"] = True
-        config_path = folder / "config.json"
-        if config_path.is_file():
-            config = _read_json(_inside(folder, "config.json"), "component configuration")
-            if isinstance(config, dict):
-                _check_config(config_path, config)
-        weights = sorted(p.name for p in folder.glob("*.safetensors"))
-        saved = sum(len(_header_keys(_tensor_file(folder, n))) for n in weights)
-        limit = _module_limit(_module_budget(saved), folder)
+        weights = _TensorFiles(folder, sorted(r for r in files if "/" not in r and r.endswith(".safetensors")))
+        try:
+            saved = sum(weights.count_tensors())
+        finally:
+            weights.close()
+        limit = _module_limit(_module_budget(saved), folder.path)
     try:
         with limit:
-            return cls.from_pretrained(str(folder), **kwargs)
+            return cls.from_pretrained(folder.fd_path(), **kwargs)
     except LoadError:
         raise
     except Exception as exc:
-        raise LoadError(f"{folder}: cannot load {library}.{name}: {type(exc).__name__}: {exc}") from None
+        raise LoadError(f"{folder.path}: cannot load {library}.{name}: {type(exc).__name__}: {exc}") from None
+
+
+def _check_shard_index(path: Path, index: Any, files: set[str]) -> None:
+    """A library's shard index may name only weights files of its own folder."""
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise LoadError(f"{path}: a shard index without a weight_map")
+    for target in set(weight_map.values()):
+        if not isinstance(target, str) or target not in files or "/" in target:
+            raise LoadError(f"{path}: the shard index names {_clip(target)}, which is not a file of this folder; "
+                            "refusing to read weights from elsewhere")
 
 
 # =========================================================================== inspect
@@ -927,27 +1259,39 @@ def _interop_summary(value: Any) -> dict | None:
 
 
 def inspect(directory: str | os.PathLike) -> dict:
-    """What a saved model contains, from headers only (no tensor data is read)."""
+    """What a saved model contains, from headers only (no tensor data is read).
+
+    Text in the result (scripts, names) comes from the files as it is: escape it before
+    printing it to a terminal (the ``inspect`` command does).
+    """
+    try:
+        with SaveDir.open(directory) as folder:
+            return _inspect(folder)
+    except OSError as exc:
+        raise LoadError(f"{directory}: cannot read the save: {exc.strerror or exc}") from None
+
+
+def _inspect(folder: SaveDir) -> dict:
     from safetensors import safe_open
 
-    directory = Path(directory)
-    if not (directory / META_FILE).exists() and (directory / "config.json").is_file():
+    if not folder.exists(META_FILE) and folder.exists("config.json"):
         from .interop.imports import library_metadata
 
-        meta = library_metadata(directory)[0]  # a diffusers/transformers checkpoint: what load() would read
+        meta = library_metadata(folder)[0]  # a diffusers/transformers checkpoint: what load() would read
     else:
-        meta = read_metadata(directory)
+        meta = read_metadata(folder)
     if meta["kind"] == "pipeline":
         parts = {}
         for comp, how in meta["components"].items():
-            parts[comp] = inspect(_inside(directory, comp)) if how == "transformdsl" else {"storage": how}
+            parts[comp] = _inspect(folder.subdir(comp)) if how == "transformdsl" else {"storage": how}
         return {"kind": "pipeline", "format_version": meta["format_version"],
                 "pipeline_class": meta["pipeline_class"], "components": parts}
     by_dtype: dict[str, dict[str, int]] = {}
-    for name in meta["tensors"]["files"]:
-        path = _tensor_file(directory, name)
+    files = _TensorFiles(folder, meta["tensors"]["files"])
+    for name, _, source in files.opened:
+        path = folder.path / name
         try:
-            with safe_open(str(path), "pt") as f:
+            with safe_open(source, "pt") as f:
                 for key in f.keys():
                     if is_padding(key):
                         continue
@@ -960,7 +1304,9 @@ def inspect(directory: str | os.PathLike) -> dict:
                     entry["tensors"] += 1
                     entry["elements"] += numel
         except Exception as exc:
+            files.close()
             raise LoadError(f"{path}: corrupt or truncated safetensors file: {exc}") from None
+    files.close()
     sizes = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
              "I16": 2, "I8": 1, "U8": 1, "BOOL": 1, "U16": 2, "U32": 4, "U64": 8}
     for dtype, entry in by_dtype.items():

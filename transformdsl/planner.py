@@ -20,6 +20,7 @@ from .errors import Problem, ScriptError
 from .ir import Script, Selector, source_lines
 from .parser import make_selector, parse, parse_file
 from .passes.base import Transform
+from .regexes import SelectorTooSlow, regex_budget
 from .registry import key_matches
 from .selectors import matches, select, suggestions, topmost
 from .tree import ModuleTree, below_any, parameter_bytes
@@ -160,6 +161,10 @@ def plan(model: Any, script: str | Path | Script | ValidatedScript) -> Plan:
     return Planner(model, validated).run()
 
 
+#: Selectors matching nothing for which the plan looks up the nearest names.
+MAX_SUGGESTED = 20
+
+
 class Planner:
     def __init__(self, model: Any, validated: ValidatedScript):
         self.model = model
@@ -170,6 +175,8 @@ class Planner:
         self.problems: list[Problem] = []
         #: (component, exclusive group) → path → the step that claimed it.
         self.claims: dict[tuple[str, str], dict[str, Step]] = {}
+        #: Selectors that matched nothing so far (nearest names are looked for the first few).
+        self.suggested = 0
 
     def tree(self, component: str) -> ModuleTree:
         if component not in self.trees:
@@ -179,14 +186,19 @@ class Planner:
     def run(self) -> Plan:
         default = denoiser_name(self.model)
         steps = []
-        for transform in self.validated.steps:
-            component = transform.common.component or default
-            if component not in self.components:
-                self._component_problem(transform, component)
-                continue
-            step = self.resolve(transform, component, self.tree(component))
-            if step is not None:
-                steps.append(step)
+        with regex_budget():
+            for transform in self.validated.steps:
+                component = transform.common.component or default
+                if component not in self.components:
+                    self._component_problem(transform, component)
+                    continue
+                try:
+                    step = self.resolve(transform, component, self.tree(component))
+                except SelectorTooSlow as exc:
+                    self.problems.append(Problem(str(exc), [transform.statement.span]))
+                    continue
+                if step is not None:
+                    steps.append(step)
         if self.problems:
             raise ScriptError(self.problems, self.script.source)
         # The snapshots counted their modules and bytes; components no statement used are walked here.
@@ -223,7 +235,9 @@ class Planner:
                         f"selector '{selector.text}' matches no module in the scope ('in {where}')",
                         [selector.span], hint=f"it matches {outside[0] or '<root>'}{more}, outside the scope"))
                 else:
-                    close = suggestions(selector, tree)
+                    # Nearest names cost a fuzzy search over the tree: a few are enough.
+                    self.suggested += 1
+                    close = suggestions(selector, tree) if self.suggested <= MAX_SUGGESTED else []
                     hint = ("nearest names: " + ", ".join(close)) if close else None
                     self.problems.append(Problem(f"selector '{selector.text}' matches no module",
                                                  [selector.span], hint=hint))

@@ -8,6 +8,7 @@ import re
 from fnmatch import fnmatchcase
 
 from .ir import Selector
+from .regexes import compile_regex, search
 from .tree import ModuleInfo, ModuleTree, below_any, class_names, class_tokens, name_tokens
 
 
@@ -51,11 +52,6 @@ def _path_matches(pattern: str, path: str) -> bool:
     return bool(path) and bool(_path_regex(pattern).match(path + "."))
 
 
-@functools.lru_cache(maxsize=1024)
-def _compiled(pattern: str) -> re.Pattern:
-    return re.compile(pattern)
-
-
 def matches(selector: Selector, info: ModuleInfo) -> bool:
     """Whether ``selector`` names the module ``info`` itself (not its subtree)."""
     kind = selector.kind
@@ -64,7 +60,7 @@ def matches(selector: Selector, info: ModuleInfo) -> bool:
     if kind == "path":
         return _path_matches(selector.pattern, info.path)
     if kind == "regex":
-        return bool(_compiled(selector.pattern).search(info.path))
+        return search(compile_regex(selector.pattern), info.path)
     if kind == "name":
         return bool(info.path) and _name_matches(selector.pattern, info.name)
     if kind == "word":
@@ -136,8 +132,8 @@ def _matcher(selector: Selector):
         regex = _path_regex(selector.pattern)
         return lambda info: bool(info.path) and bool(regex.match(info.path + "."))
     if selector.kind == "regex":
-        search = _compiled(selector.pattern).search
-        return lambda info: bool(search(info.path))
+        compiled = compile_regex(selector.pattern)
+        return lambda info: search(compiled, info.path)
     return lambda info: matches(selector, info)
 
 

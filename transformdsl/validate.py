@@ -53,36 +53,71 @@ def bind(statement: Statement, problems: list[Problem]) -> Transform | None:
     return cls(statement, options, common)
 
 
+#: Pairwise problems (conflicts, ordering cycles) reported per script; past this the
+#: rest are summarised: ``n`` statements could otherwise give ``n²`` of them.
+MAX_PAIR_PROBLEMS = 20
+
+
 def validate(script: Script) -> ValidatedScript:
     """Bind every statement, check pairwise rules and order the statements.
 
-    Raises :class:`ScriptError` listing every problem found.
+    Raises :class:`ScriptError` listing every problem found.  Work is linear in the
+    number of statements (times the number of registered transforms).
     """
     problems: list[Problem] = []
     bound = [bind(s, problems) for s in script.statements]
     transforms = [t for t in bound if t is not None]
-    for a in transforms:
-        for b in transforms:
-            if a is b:
-                continue
-            reason = a.incompatible(b)
-            if reason and not _reported(problems, a, b):
-                first, second = sorted((a, b), key=lambda t: t.statement.line)
-                problems.append(Problem(
-                    f"'{first.statement.key}' (line {first.statement.line}) and '{second.statement.key}' "
-                    f"(line {second.statement.line}) cannot be combined: {reason}",
-                    [first.statement.span, second.statement.span]))
+    pairs = _PairProblems(problems)
+    _check_pairs(transforms, pairs)
     order = None
     if len(transforms) == len(bound):
-        order = execution_order(transforms, problems)
+        order = execution_order(transforms, problems, pairs)
     if problems:
         raise ScriptError(problems, script.source)
     return ValidatedScript(script, tuple(order))
 
 
-def _reported(problems: list[Problem], a: Transform, b: Transform) -> bool:
-    spans = {a.statement.span, b.statement.span}
-    return any(set(p.spans) == spans for p in problems)
+class _PairProblems:
+    """Problems naming two statements: each pair once, at most :data:`MAX_PAIR_PROBLEMS`."""
+
+    def __init__(self, problems: list[Problem]):
+        self.problems = problems
+        self.seen: set[frozenset] = set()
+        self.dropped = 0
+
+    def full(self) -> bool:
+        return len(self.seen) >= MAX_PAIR_PROBLEMS
+
+    def add(self, a: Transform, b: Transform, message: str) -> None:
+        first, second = sorted((a, b), key=lambda t: t.statement.line)
+        spans = frozenset((first.statement.span, second.statement.span))
+        if spans in self.seen:
+            return
+        if self.full():
+            self.dropped += 1
+            return
+        self.seen.add(spans)
+        self.problems.append(Problem(message.format(a=first.statement, b=second.statement),
+                                     [first.statement.span, second.statement.span]))
+
+
+def _check_pairs(transforms: list[Transform], pairs: _PairProblems) -> None:
+    """``incompatible`` for every ordered pair whose first member has such a rule.
+
+    Only transforms that override :meth:`Transform.incompatible` are asked, and the
+    search stops once :data:`MAX_PAIR_PROBLEMS` are found.
+    """
+    ruled = [t for t in transforms if type(t).incompatible is not Transform.incompatible]
+    for a in ruled:
+        for b in transforms:
+            if pairs.full():
+                return
+            if a is b:
+                continue
+            reason = a.incompatible(b)
+            if reason:
+                pairs.add(a, b, "'{a.key}' (line {a.line}) and '{b.key}' (line {b.line}) cannot be combined: "
+                          + reason.replace("{", "{{").replace("}", "}}"))
 
 
 def _must_precede(first: Transform, then: Transform) -> bool:
@@ -97,39 +132,64 @@ def _must_precede(first: Transform, then: Transform) -> bool:
     return applies(then.runs_after, first.key(), same) or applies(first.runs_before, then.key(), same)
 
 
-def execution_order(transforms: list[Transform], problems: list[Problem]) -> list[Transform]:
-    """Topological order of the declared constraints; ties keep source order."""
+def execution_order(transforms: list[Transform], problems: list[Problem],
+                    pairs: _PairProblems | None = None) -> list[Transform]:
+    """Topological order of the declared constraints; ties keep source order.
+
+    The rules are declared per transform (registry key), so the order is computed on the
+    keys: a statement is ready once every statement of each key that must precede its
+    key has run.  Cost: ``n log n`` in statements plus the square of the distinct keys.
+    """
+    pairs = pairs if pairs is not None else _PairProblems(problems)
     n = len(transforms)
-    successors: dict[int, set[int]] = {i: set() for i in range(n)}
-    indegree = [0] * n
-    for i in range(n):
-        for j in range(n):
-            if i != j and _must_precede(transforms[i], transforms[j]) and j not in successors[i]:
-                if _must_precede(transforms[j], transforms[i]):
-                    a, b = sorted((transforms[i], transforms[j]), key=lambda t: t.statement.line)
-                    if not _reported(problems, a, b):
-                        problems.append(Problem(
-                            f"'{a.statement.key}' (line {a.statement.line}) and '{b.statement.key}' "
-                            f"(line {b.statement.line}) each must run before the other", [a.statement.span,
-                                                                                          b.statement.span]))
-                    continue
-                successors[i].add(j)
-                indegree[j] += 1
-    ready = [i for i in range(n) if indegree[i] == 0]
+    groups: dict[str, list[int]] = {}
+    for i, t in enumerate(transforms):
+        groups.setdefault(t.key(), []).append(i)
+    keys = list(groups)
+    sample = {k: transforms[groups[k][0]] for k in keys}
+    successors: dict[str, list[str]] = {k: [] for k in keys}
+    predecessors: dict[str, set[str]] = {k: set() for k in keys}
+    cycle = "'{a.key}' (line {a.line}) and '{b.key}' (line {b.line}) each must run before the other"
+    for ki in keys:
+        for kj in keys:
+            if not _must_precede(sample[ki], sample[kj]):
+                continue
+            if ki == kj or _must_precede(sample[kj], sample[ki]):
+                members = groups[ki] if ki == kj else (groups[ki][0], groups[kj][0])
+                if len(members) > 1:
+                    pairs.add(transforms[members[0]], transforms[members[1]], cycle)
+                continue  # no edge either way, as between any two conflicting statements
+            successors[ki].append(kj)
+            predecessors[kj].add(ki)
+    remaining = {k: len(members) for k, members in groups.items()}
+    waiting = {k: len(predecessors[k]) for k in keys}
+    ready = [i for k in keys if not waiting[k] for i in groups[k]]
     heapq.heapify(ready)
     order: list[int] = []
     while ready:
         i = heapq.heappop(ready)
         order.append(i)
-        for j in successors[i]:
-            indegree[j] -= 1
-            if indegree[j] == 0:
-                heapq.heappush(ready, j)
+        key = transforms[i].key()
+        remaining[key] -= 1
+        if remaining[key]:
+            continue
+        for kj in successors[key]:
+            waiting[kj] -= 1
+            if waiting[kj] == 0:
+                for j in groups[kj]:
+                    heapq.heappush(ready, j)
+    if pairs.dropped:
+        problems.append(Problem(f"and {pairs.dropped} more conflicting pair(s) of statements like those above",
+                                [transforms[0].statement.span]))
+        pairs.dropped = 0
     if len(order) < n:
-        stuck = [transforms[i] for i in range(n) if i not in order]
+        placed = set(order)
+        stuck = [transforms[i] for i in range(n) if i not in placed]
+        shown = stuck[:MAX_PAIR_PROBLEMS]
+        more = f" (and {len(stuck) - len(shown)} more)" if len(stuck) > len(shown) else ""
         problems.append(Problem("the ordering rules of these statements form a cycle: "
-                                + ", ".join(t.statement.label() for t in stuck),
-                                [t.statement.span for t in stuck]))
+                                + ", ".join(t.statement.label() for t in shown) + more,
+                                [t.statement.span for t in shown]))
         return transforms
     return [transforms[i] for i in order]
 

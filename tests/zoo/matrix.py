@@ -47,6 +47,7 @@ SCRIPTS = {
     "quantize int8": "quantize int8",
     "quantize nf4": "quantize nf4",
     "quantize hqq": "quantize hqq",
+    "quantize hqq auto": "quantize hqq group_size=auto",  # the tiny models' layers are narrower than 64
     "fp8 storage": "fp8 storage",
     "fp8 native": "fp8 native",
     "fuse qkv; quantize int8": "fuse qkv; quantize int8",
@@ -56,8 +57,9 @@ SCRIPTS = {
     "compile": "compile",
 }
 
-#: Models the (slow) ``compile`` column runs on.
-COMPILE_SLICE = ("diffusers/UNet2DConditionModel", "transformers/Llama", "transformers/BERT")
+#: Models the (slow) ``compile`` column runs on (the tiny UNet and Flux took over 5 min a cell on a
+#: loaded 2-core machine: compilation, then recompilation for the reloaded model).
+COMPILE_SLICE = ("transformers/Llama", "transformers/BERT")
 
 #: Statuses, best first; the order the summary counts them in.
 STATUSES = ("ok", "not applicable", "refused by verify", "past bound silently", "crash in forward",
@@ -242,7 +244,7 @@ def _worker() -> None:
 class Worker:
     """One worker process, replaced after a crash, a timeout, or ``recycle`` cells."""
 
-    def __init__(self, recycle: int = 80):
+    def __init__(self, recycle: int = 300):
         self.process = None
         self.buffer = b""
         self.count = 0
@@ -294,8 +296,11 @@ class Worker:
 
 
 def run_matrix(cells: list[tuple[str, str]], workers: int = 2, timeout: float = CELL_TIMEOUT,
-               progress: bool = True) -> list[dict]:
-    """Run ``cells`` on ``workers`` processes; results in the order of ``cells``."""
+               progress: bool = True, partial: Path | None = None) -> list[dict]:
+    """Run ``cells`` on ``workers`` processes; results in the order of ``cells``.
+
+    ``partial``: a file that gets one JSON line per finished cell, as they finish.
+    """
     results: dict[int, dict] = {}
     lock = threading.Lock()
     queue = list(enumerate(cells))
@@ -312,6 +317,9 @@ def run_matrix(cells: list[tuple[str, str]], workers: int = 2, timeout: float = 
                 result = worker.run(model_id, script_name, timeout)
                 with lock:
                     results[index] = result
+                    if partial is not None:
+                        with open(partial, "a") as stream:
+                            stream.write(json.dumps(result) + "\n")
                     if progress:
                         print(f"[{len(results)}/{len(cells)} {time.perf_counter() - started:.0f}s] {model_id} | "
                               f"{script_name}: {result['status']}"
@@ -345,6 +353,17 @@ def _select(names: Iterable[str], wanted: str | None) -> list[str]:
     return chosen
 
 
+def commit() -> str:
+    """The commit the matrix ran on: ``$ZOO_COMMIT`` (a copy without .git), else ``git rev-parse HEAD``."""
+    if os.environ.get("ZOO_COMMIT"):
+        return os.environ["ZOO_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def versions() -> dict:
     from importlib.metadata import version
 
@@ -361,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=CELL_TIMEOUT, help="seconds per cell")
     parser.add_argument("--json", default=str(ROOT / "docs" / "SUPPORT.json"), help="where results go")
     parser.add_argument("--markdown", default=None, help="also write the support page here (docs/SUPPORT.md)")
+    parser.add_argument("--first", help="comma-separated ids or substrings of models to run before the others")
     args = parser.parse_args(argv)
     if args.worker:
         _worker()
@@ -370,11 +390,18 @@ def main(argv: list[str] | None = None) -> int:
 
     models = _select([e["id"] for e in corpus.entries()], args.models)
     columns = _select(SCRIPTS, args.scripts)
+    if args.first:
+        first = _select(models, args.first)
+        models = first + [m for m in models if m not in first]
     cells = [(m, s) for m in models for s in scripts_for(m) if s in columns]
     started = time.perf_counter()
-    results = run_matrix(cells, workers=args.workers, timeout=args.timeout)
+    partial = Path(args.json).with_suffix(".partial.jsonl")
+    partial.unlink(missing_ok=True)
+    results = run_matrix(cells, workers=args.workers, timeout=args.timeout, partial=partial)
+    partial.unlink(missing_ok=True)
     report = {
         "command": "python -m tests.zoo.matrix" + ("" if argv is None else " " + " ".join(argv)),
+        "commit": commit(),
         "seconds": round(time.perf_counter() - started, 1),
         "workers": args.workers,
         "versions": versions(),
@@ -382,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         "compile_slice": list(COMPILE_SLICE),
         "skipped": corpus.skipped(),
         "models": [{"id": e["id"], "library": e["library"], "class": e["class"]}
-                   for e in corpus.entries() if e["id"] in models],
+                   for e in corpus.entries() if e["id"] in models],  # corpus order, whatever ran first
         "cells": results,
     }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

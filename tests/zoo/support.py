@@ -123,10 +123,12 @@ def render(report: dict) -> str:
         "(tests/zoo/): the tiny configurations diffusers' own model tests use, for every denoiser class they "
         "cover, and tiny configurations of transformers families, with random weights, on CPU.",
         "",
-        "Versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items())
+        f"Commit {report.get('commit', 'unknown')}; versions: "
+        + ", ".join(f"{k} {v}" for k, v in report["versions"].items())
         + f".  {len(report['cells'])} cells in {report['seconds'] / 60:.0f} min on {report['workers']} "
         "worker processes.",
         "",
+        *([f"**Partial run:** {report['note']}", ""] if report.get("note") else []),
         "Scripts: " + "; ".join(f"**{name}** = `{text}`" for name, text in report["scripts"].items())
         + (f" (`compile` on {', '.join(m.split('/', 1)[1] for m in report['compile_slice'])} only: it is slow)"
            if "compile" in report["scripts"] else "") + ".",

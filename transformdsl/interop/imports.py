@@ -26,6 +26,8 @@ import torch
 from torch import nn
 
 from ..errors import LoadError
+from ..safetensors_io import is_padding
+from ..savedir import SaveDir
 from . import CONFIG_FILE
 
 #: The weight files a library directory may hold (single file or index), per library.
@@ -35,32 +37,54 @@ _QUANT_STATE = "weight.quant_state.bitsandbytes__"
 _MAX_STATE_BYTES = 65536
 
 
-def library_metadata(directory: Path) -> tuple[dict, dict[str, Path]]:
+class _Located(type(Path())):
+    """A weights file's path (in messages) that also knows where to read it: ``source``, the
+    descriptor path of the file opened through the save's folder (:mod:`..savedir`)."""
+
+    source: str = ""
+
+
+def library_metadata(folder: SaveDir) -> tuple[dict, dict[str, Path]]:
     """The metadata :func:`transformdsl.load` would read, derived from a library directory's
     ``config.json`` and safetensors headers (no tensor data is read but 4-bit quant states);
-    and the saved tensor names → their files."""
+    and the saved tensor names → their files.  ``folder`` is the directory opened once:
+    every file is read through it (see :mod:`transformdsl.savedir`)."""
+    from safetensors import safe_open
+
     from .. import persist
 
-    config_path = persist._inside(directory, CONFIG_FILE)
-    if (directory / "model_index.json").is_file():
+    directory = folder.path
+    config_path = directory / CONFIG_FILE
+    if folder.exists("model_index.json"):
         raise LoadError(f"{directory}: a diffusers pipeline saved by diffusers; load it with diffusers and pass "
                         "its components to transformdsl, or load one component folder")
-    config = persist._read_json(config_path, "configuration")
+    config = persist._read_json(folder, CONFIG_FILE, "configuration")
     if not isinstance(config, dict):
         raise LoadError(f"{config_path}: the configuration is not a JSON object")
-    persist._check_config(config_path, config)
+    persist._check_config(config_path, config, strip=True)
+    config = persist._sanitized(config)
     library, name = _library_class(config_path, config)
-    files = _weight_files(directory, library)
-    headers = {}
-    for path in files:
-        headers.update({key: path for key in persist._header_keys(path)})
-    steps, script = _steps(config_path, config.get("quantization_config"), headers)
+    names = _weight_files(folder, library)
+    files = persist._TensorFiles(folder, names)
+    headers: dict[str, Path] = {}
+    try:
+        for file_name, _, source in files.opened:
+            path = _Located(directory / file_name)
+            path.source = source
+            try:
+                with safe_open(source, framework="pt") as f:
+                    headers.update({key: path for key in f.keys() if not is_padding(key)})
+            except Exception as exc:
+                raise LoadError(f"{path}: corrupt or truncated safetensors file: {exc}") from None
+        steps, script = _steps(config_path, config.get("quantization_config"), headers)
+    finally:
+        files.close()
     plain = {k: v for k, v in config.items() if k != "quantization_config"}
     meta = {
         "format": persist.FORMAT, "format_version": persist.FORMAT_VERSION, "kind": "module",
         "model": {"library": library, "class": name, "config": plain},
         "scripts": [script] if steps else [], "steps": steps,
-        "tensors": {"files": [p.name for p in files], "nonpersistent": [], "aliases": {}},
+        "tensors": {"files": names, "nonpersistent": [], "aliases": {}},
         "interop": {"imported": library},
         "versions": {},
     }
@@ -68,19 +92,20 @@ def library_metadata(directory: Path) -> tuple[dict, dict[str, Path]]:
     return meta, headers
 
 
-def load_library_directory(directory: Path, model: Any, device, mmap: bool) -> nn.Module:
+def load_library_directory(folder: SaveDir, model: Any, device, mmap: bool) -> nn.Module:
     from .. import persist
 
+    directory = folder.path
     if model is not None:
         raise LoadError(f"{directory}: a {CONFIG_FILE} directory is rebuilt from its configuration; drop model=")
-    meta, headers = library_metadata(directory)
+    meta, headers = library_metadata(folder)
     config_path = directory / CONFIG_FILE
     description = meta["model"]
     cls = persist._model_class(description["library"], description["class"], config_path)
     skeleton = _skeleton(cls, description["library"], description["config"], config_path,
                          persist._module_budget(len(headers)))
     meta["tensors"]["aliases"] = _tied(skeleton, headers)
-    return persist.load_module(directory, meta, lambda: skeleton, device, mmap)
+    return persist.load_module(folder, meta, lambda: skeleton, device, mmap)
 
 
 def _library_class(path: Path, config: dict) -> tuple[str, str]:
@@ -93,18 +118,20 @@ def _library_class(path: Path, config: dict) -> tuple[str, str]:
                     "with a single 'architectures' entry; pass the model to transformdsl.transform instead")
 
 
-def _weight_files(directory: Path, library: str) -> list[Path]:
+def _weight_files(folder: SaveDir, library: str) -> list[str]:
+    """Names of the weights files (plain names in the folder: the index cannot lead elsewhere)."""
     from .. import persist
 
+    directory = folder.path
     single, index = _WEIGHTS[library]
-    if (directory / single).exists():
-        return [persist._tensor_file(directory, single)]
-    if (directory / index).exists():
-        data = persist._read_json(persist._inside(directory, index), "weight index")
+    if folder.exists(single):
+        return [single]
+    if folder.exists(index):
+        data = persist._read_json(folder, index, "weight index")
         weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise LoadError(f"{directory / index}: no weight_map of file names")
-        return [persist._tensor_file(directory, name) for name in sorted(set(weight_map.values()))]
+        return sorted(set(weight_map.values()))
     raise LoadError(f"{directory}: no {single} (or {index}); only safetensors weights are loaded")
 
 
@@ -160,7 +187,7 @@ def _steps(path: Path, quant: Any, headers: dict[str, Path]) -> tuple[list[dict]
 def _shape(headers: dict[str, Path], key: str) -> tuple[str, list[int]]:
     from safetensors import safe_open
 
-    with safe_open(str(headers[key]), framework="pt") as f:
+    with safe_open(headers[key].source or str(headers[key]), framework="pt") as f:
         piece = f.get_slice(key)
         return piece.get_dtype(), list(piece.get_shape())
 
@@ -194,7 +221,7 @@ def _four_bit_layer(path: str, key: str, headers: dict[str, Path]) -> tuple[dict
     dtype, shape = _shape(headers, key)
     if dtype != "U8" or len(shape) != 1 or shape[0] > _MAX_STATE_BYTES:
         raise LoadError(f"{headers[key]}: '{key}' is not a bitsandbytes quant state")
-    with safe_open(str(headers[key]), framework="pt") as f:
+    with safe_open(headers[key].source or str(headers[key]), framework="pt") as f:
         raw = f.get_tensor(key)
     try:
         state = json.loads(bytes(raw.tolist()).decode("utf-8"))

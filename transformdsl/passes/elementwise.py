@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import json
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -795,6 +796,13 @@ class _Elementwise(Transform):
             path = chain["path"]
             parent_path, _, name = path.rpartition(".")
             parent = root.get_submodule(parent_path) if parent_path else root
+            # The recorded chain must be what the module is (a record cannot swap GELU for ReLU).
+            try:
+                found = PATTERNS[chain["pattern"]].match(parent._modules[name])
+            except _Mismatch as exc:
+                found = f"no {chain['pattern']} chain ({exc})"
+            if json.loads(json.dumps(found)) != chain["spec"]:
+                raise ValueError(f"{path}: the record describes {chain['spec']!r}; the module is {found!r}")
             parent._modules[name] = fused_copy(parent._modules[name], PATTERNS[chain["pattern"]], chain["spec"],
                                                record.get("kernel", "inductor"))
 

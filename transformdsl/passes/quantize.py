@@ -101,6 +101,14 @@ def _tied_weights(tree: ModuleTree) -> dict[int, list[str]]:
     return _TIED[tree]
 
 
+def _read_by_parent(info: ModuleInfo, tree: ModuleTree) -> bool:
+    """``nn.MultiheadAttention.out_proj`` (SigLIP's and CLIP's pooling heads): the parent passes
+    ``out_proj.weight`` to ``F.multi_head_attention_forward`` and never calls the layer."""
+    parent_path, _, name = info.path.rpartition(".")
+    parent = tree.get(parent_path) if name == "out_proj" else None
+    return parent is not None and issubclass(parent.cls, nn.MultiheadAttention)
+
+
 def _put(root: nn.Module, path: str, module: nn.Module) -> None:
     """Place ``module`` at ``path`` of a skeleton being rebuilt (no undo needed there)."""
     parent_path, _, name = path.rpartition(".")
@@ -123,6 +131,9 @@ class _Quantize(Transform):
     honoured_declarations = ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict")
     runs_after = ("fuse *",)
     exclusive = "weights"
+    #: Whether the quantized layer's ``.weight`` reads as a float weight (then a parent that
+    #: reads its child's weight instead of calling it still works).
+    float_weight: bool = False
 
     # -- planning -----------------------------------------------------------------
 
@@ -130,6 +141,9 @@ class _Quantize(Transform):
         quantized = QUANTIZED_CLASS_NAMES.intersection(info.class_names)
         if quantized:
             return f"already quantized ({info.cls.__name__})"
+        if not self.float_weight and _read_by_parent(info, tree):
+            return ("nn.MultiheadAttention reads out_proj.weight itself and never calls out_proj; a quantized "
+                    "weight would reach its matmul")
         if info.cls.__name__ == "Conv1D" and not _is_conv1d(info.module, info.cls):
             return "a Conv1D that is not GPT-2's transposed linear layer"
         dtype = info.facts.get("dtype")
@@ -402,6 +416,7 @@ class HQQQuantization(_Quantize):
     mode = "hqq"
     summary = "half-quadratic quantization (hqq HQQLinear)"
     Options = HQQOptions
+    float_weight = True  # HQQLayer.weight: the dequantized weight
 
     #: Bound per bit width; measured at most 0.006 (8 bits), 0.14 (4), 0.28 (3) on the
     #: built-in tiny models.  1 and 2 bits have none: the output of a tiny random model is noise.

@@ -1,0 +1,91 @@
+"""CI slice of the support matrix (tests/zoo/): the models users run most, every main transform.
+
+Each cell is what ``make zoo`` checks (tests/zoo/matrix.py, :func:`run_cell`): the transform runs
+with ``verify=True`` on the model's test input, the error stays within the script's declared bound on
+a held-out input too, ``load(dir)`` alone (no ``model=``) rebuilds it and the reloaded output is
+bit-identical.  ``make zoo`` runs every corpus model and writes docs/SUPPORT.md.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from tests.zoo import corpus, matrix, support
+
+DIFFUSERS = (
+    "UNet2DConditionModel",
+    "SD3Transformer2DModel[SD35Transformer]",
+    "FluxTransformer2DModel[FluxTransformer]",
+    "WanTransformer3DModel",
+    "QwenImageTransformer2DModel",
+    "LTXVideoTransformer3DModel",
+    "SanaTransformer2DModel",
+    "HunyuanVideoTransformer3DModel[HunyuanVideoTransformer]",
+    "CogVideoXTransformer3DModel[CogVideoXTransformer]",
+    "Lumina2Transformer2DModel",
+)
+TRANSFORMERS = ("Llama", "Qwen3", "Gemma2", "T5-encoder", "CLIP-text", "CLIP-vision", "Falcon", "BERT")
+MODELS = tuple(f"diffusers/{m}" for m in DIFFUSERS) + tuple(f"transformers/{m}" for m in TRANSFORMERS)
+SCRIPTS = ("fuse qkv", "quantize int8", "quantize nf4", "quantize hqq auto", "fp8 storage", "fp8 native",
+           "fuse qkv; quantize int8", "fuse bias_act_dropout")
+
+
+@functools.cache
+def _cell(model_id: str, script: str) -> dict:
+    """One matrix cell, run once per test session (the fusion test reads the "fuse qkv" cells)."""
+    return matrix.run_cell(model_id, script)
+
+
+CELLS = [pytest.param(model, script, id=f"{model.split('/', 1)[1]}|{script}") for model in MODELS for script in SCRIPTS]
+
+
+@pytest.mark.parametrize(("model_id", "script"), CELLS)
+def test_cell(model_id, script):
+    cell = _cell(model_id, script)
+    assert cell["status"] in ("ok", "not applicable"), f"{cell['status']}: {cell['detail']}"
+    if script.startswith(("quantize", "fp8")):  # every slice model has layers these change
+        assert cell["status"] == "ok" and cell["changed"] > 0, cell
+    if cell["status"] == "ok":
+        assert cell["error"] <= cell["bound"] + 1e-5 and cell["reload"] == "bit-identical", cell
+
+
+#: Slice models whose attention has separate q, k, v projections (Falcon's query_key_value is one already).
+FUSABLE = [pytest.param(model, id=model.split("/", 1)[1]) for model in MODELS if model != "transformers/Falcon"]
+
+
+@pytest.mark.parametrize("model_id", FUSABLE)
+def test_fuse_qkv_fuses_every_attention_with_separate_projections(model_id):
+    cell = _cell(model_id, "fuse qkv")
+    assert cell["candidates"], "every slice model has attention with separate q, k, v projections"
+    assert cell["fused"] == cell["candidates"], cell
+    # fused outputs equal the unfused ones up to float rounding (reloading is test_cell's business)
+    assert cell["error"] is not None and cell["error"] <= 1e-5, cell
+
+
+def test_corpus_covers_the_libraries_and_builds_deterministically():
+    entries = corpus.entries()
+    ids = [e["id"] for e in entries]
+    assert len(ids) == len(set(ids))
+    assert len({e["class"] for e in corpus.entries("diffusers")}) >= 60
+    assert len({e["class"] for e in corpus.entries("transformers")}) >= 30
+    entry = corpus.entry("diffusers/FluxTransformer2DModel[FluxTransformer]")
+    first, inputs = corpus.build(entry)
+    second, same_inputs = corpus.build(entry)
+    assert corpus.run(first, inputs).equal(corpus.run(second, same_inputs))
+    held_out = corpus.inputs(entry, seed=1)
+    assert not held_out[1]["hidden_states"].equal(inputs[1]["hidden_states"])
+
+
+def test_support_page_reports_every_cell():
+    cells = [_cell("transformers/Llama", "fuse qkv"), _cell("transformers/BERT", "fp8 storage")]
+    report = {"seconds": 1.0, "workers": 1, "versions": {"torch": "x"}, "scripts": {"fuse qkv": "fuse qkv",
+              "fp8 storage": "fp8 storage"}, "compile_slice": [], "skipped": {},
+              "models": [{"id": "transformers/Llama", "library": "transformers", "class": "LlamaForCausalLM"},
+                         {"id": "transformers/BERT", "library": "transformers", "class": "BertModel"}],
+              "cells": cells}
+    page = support.render(report)
+    assert "| Llama | " + support.cell_text(cells[0]) + " |  |" in page
+    assert "| BERT |  | " + support.cell_text(cells[1]) + " |" in page
+    assert "fuse qkv` coverage:** of the 1 models that have attention modules" in page  # Llama; BERT ran fp8 only

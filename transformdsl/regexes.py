@@ -1,0 +1,66 @@
+"""Bounded-time matching for ``re:`` selectors.
+
+Python's own ``re`` engine backtracks without bound: ``re:(\\w+\\.?)*\\(`` on a long module
+path runs for minutes.  ``re:`` patterns are compiled with the ``regex`` package instead (the
+same syntax, in its ``V0`` compatibility mode), whose matcher takes a timeout; all the
+matching of one plan shares one time budget (:func:`regex_budget`).  Measured alternatives
+are in SECURITY.md ("Scripts").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import time
+from collections.abc import Iterator
+
+import regex
+
+#: Seconds of ``re:`` matching one plan may spend, all selectors together.
+REGEX_BUDGET_S = 0.5
+
+#: Seconds of matching left to the current plan (a one-item list), or None outside one.
+_left: contextvars.ContextVar[list[float] | None] = contextvars.ContextVar("transformdsl_regex_left", default=None)
+
+
+class SelectorTooSlow(ValueError):
+    """A ``re:`` selector used up the matching time of the plan (catastrophic backtracking)."""
+
+
+@contextlib.contextmanager
+def regex_budget(seconds: float = REGEX_BUDGET_S) -> Iterator[None]:
+    """Bound the total time ``re:`` selectors may take in this block (one plan)."""
+    token = _left.set([seconds])
+    try:
+        yield
+    finally:
+        _left.reset(token)
+
+
+@functools.lru_cache(maxsize=1024)
+def compile_regex(pattern: str) -> regex.Pattern:
+    """A ``re:`` selector's pattern (Python syntax; ``regex``'s compatible ``V0`` mode)."""
+    return regex.compile(pattern, flags=regex.V0)
+
+
+def search(compiled: regex.Pattern, path: str) -> bool:
+    """Whether ``compiled`` matches somewhere in ``path``, within the time left to the plan.
+
+    Raises :class:`SelectorTooSlow` once the budget is spent (outside a
+    :func:`regex_budget` block, each call gets :data:`REGEX_BUDGET_S`).
+    """
+    left = _left.get()
+    remaining = REGEX_BUDGET_S if left is None else left[0]
+    started = time.monotonic()
+    try:
+        if remaining <= 0:
+            raise TimeoutError
+        return compiled.search(path, timeout=remaining) is not None
+    except TimeoutError:
+        raise SelectorTooSlow(f"regular expression {compiled.pattern[:60]!r} takes too long to match module paths "
+                              f"(over {REGEX_BUDGET_S:g} s for the script: nested repetition such as (a+)+ "
+                              "backtracks without end); simplify it or use a glob") from None
+    finally:
+        if left is not None:  # only time spent matching counts, not the rest of planning
+            left[0] -= time.monotonic() - started
