@@ -110,6 +110,9 @@ COMPARISONS: list[Comparison] = [
         Baseline("torchao Float8WeightOnlyConfig", hand.torchao_float8_weight_only, needs="torchao",
                  sizes=("tiny", "medium")),
     ), dtype=torch.bfloat16),
+    # diffusers' plain cast, option for option: the apply-time target (<= 1.5x) at equal error.
+    Comparison("fp8 storage scale=none", "fp8 storage scale=none", (LAYERWISE,), dtype=torch.bfloat16,
+               sizes=("tiny", "medium")),
     Comparison("fp8 native", "fp8 native", (), dtype=torch.bfloat16,
                no_baseline="torchao's fp8 matmul (Float8DynamicActivationFloat8WeightConfig) needs CUDA "
                            "compute capability 8.9+: compared on GPU (benchmarks/gpu.py)"),

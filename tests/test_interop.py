@@ -54,11 +54,14 @@ def _save_inputs(model, path: Path) -> None:
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
 
 
-def stock_run(jobs: list[dict], tmp: Path) -> dict[str, dict]:
-    """Run tests/stock_loader.py on ``jobs`` in a clean process; its report by directory."""
+def stock_run(jobs: list[dict], tmp: Path, path: str | None = None) -> dict[str, dict]:
+    """Run tests/stock_loader.py on ``jobs`` in a clean process; its report by directory.
+    ``path``: a directory put on PYTHONPATH (an optional package installed apart)."""
     jobs_file = tmp / "jobs.json"
     jobs_file.write_text(json.dumps(jobs))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if path:
+        env["PYTHONPATH"] = path
     done = subprocess.run([sys.executable, str(ROOT / "tests" / "stock_loader.py"), str(jobs_file)],
                           cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -326,3 +329,25 @@ def test_sharded_saves_both_ways(stock_saves, tmp_path):
     quantized.save_pretrained(tmp_path / "stock", max_shard_size="40KB")
     assert (tmp_path / "stock" / "model.safetensors.index.json").is_file()
     assert torch.equal(run(transformdsl.load(tmp_path / "stock")), run(quantized))
+
+
+def test_compressed_tensors_fp8_loads_bit_identically(tmp_path):
+    """Optional: compressed-tensors is not a dependency; where it is installed, transformers reads our
+    per-channel fp8 layers as its float-quantized format and computes the same numbers."""
+    ct = pytest.importorskip("compressed_tensors")
+    model = BUILTIN["llama"]()
+    transformdsl.transform(model, "fp8 storage compute=float32 except embed_tokens")
+    transformdsl.save(model, tmp_path / "ct", format="compressed-tensors")
+    quant = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
+    assert quant["quant_method"] == "compressed-tensors" and quant["ignore"] == []
+    _save_inputs(model, tmp_path / "in.safetensors")
+    jobs = [{"dir": str(tmp_path / "ct"), "library": "transformers", "class": "LlamaForCausalLM",
+             "inputs": str(tmp_path / "in.safetensors"), "out": str(tmp_path / "out.safetensors")}]
+    stock_run(jobs, tmp_path, path=str(Path(ct.__file__).resolve().parent.parent))
+    assert torch.equal(_output(tmp_path / "out.safetensors"), run(model))
+    loaded = transformdsl.load(tmp_path / "ct")
+    assert torch.equal(run(loaded), run(model))
+    other = BUILTIN["llama"]()
+    transformdsl.transform(other, "quantize int8")
+    with pytest.raises(TransformError, match="format='compressed-tensors' carries fp8 layers"):
+        transformdsl.save(other, tmp_path / "bad", format="compressed-tensors")

@@ -268,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", metavar="FILE")
     p.add_argument("--model", required=True, metavar="SPEC", help=model_help)
     p.add_argument("--out", metavar="DIR", help="directory to save the transformed model to")
-    p.add_argument("--format", default="transformdsl", choices=("transformdsl", "transformers", "diffusers"),
+    p.add_argument("--format", default="transformdsl", choices=("transformdsl", "transformers", "diffusers", "compressed-tensors"),
                    help="layout of the save: transformdsl's (default), or one the library's stock from_pretrained "
                         "loads without transformdsl (spec.md 'Interchange')")
     p.add_argument("--verify", action="store_true",

@@ -368,8 +368,8 @@ def _versions() -> dict:
 
 
 def _save_pipeline(pipe: Any, directory: Path, max_shard_size: int, save_id: str, format: str = FORMAT) -> None:
-    if format == "transformers":
-        raise TransformError("format='transformers' saves a transformers model; a pipeline is saved with "
+    if format in ("transformers", "compressed-tensors"):
+        raise TransformError(f"format={format!r} saves a transformers model; a pipeline is saved with "
                              "format='diffusers' (its transformers components in their own layout)")
     pipe.save_config(str(directory))
     components = {}

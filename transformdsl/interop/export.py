@@ -66,11 +66,17 @@ def library_of(module: nn.Module) -> str | None:
     return library if library in WEIGHTS and getattr(module, "config", None) is not None else None
 
 
-def export(module: nn.Module, library: str) -> Exported:
-    """``module`` (transformed or not) in ``library``'s layout; a :class:`TransformError` saying
-    which statement the format cannot carry, and what to do, when it cannot."""
+def export(module: nn.Module, fmt: str) -> Exported:
+    """``module`` (transformed or not) in format ``fmt``'s layout; a :class:`TransformError` saying
+    which statement the format cannot carry, and what to do, when it cannot.
+
+    ``fmt`` is a library (``"transformers"``, ``"diffusers"``), or ``"compressed-tensors"``: a
+    transformers model whose fp8 layers are written in compressed-tensors' ``float-quantized``
+    format (per output channel), which transformers loads when the compressed-tensors package is
+    installed (and vLLM serves)."""
     from ..persist import _collect_tensors
 
+    library = "transformers" if fmt == "compressed-tensors" else fmt
     own = library_of(module)
     if own != library:
         what = f"a {own} model" if own else f"{type(module).__name__}, not a diffusers or transformers model"
@@ -98,6 +104,9 @@ def export(module: nn.Module, library: str) -> Exported:
             raise TransformError(f"format={library!r} cannot carry {where}: bitsandbytes (the library's int8 "
                                  "format) has no weight-only int8, and its LLM.int8 would compute something else; "
                                  "drop weight_only=true, or save with format='transformdsl'")
+        if step.key in BNB and fmt == "compressed-tensors":
+            raise TransformError(f"format='compressed-tensors' carries fp8 layers, not {where}; use "
+                                 "format='transformers' for bitsandbytes")
         if step.key in BNB:
             bnb[(step.key, tuple(sorted(step.options.items())))] = step
             quantized.update(layer["path"] for layer in step.record["layers"])
@@ -147,6 +156,10 @@ def export(module: nn.Module, library: str) -> Exported:
         out.config["quantization_config"] = _bnb_config(library, key, step.options, skip)
         out.notes.append(f"{key}: {len(quantized)} layer(s) as bitsandbytes {key.split()[1]} "
                          f"(quantization_config, {len(skip)} skip entries)")
+    elif fp8 and fmt == "compressed-tensors":
+        out.config["quantization_config"] = _compressed_tensors(out, layers, fp8, quantized)
+        out.notes.append(f"fp8: {len(quantized)} layer(s) in compressed-tensors' float-quantized format (per "
+                         "channel); transformers loads it with the compressed-tensors package installed")
     elif fp8:
         out.config["quantization_config"] = _fp8(out, layers, fp8, quantized, _keep(module))
         out.notes.append(f"fp8: {len(quantized)} layer(s) as transformers' fp8 format (float8_e4m3fn weights, "
@@ -229,6 +242,32 @@ def _fp8(out: Exported, layers: set[str], steps: list[tuple[str, dict]], quantiz
     return data
 
 
+def _compressed_tensors(out: Exported, layers: set[str], steps: list[tuple[str, dict]],
+                        quantized: set[str]) -> dict:
+    """compressed-tensors' config for our per-row e4m3 layers: their tensors are already its layout
+    (``weight`` float8_e4m3fn, ``weight_scale`` float32 (out, 1)); unquantized Linears are ignored
+    by exact name (its rule: a name equals an entry, or matches an ``re:`` entry)."""
+    for where, record in steps:
+        if record.get("dtype", "e4m3") != "e4m3" or record.get("scaling", "row") != "row":
+            raise TransformError(f"format='compressed-tensors' cannot carry {where}: it stores e4m3 weights with "
+                                 "one scale per output channel; use dtype=e4m3 (fp8 storage) or scaling=row "
+                                 "(fp8 native)")
+        for path, spec in record["layers"].items():
+            if spec.get("kind", "linear") != "linear":
+                raise TransformError(f"format='compressed-tensors' cannot carry {where} on '{path}' "
+                                     f"({spec['kind']}): only Linear layers; exclude it, or save with "
+                                     "format='transformdsl'")
+    for path in quantized:
+        scale = out.tensors[f"{path}.weight_scale"]
+        if tuple(scale.shape) != (out.tensors[f"{path}.weight"].shape[0], 1):
+            raise TransformError(f"format='compressed-tensors': '{path}' has a per-tensor scale; use scaling=row")
+    weights = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                          "output_activations": None}},
+            "ignore": sorted(layers - quantized)}
+
+
 def _unfuse(out: Exported, record: dict, where: str) -> dict[str, list[str]]:
     """Split each fused projection's tensors back into its sources (in place in ``out``);
     returns fused path → source paths."""
@@ -262,15 +301,15 @@ def _unfuse(out: Exported, record: dict, where: str) -> dict[str, list[str]]:
     return renames
 
 
-def save_library_module(module: nn.Module, directory: Path, library: str, max_shard_size: int) -> list[str]:
-    """Write ``module`` into the existing empty ``directory`` in ``library``'s layout, with our
+def save_library_module(module: nn.Module, directory: Path, fmt: str, max_shard_size: int) -> list[str]:
+    """Write ``module`` into the existing empty ``directory`` in format ``fmt``'s layout, with our
     metadata beside; returns the notes (how each statement was carried)."""
     from safetensors.torch import save_file
 
     from .. import persist
 
-    exported = export(module, library)
-    single, index, stem = WEIGHTS[library]
+    exported = export(module, fmt)
+    single, index, stem = WEIGHTS[exported.library]
     shards = persist._shard(exported.tensors, max_shard_size)
     if len(shards) == 1:
         save_file(shards[0], str(directory / single), metadata={"format": "pt"})
@@ -299,7 +338,7 @@ def save_library_module(module: nn.Module, directory: Path, library: str, max_sh
         "tensors": {"files": files, "aliases": exported.aliases, "layout": exported.layout,
                     "nonpersistent": sorted(set(exported.extra) - set(plain_tensors.saved_names(exported.attributes))),
                     **({"attributes": exported.attributes} if exported.attributes else {})},
-        "interop": {"format": library, "notes": exported.notes},
+        "interop": {"format": fmt, "notes": exported.notes},
         "versions": persist._versions(),
     }
     persist._write_json(directory / persist.META_FILE, meta)

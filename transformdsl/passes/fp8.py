@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import LoadError
 from ..options import option
 from ..registry import register
 from ..tree import ModuleInfo, ModuleTree, class_names
@@ -97,14 +98,56 @@ def quantize(tensor: torch.Tensor, dtype: torch.dtype, dims: tuple[int, ...] | N
     (e4m3 saturates at ±448 and turns subnormal below 2^-6, where many unscaled weights,
     typically ~0.02, would lose bits) and keeps e5m2 (max 57344) from overflowing to inf.
 
+    Per output channel (every dim but the first reduced) and per tensor, it runs over blocks
+    of rows (:data:`_CHUNK_ELEMENTS` values), each read once for its maximum and once for the
+    scaled cast while it is in cache: no full-size float32 temporaries, so peak memory is the
+    output plus one block.
+
     >>> v, s = quantize(torch.tensor([[1.0, -2.0], [0.0, 0.5]]), torch.float8_e4m3fn, dims=(1,))
     >>> (v.float() * s).tolist()
     [[1.0, -2.0], [0.0, 0.5]]
     """
     limit = fp8_max(dtype)
-    t32 = tensor.detach().float()
+    source = tensor.detach()
+    per_channel = dims is not None and tuple(sorted(dims)) == tuple(range(1, source.dim()))
+    if source.dim() == 0 or not source.is_contiguous() or not (per_channel or dims is None):
+        return _quantize_whole(source, dtype, dims, limit)
+    rows = source.reshape(source.shape[0], -1)
+    step = max(1, _CHUNK_ELEMENTS // max(rows.shape[1], 1))
+    blocks = [(start, min(start + step, rows.shape[0])) for start in range(0, rows.shape[0], step)]
+    values = torch.empty(rows.shape, dtype=dtype, device=source.device)
+    if per_channel:
+        scale = torch.empty(rows.shape[0], 1, dtype=torch.float32, device=source.device)
+        for start, end in blocks:
+            block = rows[start:end].to(torch.float32, copy=True)  # worked on in place
+            block_scale = _amax_rows(block).clamp_(min=_TINY).div_(limit)
+            values[start:end] = block.div_(block_scale).clamp_(-limit, limit)
+            scale[start:end] = block_scale
+    else:
+        amax = torch.stack([_amax_rows(rows[start:end]).max() for start, end in blocks]).float()
+        scale = amax.max().reshape(1, 1).clamp_(min=_TINY).div_(limit)
+        for start, end in blocks:
+            values[start:end] = rows[start:end].to(torch.float32, copy=True).div_(scale).clamp_(-limit, limit)
+    keep = [source.shape[0]] + [1] * (source.dim() - 1) if per_channel else [1] * source.dim()
+    return values.reshape(source.shape), scale.reshape(keep)
+
+
+#: Values per block of :func:`quantize` (1 MiB as float32): large enough that the per-block
+#: overhead is small, small enough to stay in cache (and below malloc's mmap threshold).
+_CHUNK_ELEMENTS = 1 << 18
+
+
+def _amax_rows(rows: torch.Tensor) -> torch.Tensor:
+    """Largest magnitude of each row (two reductions, no full-size ``abs`` temporary)."""
+    return torch.maximum(rows.amax(dim=1, keepdim=True), rows.amin(dim=1, keepdim=True).neg_())
+
+
+def _quantize_whole(t: torch.Tensor, dtype: torch.dtype, dims: tuple[int, ...] | None,
+                    limit: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize` in one piece (other reductions, e.g. GPT-2's per-column scales)."""
+    t32 = t.float()
     if dims is None:
-        amax = t32.abs().amax().reshape([1] * tensor.dim())
+        amax = t32.abs().amax().reshape([1] * t.dim())
     else:
         amax = t32.abs().amax(dim=dims, keepdim=True)
     scale = amax.clamp(min=_TINY) / limit
@@ -120,9 +163,35 @@ def quantize_activation(a: torch.Tensor, scaling: str) -> tuple[torch.Tensor, to
     return values.contiguous(), scale
 
 
-def dequantize(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The weight in ``dtype`` (a new tensor): the cast and the multiply fuse under compile."""
+def dequantize(values: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The weight in ``dtype`` (a new tensor): the cast and the multiply fuse under compile.
+    ``scale=None`` (``fp8 storage scale=none``): the plain cast."""
+    if scale is None:
+        return values.to(dtype)
     return values.to(dtype) * scale.to(dtype)
+
+
+#: ``fp8 storage scale=``: what one scale covers.
+SCALE_MODES = ("row", "tensor", "none")
+
+
+def quantize_weight(weight: torch.Tensor, dtype: torch.dtype, row_dims: tuple[int, ...],
+                    mode: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A layer's weight for ``fp8 storage scale=mode``: one scale per output channel (``row``,
+    over ``row_dims``), one for the tensor, or none at all (diffusers' plain cast)."""
+    if mode == "none":
+        return weight.detach().to(dtype).contiguous(), None
+    return quantize(weight, dtype, dims=None if mode == "tensor" else row_dims)
+
+
+def empty_scale(shape: tuple[int, ...], channel_dim: int, mode: str, device) -> torch.Tensor | None:
+    """The scale :func:`quantize_weight` returns for a weight of ``shape``, uninitialised."""
+    if mode == "none":
+        return None
+    kept = [1] * len(shape)
+    if mode == "row":
+        kept[channel_dim] = shape[channel_dim]
+    return torch.empty(kept, dtype=torch.float32, device=device)
 
 
 # --------------------------------------------------------------------------- the CUDA rules
@@ -280,7 +349,7 @@ class FP8Module(nn.Module):
 
     weight_scale: torch.Tensor
 
-    def _init_fp8(self, weight: torch.Tensor, scale: torch.Tensor, bias: nn.Parameter | None,
+    def _init_fp8(self, weight: torch.Tensor, scale: torch.Tensor | None, bias: nn.Parameter | None,
                   compute: torch.dtype) -> None:
         self.register_buffer("weight", weight)
         self.register_buffer("weight_scale", scale)
@@ -326,8 +395,9 @@ class FP8Module(nn.Module):
         return None if self.bias is None else self.bias.to(dtype)
 
     def extra_repr(self) -> str:
-        return (f"weight={self.fp8_weight.dtype}{tuple(self.fp8_weight.shape)}, "
-                f"scale={tuple(self.weight_scale.shape)}, compute={self.compute_dtype}")
+        scale = "none" if self.weight_scale is None else tuple(self.weight_scale.shape)
+        return (f"weight={self.fp8_weight.dtype}{tuple(self.fp8_weight.shape)}, scale={scale}, "
+                f"compute={self.compute_dtype}")
 
 
 class FP8Linear(FP8Module):
@@ -351,14 +421,16 @@ class FP8Linear(FP8Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, dtype: torch.dtype, compute: torch.dtype, *, native: bool = False,
-                    scaling: str = "row", strict: bool = False) -> FP8Linear:
+                    scaling: str = "row", strict: bool = False, scale: str = "row") -> FP8Linear:
         """Quantize ``linear``'s weight (left untouched) into a new layer.
 
         The weight gets one scale per output row, except a native layer with ``scaling="tensor"``
-        (one scale: what tensor-wise ``_scaled_mm`` takes).
+        (one scale: what tensor-wise ``_scaled_mm`` takes); ``scale`` is storage's option.
         """
-        per_tensor = native and scaling == "tensor"
-        weight, scale = quantize(linear.weight, dtype, dims=None if per_tensor else (1,))
+        if native:
+            weight, scale = quantize(linear.weight, dtype, dims=None if scaling == "tensor" else (1,))
+        else:
+            weight, scale = quantize_weight(linear.weight, dtype, (1,), scale)
         layer = cls(linear.in_features, linear.out_features, weight, scale, linear.bias, compute,
                     native=native, scaling=scaling, strict=strict)
         layer.weight_dtype = linear.weight.dtype
@@ -366,12 +438,12 @@ class FP8Linear(FP8Module):
 
     @classmethod
     def empty(cls, linear: nn.Module, dtype: torch.dtype, compute: torch.dtype, *, native: bool = False,
-              scaling: str = "row", strict: bool = False) -> FP8Linear:
+              scaling: str = "row", strict: bool = False, scale: str = "row") -> FP8Linear:
         """A skeleton on ``linear``'s device (meta when loading): shapes and dtypes only."""
         device = linear.weight.device
         weight = torch.empty(linear.out_features, linear.in_features, dtype=dtype, device=device)
-        rows = 1 if native and scaling == "tensor" else linear.out_features
-        scale = torch.empty(rows, 1, dtype=torch.float32, device=device)
+        mode = "tensor" if native and scaling == "tensor" else "row" if native else scale
+        scale = empty_scale(tuple(weight.shape), 0, mode, device)
         layer = cls(linear.in_features, linear.out_features, weight, scale, linear.bias, compute,
                     native=native, scaling=scaling, strict=strict)
         layer.weight_dtype = linear.weight.dtype
@@ -427,16 +499,15 @@ class FP8Conv(FP8Module):
         self.weight_dtype = conv.weight.dtype
 
     @classmethod
-    def from_conv(cls, conv: nn.Module, dtype: torch.dtype, compute: torch.dtype) -> FP8Conv:
-        weight, scale = quantize(conv.weight, dtype, dims=tuple(range(1, conv.weight.dim())))
+    def from_conv(cls, conv: nn.Module, dtype: torch.dtype, compute: torch.dtype, scale: str = "row") -> FP8Conv:
+        weight, scale = quantize_weight(conv.weight, dtype, tuple(range(1, conv.weight.dim())), scale)
         return cls(conv, weight, scale, compute)
 
     @classmethod
-    def empty(cls, conv: nn.Module, dtype: torch.dtype, compute: torch.dtype) -> FP8Conv:
+    def empty(cls, conv: nn.Module, dtype: torch.dtype, compute: torch.dtype, scale: str = "row") -> FP8Conv:
         w = conv.weight
-        scale_shape = (w.shape[0],) + (1,) * (w.dim() - 1)
         return cls(conv, torch.empty(w.shape, dtype=dtype, device=w.device),
-                   torch.empty(scale_shape, dtype=torch.float32, device=w.device), compute)
+                   empty_scale(tuple(w.shape), 0, scale, w.device), compute)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002  (nn.ConvNd.forward's name)
         x = input
@@ -468,20 +539,25 @@ class FP8Embedding(FP8Module):
         self.weight_dtype = embedding.weight.dtype
 
     @classmethod
-    def from_embedding(cls, embedding: nn.Embedding, dtype: torch.dtype, compute: torch.dtype) -> FP8Embedding:
-        weight, scale = quantize(embedding.weight, dtype, dims=(1,))
+    def from_embedding(cls, embedding: nn.Embedding, dtype: torch.dtype, compute: torch.dtype,
+                       scale: str = "row") -> FP8Embedding:
+        weight, scale = quantize_weight(embedding.weight, dtype, (1,), scale)
         return cls(embedding, weight, scale, compute)
 
     @classmethod
-    def empty(cls, embedding: nn.Embedding, dtype: torch.dtype, compute: torch.dtype) -> FP8Embedding:
+    def empty(cls, embedding: nn.Embedding, dtype: torch.dtype, compute: torch.dtype,
+              scale: str = "row") -> FP8Embedding:
         w = embedding.weight
         return cls(embedding, torch.empty(w.shape, dtype=dtype, device=w.device),
-                   torch.empty(w.shape[0], 1, dtype=torch.float32, device=w.device), compute)
+                   empty_scale(tuple(w.shape), 0, scale, w.device), compute)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002  (nn.Embedding.forward's name)
         """The rows in :attr:`weight_dtype`, as the original embedding returned them."""
         rows = F.embedding(input, self.fp8_weight)
-        return dequantize(rows, F.embedding(input, self.weight_scale), self.weight_dtype)
+        scale = self.weight_scale
+        if scale is not None and scale.shape[0] > 1:
+            scale = F.embedding(input, scale)  # the rows' own scales (a tensor-wise one broadcasts)
+        return dequantize(rows, scale, self.weight_dtype)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, " + super().extra_repr()
@@ -498,15 +574,16 @@ class FP8Conv1D(FP8Module):
         self.weight_dtype = conv1d.weight.dtype
 
     @classmethod
-    def from_conv1d(cls, conv1d: nn.Module, dtype: torch.dtype, compute: torch.dtype) -> FP8Conv1D:
-        weight, scale = quantize(conv1d.weight, dtype, dims=(0,))  # one scale per output column
+    def from_conv1d(cls, conv1d: nn.Module, dtype: torch.dtype, compute: torch.dtype,
+                    scale: str = "row") -> FP8Conv1D:
+        weight, scale = quantize_weight(conv1d.weight, dtype, (0,), scale)  # row: one per output column
         return cls(conv1d, weight, scale, compute)
 
     @classmethod
-    def empty(cls, conv1d: nn.Module, dtype: torch.dtype, compute: torch.dtype) -> FP8Conv1D:
+    def empty(cls, conv1d: nn.Module, dtype: torch.dtype, compute: torch.dtype, scale: str = "row") -> FP8Conv1D:
         w = conv1d.weight
         return cls(conv1d, torch.empty(w.shape, dtype=dtype, device=w.device),
-                   torch.empty(1, w.shape[1], dtype=torch.float32, device=w.device), compute)
+                   empty_scale(tuple(w.shape), 1, scale, w.device), compute)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.compute_dtype
@@ -675,6 +752,8 @@ def _ratio_note(before: int, after: int) -> str:
 class StorageOptions:
     dtype: str = option("e4m3", "float8 format of the stored weights", choices=("e4m3", "e5m2"))
     compute: str = option("bfloat16", "dtype weights are upcast to for the forward", kind="dtype")
+    scale: str = option("row", "one float32 scale per output channel (row), per weight (tensor), or none "
+                        "(a plain cast, as diffusers' layerwise casting)", choices=SCALE_MODES)
 
 
 @register
@@ -705,18 +784,24 @@ class FP8Storage(Transform):
     def candidate(self, info: ModuleInfo, tree: ModuleTree) -> str | None:
         return _layer_reason(info, tree, self._cache, self.KINDS, "fp8 storage")
 
+    def scale_count(self, info: ModuleInfo) -> int:
+        """Scales kept for this layer under the ``scale`` option."""
+        return {"row": _channel_count(info), "tensor": 1, "none": 0}[self.options.scale]
+
     def plan_effect(self, tree: ModuleTree, targets: list[str]) -> None:
         for path in targets:
             info = tree[path]
-            tree.replace(path, info.cls, own_bytes=_fp8_bytes(info, _channel_count(info)))
+            tree.replace(path, info.cls, own_bytes=_fp8_bytes(info, self.scale_count(info)))
 
     def notes(self, tree: ModuleTree, targets: list[str]) -> list[str]:
         if not targets:
             return []
         fmt = FP8_DTYPES[self.options.dtype]
         before = sum(tree[p].own_bytes for p in targets)
-        after = sum(_fp8_bytes(tree[p], _channel_count(tree[p])) for p in targets)
-        return [f"weights stored as {str(fmt).removeprefix('torch.')} with a float32 scale per output channel, "
+        after = sum(_fp8_bytes(tree[p], self.scale_count(tree[p])) for p in targets)
+        scales = {"row": "a float32 scale per output channel", "tensor": "one float32 scale per weight",
+                  "none": "no scale (a plain cast)"}[self.options.scale]
+        return [f"weights stored as {str(fmt).removeprefix('torch.')} with {scales}, "
                 f"upcast to {self.options.compute} at each forward; " + _ratio_note(before, after)]
 
     def apply(self, ctx: ApplyContext, targets: list[str]) -> dict:
@@ -725,15 +810,20 @@ class FP8Storage(Transform):
         for path in ctx.progress(targets, total=len(targets), desc="fp8 storage"):
             old = ctx.root.get_submodule(path)
             kind = _kind(type(old))
-            ctx.edit.replace(ctx.root, path, _convert(old, kind, fmt, compute))
+            ctx.edit.replace(ctx.root, path, _convert(old, kind, fmt, compute, self.options.scale))
             layers[path] = {"kind": kind, "weight_dtype": _dtype_name(old.weight.dtype)}
-        return {"format": 1, "dtype": self.options.dtype, "compute": self.options.compute, "layers": layers}
+        return {"format": 1, "dtype": self.options.dtype, "compute": self.options.compute,
+                "scale": self.options.scale, "layers": layers}
 
     @classmethod
     def rebuild(cls, root: nn.Module, record: dict, options: Any) -> None:
         fmt, compute = FP8_DTYPES[record["dtype"]], _dtype(record["compute"])
+        scale = record.get("scale", "row")  # saves from before the option are per-row
+        if scale not in SCALE_MODES:
+            raise LoadError(f"fp8 storage: unknown scale {str(scale)[:40]!r} in the record (expected one of "
+                            f"{', '.join(SCALE_MODES)})")
         for path, spec in record["layers"].items():
-            layer = _empty(root.get_submodule(path), spec["kind"], fmt, compute)
+            layer = _empty(root.get_submodule(path), spec["kind"], fmt, compute, scale)
             _set(root, path, _with_weight_dtype(layer, spec, path))
 
 
@@ -742,16 +832,16 @@ def _layer_class(kind: str) -> type[FP8Module]:
     return {"linear": FP8Linear, "conv": FP8Conv, "embedding": FP8Embedding}.get(kind, FP8Conv1D)
 
 
-def _convert(old: nn.Module, kind: str, fmt: torch.dtype, compute: torch.dtype) -> FP8Module:
+def _convert(old: nn.Module, kind: str, fmt: torch.dtype, compute: torch.dtype, scale: str = "row") -> FP8Module:
     """A new fp8 module computed from ``old`` (which is left untouched)."""
     build = {FP8Linear: FP8Linear.from_linear, FP8Conv: FP8Conv.from_conv,
              FP8Embedding: FP8Embedding.from_embedding, FP8Conv1D: FP8Conv1D.from_conv1d}[_layer_class(kind)]
-    return build(old, fmt, compute)
+    return build(old, fmt, compute, scale=scale)
 
 
-def _empty(old: nn.Module, kind: str, fmt: torch.dtype, compute: torch.dtype) -> FP8Module:
+def _empty(old: nn.Module, kind: str, fmt: torch.dtype, compute: torch.dtype, scale: str = "row") -> FP8Module:
     """The same structure, nothing computed (for loading)."""
-    return _layer_class(kind).empty(old, fmt, compute)
+    return _layer_class(kind).empty(old, fmt, compute, scale=scale)
 
 
 # --------------------------------------------------------------------------- fp8 native
