@@ -50,6 +50,8 @@ _VOLATILE = [
     (re.compile(r"/[^\s:]*transformdsl-demo-[^\s:]*"), "<temporary directory>"),
     (re.compile(r"max abs diff \S+ \(relative \S+\)"), "max abs diff … (relative …)"),
     (re.compile(r"\d+ threads"), "… threads"),
+    # The metadata records where the script and save came from: its size follows the checkout's path.
+    (re.compile(r"(saved to <temporary directory>: \d+ files), \d+(\.\d+)? KiB"), "\\1, … KiB"),
 ]
 
 

@@ -200,9 +200,14 @@ def working_names(model: Any, validated: ValidatedScript, statement: Statement, 
 def exclusion_fix(model: Any, validated: ValidatedScript, statement: Statement, paths: list[str],
                   tree: ModuleTree) -> str | None:
     """A checked ``except`` that drops the modules that do not suit ``statement``'s options."""
+    paths = [p for p in paths if p]  # the component itself ("") cannot be excluded by a selector
+    if not paths:
+        return None
     candidates = [tuple(_leaf_names(paths))] if len(_leaf_names(paths)) <= 3 else []
     candidates.append(tuple(selector_for(tree, p) for p in topmost(paths))[:4])
     for texts in candidates:
+        if not all(texts):
+            continue
         the_plan, _, statements = replan(model, validated, [(statement, "except", texts)])
         if the_plan is not None and _targets(the_plan, statements[statement]):
             return describe(((statement, "except", texts),))

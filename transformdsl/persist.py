@@ -26,6 +26,7 @@ import glob
 import json
 import math
 import os
+import re
 import shutil
 import stat
 import tempfile
@@ -86,7 +87,10 @@ def save(model: Any, directory: str | os.PathLike, *, max_shard_size: int = DEFA
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale_temporaries(final)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+        # The writer's identity is in the name itself, so a kill at any moment (even before
+        # the marker below is written, or while a finished swap is being removed) leaves a
+        # directory that the next save recognises as ours and removes.
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{os.getpid()}.{_boot_tag()}.", dir=final.parent))
     except OSError as exc:
         raise _save_error(final, exc) from exc
     try:
@@ -188,6 +192,15 @@ def _boot_id() -> str:
         return "unknown"
 
 
+def _boot_tag() -> str:
+    """The first field of the boot id: enough to tell this boot's process ids from an earlier one's."""
+    return _boot_id().split("-", 1)[0]
+
+
+#: ``PID.BOOTTAG.random`` after ``.NAME.tmp-``: a temporary directory named by the save that made it.
+_TMP_NAME = re.compile(r"(\d{1,10})\.([0-9a-z]{1,16})\.")
+
+
 def _remove_stale_temporaries(final: Path) -> None:
     """Remove ``.NAME.tmp-*`` / ``.NAME.old-*`` siblings left by saves that were killed.
 
@@ -200,7 +213,10 @@ def _remove_stale_temporaries(final: Path) -> None:
         if kind not in ("tmp", "old") or sibling.is_symlink() or not sibling.is_dir():
             continue
         try:
-            if kind == "tmp":
+            named = _TMP_NAME.match(sibling.name[len(final.name) + 6:]) if kind == "tmp" else None
+            if named:
+                pid_text, boot = named.group(1), _boot_id() if named.group(2) == _boot_tag() else "other boot"
+            elif kind == "tmp":
                 pid_text, boot = (sibling / _TMP_MARKER).read_text().split()
             else:
                 pid_text, boot = sibling.name.rsplit("-", 1)[1], _boot_id()
