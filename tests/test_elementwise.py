@@ -295,3 +295,14 @@ def test_inductor_kernels_and_whole_model_compile():
     torch.testing.assert_close(models.run(model), want, rtol=1e-5, atol=1e-5)
     with unfused():  # the switch is a guard: flipping it retraces, it does not go stale
         torch.testing.assert_close(models.run(model), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["bias_dropout_residual", "bias_dropout_residual_layernorm"])
+def test_bert_residual_chains_reload_with_load_alone(tmp_path, mode):
+    """The record check on load sees the chain as the mode applied it (with or without the norm)."""
+    model = tiny_bert()
+    transformdsl.transform(model, f"fuse {mode} kernel=eager")
+    expected = run_bert(model)
+    transformdsl.save(model, tmp_path / "bert")
+    reloaded = transformdsl.load(tmp_path / "bert")
+    assert torch.equal(run_bert(reloaded), expected)

@@ -717,7 +717,8 @@ class _Elementwise(Transform):
                 return Chain(path, name, spec), None
         return None, self.no_chain_reason(module)
 
-    def adjust(self, spec: dict) -> dict | str:
+    @staticmethod
+    def adjust(spec: dict) -> dict | str:
         """Mode-specific filtering of a spec: the spec to use, or a reason."""
         return spec
 
@@ -801,6 +802,8 @@ class _Elementwise(Transform):
                 found = PATTERNS[chain["pattern"]].match(parent._modules[name])
             except _Mismatch as exc:
                 found = f"no {chain['pattern']} chain ({exc})"
+            if isinstance(found, dict):  # as apply saw it: the mode decides e.g. whether the norm is fused
+                found = cls.adjust(found)
             if json.loads(json.dumps(found)) != chain["spec"]:
                 raise ValueError(f"{path}: the record describes {chain['spec']!r}; the module is {found!r}")
             parent._modules[name] = fused_copy(parent._modules[name], PATTERNS[chain["pattern"]], chain["spec"],
@@ -843,7 +846,8 @@ class BiasDropoutResidual(_Elementwise):
     patterns = ("residual",)
     looks_for = "dense → dropout → residual add (forward(hidden_states, input_tensor))"
 
-    def adjust(self, spec):
+    @staticmethod
+    def adjust(spec):
         return {**spec, "fuse_norm": False}
 
 
@@ -855,7 +859,8 @@ class BiasDropoutResidualLayerNorm(_Elementwise):
     patterns = ("residual",)
     looks_for = "dense → dropout → residual add → LayerNorm (forward(hidden_states, input_tensor))"
 
-    def adjust(self, spec):
+    @staticmethod
+    def adjust(spec):
         if not spec["layernorm"]:
             return "no LayerNorm after the residual add; use 'fuse bias_dropout_residual'"
         return spec
