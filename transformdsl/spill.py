@@ -42,6 +42,8 @@ AUTO_MIN = 64 << 20
 AUTO_MAX = 1 << 30
 #: Writes and reads of the undo file go in pieces of at most this many bytes (Linux caps one at 2 GiB).
 CHUNK = 1 << 30
+#: Edits after which an original still referred to elsewhere waits for the end of its statement.
+RETRIES = 2
 _PAGE = mmap.PAGESIZE
 _MADV_DONTNEED = 4
 
@@ -90,6 +92,7 @@ class UndoStore:
         self._on_disk: list[_OnDisk] = []
         self._in_files: dict[str, _InFile] = {}
         self._pending: list[list] = []            # [object, tries]: detached, maybe still referred to
+        self._later: list[list] = []              # still referred to after RETRIES edits: at settle()
         self._kept: list[tuple[torch.Tensor, int]] = []   # held by the log alone, in memory (auto budget)
         self._kept_bytes = 0
         self._seen: set[int] = set()               # storages already handled
@@ -102,22 +105,26 @@ class UndoStore:
         """``obj`` was just detached from the model by the edit (an original it keeps for rollback)."""
         if isinstance(obj, (nn.Module, torch.Tensor)):
             self._pending.append([obj, 0])
-            self._retry(limit=2)
+            self._retry(final=False)
 
     def settle(self) -> None:
         """Last look at every pending original (a statement is done: its locals are gone)."""
-        self._retry(limit=0)
+        self._pending += self._later
+        self._later = []
+        self._retry(final=True)
 
-    def _retry(self, limit: int) -> None:
+    def _retry(self, final: bool) -> None:
+        """Take what the log alone holds now; what is still held elsewhere waits for the next
+        edits (a pass's local variable), then for :meth:`settle`."""
         still = []
         for entry in self._pending:
             obj, tries = entry
             # references: this entry's list, ``obj``, getrefcount's argument, and whoever holds it
             holders = sys.getrefcount(obj) - 3
             tensors = self._exclusive_tensors(obj, holders)
-            if tensors is None and limit and tries + 1 < limit:
+            if tensors is None and not final:
                 entry[1] = tries + 1
-                still.append(entry)
+                (still if tries + 1 < RETRIES else self._later).append(entry)
                 continue
             for tensor in tensors or ():
                 self._take(tensor)
@@ -252,6 +259,7 @@ class UndoStore:
     def close(self) -> None:
         """Free the undo file and forget everything (after commit or rollback)."""
         self._pending.clear()
+        self._later.clear()
         self._kept.clear()
         self._on_disk.clear()
         self._seen.clear()
