@@ -5,7 +5,8 @@
 >>> [s.key for s in script]
 ['fuse qkv', 'quantize int8']
 
-Public surface: :func:`parse`, :func:`plan`, :func:`transform`, :func:`save`, :func:`load`
+Public surface: :func:`parse`, :func:`plan`, :func:`transform`, :func:`save`, :func:`load`,
+:func:`convert` (a checkpoint through a script into a save, one block at a time)
 and the errors :class:`TransformError`, :class:`ScriptError`, :class:`LoadError`.
 
 ``import transformdsl`` imports neither torch nor the model libraries: each public name is the
@@ -22,12 +23,12 @@ from .errors import LoadError, ScriptError, TransformError
 __version__ = "0.1.0"
 
 #: The public names defined in other modules (imported on first access).
-_LAZY = ("parse", "plan", "Plan", "transform", "save", "load")
+_LAZY = ("parse", "plan", "Plan", "transform", "save", "load", "convert")
 
 if TYPE_CHECKING:  # pragma: no cover
     from .executor import transform
     from .parser import parse
-    from .persist import load, save
+    from .persist import convert, load, save
     from .planner import Plan, plan
 
 
@@ -44,6 +45,8 @@ def __getattr__(name: str):
         from .persist import save as value
     elif name == "load":
         from .persist import load as value
+    elif name == "convert":
+        from .persist import convert as value
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     globals()[name] = value  # later lookups are plain attribute reads
@@ -54,5 +57,5 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 
-__all__ = ["parse", "plan", "transform", "save", "load", "Plan",
+__all__ = ["parse", "plan", "transform", "save", "load", "convert", "Plan",
            "TransformError", "ScriptError", "LoadError", "__version__"]

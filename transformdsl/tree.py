@@ -94,6 +94,11 @@ def tensor_bytes(module: nn.Module, recurse: bool = False) -> int:
     return total
 
 
+#: Set (true) in a module's ``__dict__`` while its weights, on the meta device, are still to be read,
+#: to the CPU, before any statement applies (``convert`` reads each block just before transforming it).
+WEIGHTS_PENDING = "_transformdsl_weights_pending"
+
+
 class ModuleTree:
     """Ordered snapshot of a module tree (pre-order, as ``named_modules()`` yields it).
 
@@ -116,6 +121,8 @@ class ModuleTree:
         #: Of the module the snapshot was taken of (``of``): modules, and bytes of distinct tensors.
         self.module_count = 0
         self.total_bytes = 0
+        #: Whether meta-device weights will be read before the statements apply (:data:`WEIGHTS_PENDING`).
+        self.weights_pending = False
         for info in infos:
             if info.path not in self._infos:
                 self._order.append(info.path)
@@ -143,6 +150,7 @@ class ModuleTree:
             infos.append(ModuleInfo(path, type(module), module, own, module_facts(module)))
         tree = cls(infos)
         tree.module_count, tree.total_bytes = len(infos), total
+        tree.weights_pending = bool(root.__dict__.get(WEIGHTS_PENDING))
         return tree
 
     def _paths(self) -> list[str]:

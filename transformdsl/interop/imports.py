@@ -95,17 +95,25 @@ def library_metadata(folder: SaveDir) -> tuple[dict, dict[str, Path]]:
 def load_library_directory(folder: SaveDir, model: Any, device, mmap: bool) -> nn.Module:
     from .. import persist
 
-    directory = folder.path
     if model is not None:
-        raise LoadError(f"{directory}: a {CONFIG_FILE} directory is rebuilt from its configuration; drop model=")
+        raise LoadError(f"{folder.path}: a {CONFIG_FILE} directory is rebuilt from its configuration; drop model=")
+    meta, skeleton = library_skeleton(folder)
+    return persist.load_module(folder, meta, lambda: skeleton, device, mmap)
+
+
+def library_skeleton(folder: SaveDir) -> tuple[dict, nn.Module]:
+    """The metadata :func:`library_metadata` derives, its tied keys added as aliases, and the
+    architecture built from the configuration (parameters on the meta device)."""
+    from .. import persist
+
     meta, headers = library_metadata(folder)
-    config_path = directory / CONFIG_FILE
+    config_path = folder.path / CONFIG_FILE
     description = meta["model"]
     cls = persist._model_class(description["library"], description["class"], config_path)
     skeleton = _skeleton(cls, description["library"], description["config"], config_path,
                          persist._module_budget(len(headers)))
     meta["tensors"]["aliases"] = _tied(skeleton, headers)
-    return persist.load_module(folder, meta, lambda: skeleton, device, mmap)
+    return meta, skeleton
 
 
 def _library_class(path: Path, config: dict) -> tuple[str, str]:

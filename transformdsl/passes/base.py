@@ -74,6 +74,8 @@ class Transform:
     #: a lossy transform must say how lossy); ``None``: no bound.  A transform whose bound
     #: depends on its options defines ``error_bound`` as a property instead.
     error_bound: ClassVar[float | None] = 0.0
+    #: Number fields of the record that add up over parts of the targets (:meth:`merge_records`).
+    summed_record_fields: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, statement: Statement, options: Any, common: CommonOptions | None = None):
         self.statement = statement
@@ -121,6 +123,38 @@ class Transform:
         :meth:`rebuild` needs to recreate the structure when loading (no tensors).
         """
         raise NotImplementedError(f"'{self.key()}' is declared but cannot be executed yet")
+
+    @classmethod
+    def merge_records(cls, records: list[dict]) -> dict:
+        """The record :meth:`apply` returns for all its targets, from the records it returned for
+        disjoint parts of them, given in target order (``convert`` applies a statement to a
+        model one unit, e.g. one block, at a time).
+
+        Default: list fields are concatenated, dict fields united (their keys are paths),
+        fields named in :attr:`summed_record_fields` added; any other field must be the same
+        in every record.  A transform whose record does not fit these rules overrides this.
+        """
+        if len(records) == 1:
+            return records[0]
+        merged: dict = {}
+        for record in records:
+            for name, value in record.items():
+                if name not in merged:
+                    merged[name] = list(value) if isinstance(value, list) else dict(value) if isinstance(
+                        value, dict) else value
+                elif name in cls.summed_record_fields:
+                    merged[name] += value
+                elif isinstance(value, list):
+                    merged[name].extend(value)
+                elif isinstance(value, dict):
+                    clash = [key for key in value if key in merged[name] and merged[name][key] != value[key]]
+                    if clash:
+                        raise ValueError(f"'{cls.key()}': record field {name} differs between parts at {clash[0]!r}")
+                    merged[name].update(value)
+                elif merged[name] != value:
+                    raise ValueError(f"'{cls.key()}': record field {name} differs between parts "
+                                     f"({merged[name]!r}, {value!r}); override merge_records")
+        return merged
 
     # ------------------------------------------------------------------ loading
 

@@ -686,7 +686,8 @@ def _model_device(tree: ModuleTree, targets: list[str]) -> torch.device | None:
         if module is None:
             continue
         for tensor in module.parameters():
-            return tensor.device
+            # Weights still to be read (convert) are read to the CPU.
+            return torch.device("cpu") if tensor.is_meta and tree.weights_pending else tensor.device
     return None
 
 

@@ -132,6 +132,7 @@ class _Quantize(Transform):
     honoured_declarations = ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict")
     runs_after = ("fuse *",)
     exclusive = "weights"
+    summed_record_fields = ("bytes_before", "bytes_after")
     #: Whether the quantized layer's ``.weight`` reads as a float weight (then a parent that
     #: reads its child's weight instead of calling it still works).
     float_weight: bool = False
@@ -154,7 +155,7 @@ class _Quantize(Transform):
             weight = info.module._parameters.get("weight")
             if weight is None or weight.dim() != 2:
                 return "no 2-D weight to quantize"
-            if weight.is_meta:
+            if weight.is_meta and not tree.weights_pending:
                 return "its weight is on the meta device (not loaded)"
             bias = info.module._parameters.get("bias")
             if bias is not None and bias.dtype not in FLOAT_DTYPES:

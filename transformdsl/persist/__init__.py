@@ -8,7 +8,9 @@ One module per stage:
 - :mod:`.read`: :func:`load` and the one reader of saved tensors (:func:`load_module`);
 - :mod:`.checks`: metadata and configuration checks, before anything is built;
 - :mod:`.pipelines`: diffusers pipelines, one folder per component;
-- :mod:`.contents`: :func:`inspect`, from headers only.
+- :mod:`.contents`: :func:`inspect`, from headers only;
+- :mod:`.streaming`: :func:`convert`, a checkpoint through a script into a save, unit by unit,
+  through the same reader and writer.
 
 A saved module is a directory holding ``transformdsl.json`` (metadata), ``script.tfm`` (the
 scripts) and ``model.safetensors`` (or shards plus ``model.safetensors.index.json``).  A
@@ -49,11 +51,12 @@ from .format import (
                      _write_json,
 )
 from .read import _model_class, _module_budget, _module_limit, _TensorFiles, load, load_module, meta_copy
+from .streaming import convert
 from .write import _collect_tensors, _shard, save, save_module
 
 __all__ = [
     "DEFAULT_SHARD_BYTES", "FORMAT", "FORMAT_VERSION", "INDEX", "MAX_META_BYTES", "MAX_SCHEDULER_NUMBER",
-    "MAX_TENSOR_FILES", "META_FILE", "SCRIPT_FILE", "WEIGHTS", "inspect", "load", "load_module", "meta_copy",
+    "MAX_TENSOR_FILES", "META_FILE", "SCRIPT_FILE", "WEIGHTS", "convert", "inspect", "load", "load_module", "meta_copy",
     "read_metadata", "save", "save_module",
     # used by transformdsl.interop and the tests
     "_TensorFiles", "_boot_id", "_check_config", "_check_module_meta", "_check_record", "_collect_tensors",

@@ -16,12 +16,54 @@ import os
 import re
 import shutil
 import stat
+import tempfile
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import LoadError, TransformError
 from ..savedir import SaveDir
 from .checks import read_metadata
 from .format import META_FILE, _write_json
+
+
+@contextlib.contextmanager
+def writing(directory: Path) -> Iterator[tuple[Path, str]]:
+    """``(temporary directory, save id)`` to write a save into; swapped into place at ``directory``
+    when the block ends without error, removed otherwise.
+
+    ``directory`` must be new, empty or a complete previous save (:func:`_check_target`).  The
+    temporary directory is a sibling named by the writing process, so a kill at any moment
+    leaves something the next save recognises and removes.  An ``OSError`` becomes a
+    :class:`TransformError` naming ``directory`` and the cause.
+    """
+    final = directory.resolve()
+    _check_target(final)
+    save_id = uuid.uuid4().hex
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temporaries(final)
+        # The writer's identity is in the name itself, so a kill at any moment (even before
+        # the marker below is written, or while a finished swap is being removed) leaves a
+        # directory that the next save recognises as ours and removes.
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{os.getpid()}.{_boot_tag()}.", dir=final.parent))
+    except OSError as exc:
+        raise _save_error(final, exc) from exc
+    try:
+        # mkdtemp makes 0700 folders; a save is shared like any folder the user makes.
+        os.chmod(tmp, 0o777 & ~_umask())
+        (tmp / _TMP_MARKER).write_text(f"{os.getpid()} {_boot_id()}\n")
+        yield tmp, save_id
+        _write_manifest(tmp)
+        _fsync_tree(tmp)
+        (tmp / _TMP_MARKER).unlink()
+        _swap_into_place(tmp, final)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _save_error(final, exc) from exc
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _check_target(final: Path) -> None:

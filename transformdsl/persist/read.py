@@ -8,6 +8,7 @@ classes only, tensors come from safetensors files opened through the save's fold
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import threading
@@ -116,10 +117,67 @@ def _step_errors(meta_path: Path, raw: dict, what: str, where: str = ""):
 
 def load_module(folder: SaveDir, meta: dict, model: Any, device: torch.device, mmap: bool = True) -> nn.Module:
     """Rebuild one saved module from an opened save folder and its checked metadata."""
+    opened = open_module(folder, meta, model)
+    try:
+        tensors = opened.files.read(device, mmap and device.type == "cpu")
+    finally:
+        opened.close()
+    skeleton = opened.skeleton
+    attributes = meta["tensors"].get("attributes", {})
+    attribute_tensors = plain_tensors.take(tensors, attributes, folder.path)
+    if meta["tensors"].get("layout"):
+        from ..interop import layout
+
+        tensors = layout.to_own(tensors, meta["tensors"]["layout"], folder.path)
+    _assign(skeleton, tensors, meta, folder.path)
+    plain_tensors.restore(skeleton, attributes, attribute_tensors, folder.path)
+    opened.finalize()
+    left = [n for n, t in list(skeleton.named_parameters()) + list(skeleton.named_buffers()) if t.is_meta]
+    if left:
+        raise LoadError(f"{folder.path}: the saved tensors do not cover {len(left)} tensor(s) of the model: "
+                        + ", ".join(left[:5]))
+    skeleton.eval()
+    set_history(skeleton, saved_history(meta))
+    return skeleton
+
+
+def saved_history(meta: dict) -> History:
+    """The scripts and steps a save's (checked) metadata lists, as a loaded model carries them."""
+    return History(list(meta["scripts"]), [AppliedStep(**{k: raw.get(k) for k in AppliedStep.__dataclass_fields__})
+                                           for raw in meta["steps"]])
+
+
+@dataclasses.dataclass
+class OpenedModule:
+    """A saved module before its tensors are read: the files opened and checked, the
+    architecture built (on the meta device) and the saved steps' structure replayed on it."""
+
+    folder: SaveDir
+    meta: dict
+    files: _TensorFiles
+    skeleton: nn.Module
+    #: (transform class, raw step, checked options) per saved step, in order.
+    steps: list[tuple[type, dict, Any]]
+
+    def finalize(self) -> None:
+        """Each saved step's :meth:`~transformdsl.passes.base.Transform.finalize`, once its tensors are in place."""
+        meta_path = self.folder.path / META_FILE
+        for cls, raw, options in self.steps:
+            with _step_errors(meta_path, raw, "cannot finish"):
+                cls.finalize(self.skeleton, raw["record"], options)
+
+    def close(self) -> None:
+        self.files.close()
+
+
+def open_module(folder: SaveDir, meta: dict, model: Any) -> OpenedModule:
+    """Open a saved module's tensor files and build its skeleton (no tensor data is read).
+
+    Every tensor file is opened (and checked on its descriptor) first; headers next: a
+    corrupt file is reported before anything is built, and the number of saved tensors
+    bounds the size of the model the metadata may describe.  The caller closes the result.
+    """
     meta_path = folder.path / META_FILE
-    # Every tensor file is opened (and checked on its descriptor) first; headers next: a
-    # corrupt file is reported before anything is built, and the number of saved tensors
-    # bounds the size of the model the metadata may describe.
     files = _TensorFiles(folder, meta["tensors"]["files"])
     try:
         saved = sum(files.count_tensors())
@@ -136,29 +194,10 @@ def load_module(folder: SaveDir, meta: dict, model: Any, device: torch.device, m
             with _step_errors(meta_path, raw, "cannot replay", "on this architecture"):
                 cls.rebuild(skeleton, raw["record"], options)
             steps.append((cls, raw, options))
-        tensors = files.read(device, mmap and device.type == "cpu")
-    finally:
+    except BaseException:
         files.close()
-    attributes = meta["tensors"].get("attributes", {})
-    attribute_tensors = plain_tensors.take(tensors, attributes, folder.path)
-    if meta["tensors"].get("layout"):
-        from ..interop import layout
-
-        tensors = layout.to_own(tensors, meta["tensors"]["layout"], folder.path)
-    _assign(skeleton, tensors, meta, folder.path)
-    plain_tensors.restore(skeleton, attributes, attribute_tensors, folder.path)
-    for cls, raw, options in steps:
-        with _step_errors(meta_path, raw, "cannot finish"):
-            cls.finalize(skeleton, raw["record"], options)
-    left = [n for n, t in list(skeleton.named_parameters()) + list(skeleton.named_buffers()) if t.is_meta]
-    if left:
-        raise LoadError(f"{folder.path}: the saved tensors do not cover {len(left)} tensor(s) of the model: "
-                        + ", ".join(left[:5]))
-    skeleton.eval()
-    set_history(skeleton, History(list(meta["scripts"]),
-                                  [AppliedStep(**{k: raw.get(k) for k in AppliedStep.__dataclass_fields__})
-                                   for raw in meta["steps"]]))
-    return skeleton
+        raise
+    return OpenedModule(folder, meta, files, skeleton, steps)
 
 
 def _skeleton(meta: dict, model: Any, meta_path: Path, max_modules: int) -> nn.Module:
@@ -274,6 +313,11 @@ def meta_copy(module: nn.Module) -> nn.Module:
     return copied
 
 
+#: Bytes per element of safetensors' dtype names.
+_ITEM_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
+               "I16": 2, "I8": 1, "U8": 1, "BOOL": 1, "U16": 2, "U32": 4, "U64": 8}
+
+
 class _TensorFiles:
     """The safetensors files of one saved module, opened through the save's folder.
 
@@ -318,6 +362,54 @@ class _TensorFiles:
             counts.append(count)
         return counts
 
+    def sizes(self) -> dict[str, tuple[int, int]]:
+        """Saved tensor name → (its file's position in :attr:`opened`, bytes), from the headers."""
+        from safetensors import safe_open
+
+        sizes: dict[str, tuple[int, int]] = {}
+        for i, (name, _, source) in enumerate(self.opened):
+            try:
+                with safe_open(source, framework="pt") as f:
+                    for key in f.keys():
+                        if is_padding(key):
+                            continue
+                        if key in sizes:
+                            raise LoadError(f"{self.folder.path / name}: tensor '{key}' is stored twice")
+                        piece = f.get_slice(key)
+                        sizes[key] = (i, math.prod(piece.get_shape()) * _ITEM_BYTES.get(piece.get_dtype(), 1))
+            except LoadError:
+                raise
+            except Exception as exc:
+                raise LoadError(f"{self.folder.path / name}: corrupt or truncated safetensors file: {exc}") from None
+        return sizes
+
+    def read_some(self, names: list[str], sizes: dict[str, tuple[int, int]]) -> dict[str, torch.Tensor]:
+        """The named tensors only (names the files lack are left out), to the CPU.
+
+        Each is a copy-on-write map of its bytes, released with the tensor, like :meth:`read`'s
+        (and copied when misaligned, as :meth:`read` does): reading a model part by part holds
+        the part being read, not the files.
+        """
+        from safetensors import safe_open
+
+        by_file: dict[int, list[str]] = {}
+        for key in names:
+            if key in sizes:
+                by_file.setdefault(sizes[key][0], []).append(key)
+        tensors: dict[str, torch.Tensor] = {}
+        for i, keys in sorted(by_file.items()):
+            name, _, source = self.opened[i]
+            try:
+                with safe_open(source, framework="pt") as f:
+                    for key in keys:
+                        tensor = f.get_tensor(key)
+                        aligned = tensor.numel() == 0 or tensor.data_ptr() % 64 == 0
+                        tensors[key] = tensor if aligned else tensor.clone()
+            except Exception as exc:
+                raise LoadError(f"{self.folder.path / name}: cannot read the tensors: {type(exc).__name__}: "
+                                f"{exc}") from None
+        return tensors
+
     def read(self, device: torch.device, mmap: bool) -> dict[str, torch.Tensor]:
         """Every saved tensor, by name.
 
@@ -347,7 +439,13 @@ class _TensorFiles:
         return tensors
 
 
-def _assign(skeleton: nn.Module, tensors: dict[str, torch.Tensor], meta: dict, directory: Path) -> None:
+def _assign(skeleton: nn.Module, tensors: dict[str, torch.Tensor], meta: dict, directory: Path,
+            only: Callable[[str], bool] | None = None) -> None:
+    """Put the saved ``tensors`` in the skeleton, checked against what it expects.
+
+    With ``only``, just the tensors whose names it accepts (a part of the model: ``convert``
+    reads a model unit by unit); the rest of the skeleton is left as it is.
+    """
     layout = meta["tensors"]
     aliases: dict[str, str] = layout.get("aliases", {})
     nonpersistent = set(layout.get("nonpersistent", []))
@@ -357,6 +455,10 @@ def _assign(skeleton: nn.Module, tensors: dict[str, torch.Tensor], meta: dict, d
         if name not in buffers:
             raise LoadError(f"{directory}: saved buffer '{name}' does not exist in this architecture")
         expected[name] = buffers[name]
+    if only is not None:
+        expected = {key: value for key, value in expected.items() if only(key)}
+        aliases = {key: target for key, target in aliases.items() if only(key)}
+        nonpersistent = {name for name in nonpersistent if only(name)}
     for key, target in aliases.items():
         if target not in tensors:
             raise LoadError(f"{directory}: alias '{key}' points to missing tensor '{target}'")
@@ -390,7 +492,7 @@ def _assign(skeleton: nn.Module, tensors: dict[str, torch.Tensor], meta: dict, d
                             f"{_describe(want)}; was it saved from another model?")
     state = {k: v for k, v in tensors.items() if k not in nonpersistent}
     try:
-        skeleton.load_state_dict(state, strict=True, assign=True)
+        skeleton.load_state_dict(state, strict=only is None, assign=True)
     except (RuntimeError, ValueError, TypeError) as exc:
         raise LoadError(f"{directory}: cannot load the saved tensors: {exc}") from None
     for name in nonpersistent:

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,19 +15,8 @@ from .. import plain_tensors
 from ..errors import TransformError
 from ..executor import History, history_of
 from ..planner import is_pipeline
-from ..safetensors_io import save_aligned
-from .atomic import (
-    _TMP_MARKER,
-    _boot_id,
-    _boot_tag,
-    _check_target,
-    _fsync_tree,
-    _remove_stale_temporaries,
-    _save_error,
-    _swap_into_place,
-    _umask,
-    _write_manifest,
-)
+from ..safetensors_io import StreamingWriter, save_aligned
+from .atomic import writing
 from .format import (
     DEFAULT_SHARD_BYTES,
     FORMAT,
@@ -60,22 +48,7 @@ def save(model: Any, directory: str | os.PathLike, *, max_shard_size: int = DEFA
 
     check_format(format)
     directory = Path(directory)
-    final = directory.resolve()
-    _check_target(final)
-    save_id = uuid.uuid4().hex
-    try:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        _remove_stale_temporaries(final)
-        # The writer's identity is in the name itself, so a kill at any moment (even before
-        # the marker below is written, or while a finished swap is being removed) leaves a
-        # directory that the next save recognises as ours and removes.
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{os.getpid()}.{_boot_tag()}.", dir=final.parent))
-    except OSError as exc:
-        raise _save_error(final, exc) from exc
-    try:
-        # mkdtemp makes 0700 folders; a save is shared like any folder the user makes.
-        os.chmod(tmp, 0o777 & ~_umask())
-        (tmp / _TMP_MARKER).write_text(f"{os.getpid()} {_boot_id()}\n")
+    with writing(directory) as (tmp, save_id):
         if is_pipeline(model):
             from .pipelines import _save_pipeline
 
@@ -88,18 +61,7 @@ def save(model: Any, directory: str | os.PathLike, *, max_shard_size: int = DEFA
             save_module(model, tmp, max_shard_size, save_id)
         else:
             raise TransformError(f"save() takes an nn.Module or a diffusers pipeline, not {type(model).__name__}")
-        _write_manifest(tmp)
-        _fsync_tree(tmp)
-        (tmp / _TMP_MARKER).unlink()
-        _swap_into_place(tmp, final)
-    except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise _save_error(final, exc) from exc
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return directory
-
 
 
 def save_module(module: nn.Module, directory: Path, max_shard_size: int = DEFAULT_SHARD_BYTES,
@@ -110,22 +72,20 @@ def save_module(module: nn.Module, directory: Path, max_shard_size: int = DEFAUL
     file, so that a reader can tell files of two saves apart.
     """
     save_id = save_id or uuid.uuid4().hex
-    history = history_of(module) or History([], [])
     tensors, layout = _collect_tensors(module)
-    shards = _shard(tensors, max_shard_size)
-    if len(shards) == 1:
-        save_aligned(shards[0], directory / WEIGHTS, metadata={"format": "pt", "save_id": save_id})
-        files = [WEIGHTS]
-    else:
-        files = []
-        weight_map = {}
-        for i, shard in enumerate(shards, 1):
-            name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_aligned(shard, directory / name, metadata={"format": "pt", "save_id": save_id})
-            files.append(name)
-            weight_map.update({key: name for key in shard})
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        _write_json(directory / INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    writer = ShardWriter(directory, max_shard_size, save_id)
+    writer.add(tensors)
+    write_module_metadata(directory, module, writer.finish(), layout, save_id)
+
+
+def write_module_metadata(directory: Path, module: nn.Module, files: list[str], layout: dict, save_id: str,
+                          history: History | None = None) -> None:
+    """``transformdsl.json`` and ``script.tfm`` of a saved module whose tensor ``files`` are written.
+
+    ``layout`` is what :func:`_collect_tensors` returns beside the tensors; ``history`` is the
+    module's own (:func:`~transformdsl.executor.history_of`) unless given.
+    """
+    history = history or history_of(module) or History([], [])
     meta = {
         "format": FORMAT,
         "format_version": 2 if plain_tensors.saved_names(layout.get("attributes", {})) else 1,
@@ -141,14 +101,86 @@ def save_module(module: nn.Module, directory: Path, max_shard_size: int = DEFAUL
     _write_json(directory / META_FILE, meta)
 
 
-def _collect_tensors(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict]:
-    """state_dict plus non-persistent buffers, with shared tensors stored once."""
+class ShardWriter:
+    """The tensor files of one saved module, written in the order tensors are added.
+
+    A shard is closed when the next tensor would take it over ``max_shard_size`` bytes (a
+    larger tensor gets a shard of its own).  :meth:`finish` names the files:
+    ``model.safetensors`` alone, or ``model-0000i-of-0000N.safetensors`` and the index
+    ``model.safetensors.index.json``, and returns their names.
+
+    By default tensors are held until :meth:`finish` writes each shard in one go (``save``:
+    the model is in memory anyway).  With ``stream=True`` each tensor's bytes go to disk
+    when it is added and nothing is held (``convert``); the files are the same.
+    """
+
+    def __init__(self, directory: Path, max_shard_size: int, save_id: str, stream: bool = False):
+        self.directory = directory
+        self.max_shard_size = max_shard_size
+        self.metadata = {"format": "pt", "save_id": save_id}
+        self.stream = stream
+        self.shards: list[dict[str, torch.Tensor]] = []  # held tensors (or, streaming, their names)
+        self.writers: list[StreamingWriter] = []
+        self.size = 0  # bytes in the last shard
+        self.total = 0
+
+    def add(self, tensors: dict[str, torch.Tensor]) -> None:
+        for key, tensor in tensors.items():
+            nbytes = tensor.numel() * tensor.element_size()
+            if not self.shards or (self.shards[-1] and self.size + nbytes > self.max_shard_size):
+                self._new_shard()
+            self.shards[-1][key] = None if self.stream else tensor
+            if self.stream:
+                self.writers[-1].add(key, tensor)
+            self.size += nbytes
+            self.total += nbytes
+
+    def _new_shard(self) -> None:
+        if self.stream and self.writers:
+            self.writers[-1].close()
+        self.shards.append({})
+        self.size = 0
+        if self.stream:
+            self.writers.append(StreamingWriter(self.directory / f".shard-{len(self.shards):05d}.safetensors",
+                                                self.metadata))
+
+    def finish(self) -> list[str]:
+        """Write what is left; the files' names, in order."""
+        if not self.shards:
+            self._new_shard()
+        if self.stream:
+            self.writers[-1].close()
+        count = len(self.shards)
+        names = [WEIGHTS] if count == 1 else [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+        for i, (name, shard) in enumerate(zip(names, self.shards)):
+            if self.stream:
+                os.rename(self.writers[i].path, self.directory / name)
+            else:
+                save_aligned(shard, self.directory / name, metadata=self.metadata)
+        if count > 1:
+            weight_map = {key: name for name, shard in zip(names, self.shards) for key in shard}
+            _write_json(self.directory / INDEX, {"metadata": {"total_size": self.total}, "weight_map": weight_map})
+        return names
+
+
+def _collect_tensors(module: nn.Module, only: Callable[[str], bool] | None = None
+                     ) -> tuple[dict[str, torch.Tensor], dict]:
+    """state_dict plus non-persistent buffers, with shared tensors stored once; and their layout
+    (non-persistent names, aliases, plain attributes).
+
+    With ``only``, just the tensors (and plain attributes) whose names it accepts: a part of
+    the module (``convert`` writes a model unit by unit; tensors shared with another part must
+    be in the same one).
+    """
     state = module.state_dict()
     nonpersistent = []
     for name, buffer in module.named_buffers(remove_duplicate=False):
         if name not in state and buffer is not None:
             state[name] = buffer
             nonpersistent.append(name)
+    if only is not None:
+        state = {key: tensor for key, tensor in state.items() if only(key)}
+        nonpersistent = [name for name in nonpersistent if only(name)]
     tensors: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     seen: dict[tuple, str] = {}
@@ -171,6 +203,10 @@ def _collect_tensors(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict]:
     layout = {"nonpersistent": sorted(nonpersistent), "aliases": aliases}
     # Tensors held as plain attributes (not parameters or buffers): see plain_tensors.py.
     attribute_tensors, attributes = plain_tensors.collect(module)
+    if only is not None:
+        attributes = {name: how for name, how in attributes.items() if only(name)}
+        attribute_tensors = {key: t for key, t in attribute_tensors.items()
+                             if any(key == name or key.startswith(name + ".") for name in attributes)}
     if attributes:
         clash = sorted(set(attribute_tensors) & (set(tensors) | set(aliases)))
         if clash:

@@ -1,0 +1,481 @@
+"""``convert``: a checkpoint through a script into a save, one unit of the model at a time.
+
+The source (a diffusers or transformers model directory, a diffusers pipeline directory, or a
+transformdsl save) is opened by the reader :func:`transformdsl.load` uses; its architecture is
+built on the meta device and planned on (the plan ``explain`` prints).  The model is then
+split into *units*: each repeated block (a child of a ``ModuleList``) and each remaining
+module, with every tensor of the model in exactly one unit.  Unit by unit, only that unit's
+tensors are read from the safetensors files, each statement runs its own ``apply`` on the
+unit's targets (the same code as :func:`transformdsl.transform`), the result goes to the
+writer :func:`transformdsl.save` uses, and the unit is dropped.  Peak memory is about one
+unit's input and output, whatever the model's size.
+
+Units grow where a statement needs more at once: a target above several units (``fuse qkv``
+on a module holding more than one block, say) makes them one unit, and so do tensors shared
+between modules (tied embeddings).  A statement that changes no weight and targets more than
+one unit (``compile`` of the whole model) runs after the units, on the skeleton, when nothing
+after it in the script changes weights.  Each statement's records from the units are merged
+by :meth:`~transformdsl.passes.base.Transform.merge_records` into the record ``transform``
+would have written, so the output is the save ``load → transform → save`` writes, tensor for
+tensor and bit for bit.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import dataclasses
+import os
+import stat
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import guard
+from ..edit import Edit
+from ..errors import LoadError, TransformError
+from ..executor import (
+    AppliedStep,
+    NothingToDoWarning,
+    _append_history,
+    _json_checked,
+    idle_statements,
+    set_history,
+)
+from ..passes.base import ApplyContext
+from ..planner import DENOISERS, Plan, plan
+from ..savedir import SaveDir
+from ..tree import WEIGHTS_PENDING
+from .atomic import writing
+from .checks import _read_json, read_metadata
+from .format import DEFAULT_SHARD_BYTES, FORMAT, META_FILE, _versions, _write_json
+from .read import OpenedModule, _assign, open_module, saved_history
+from .write import ShardWriter, _collect_tensors, write_module_metadata
+
+
+def convert(source: str | os.PathLike, script: Any, out: str | os.PathLike, *, component: str | None = None,
+            progress: bool = False, max_shard_size: int = DEFAULT_SHARD_BYTES, strict: bool = False) -> Path:
+    """Apply ``script`` to the model saved at ``source`` and save the result at ``out``, reading
+    and writing one unit (a block) of the model at a time; returns ``out``.
+
+    ``source``: a diffusers or transformers model directory (``config.json`` and safetensors
+    weights, sharded or not), a diffusers pipeline directory (``model_index.json``; the
+    denoiser is converted, or the component named by ``component``, and the other components
+    are copied), or a transformdsl save (the script's steps follow those already applied).
+
+    The output is what ``save(transform(load(source), script), out)`` writes (for a pipeline
+    directory: ``DiffusionPipeline.from_pretrained``), tensor for tensor, with metadata that
+    differs only in its save id; ``load(out)`` reads it.  Peak memory is about the largest
+    unit's input and output bytes plus a fixed overhead, not the model's size.  Writing is
+    atomic like :func:`~transformdsl.save`: an interrupted run leaves nothing at ``out`` (nor a
+    previous save there changed).  ``progress=True`` shows bytes converted and throughput.
+    A statement that changes nothing warns (:class:`~transformdsl.executor.NothingToDoWarning`),
+    or with ``strict=True`` is a :class:`TransformError` before anything is written.
+
+    Not supported: a save in a library's layout (``save(..., format="transformers")``): load
+    and save it first.
+    """
+    source, out = Path(source), Path(out)
+    with guard.loading(), SaveDir.open(source) as folder:
+        located = _locate(folder, component)
+        opened = located.open()
+        try:
+            opened.skeleton.__dict__[WEIGHTS_PENDING] = True
+            try:
+                the_plan = plan(opened.skeleton, script)
+            finally:
+                del opened.skeleton.__dict__[WEIGHTS_PENDING]
+            idle = idle_statements(the_plan)
+            if idle and strict:
+                raise TransformError("; ".join(idle) + " (strict: nothing was written)")
+            for line in idle:
+                warnings.warn(line, NothingToDoWarning, stacklevel=2)
+            with writing(out) as (tmp, save_id):
+                target = tmp
+                if located.pipeline is not None:
+                    target = tmp / located.name
+                    target.mkdir()
+                _Stream(opened, the_plan, target, max_shard_size, save_id, progress).run()
+                if located.pipeline is not None:
+                    _copy_pipeline(folder, located, tmp, save_id)
+        finally:
+            opened.close()
+    return out
+
+
+# --------------------------------------------------------------------------- sources
+
+
+@dataclasses.dataclass
+class _Located:
+    """The module to convert in an opened source: its folder, and the pipeline around it."""
+
+    folder: SaveDir
+    #: ``transformdsl.json`` metadata of a transformdsl save, or None (a library directory).
+    meta: dict | None
+    #: The pipeline's ``model_index.json`` and its components' storage, if the source is one.
+    pipeline: tuple[dict, dict[str, str], str] | None = None
+    name: str = ""
+
+    def open(self) -> OpenedModule:
+        if self.meta is None:
+            from ..interop.imports import library_skeleton
+
+            meta, skeleton = library_skeleton(self.folder)
+            return open_module(self.folder, meta, lambda: skeleton)
+        if self.meta["tensors"].get("layout"):
+            raise LoadError(f"{self.folder.path}: a save in a library's layout cannot be converted; load and save "
+                            "it (transformdsl format) first")
+        return open_module(self.folder, self.meta, None)
+
+
+def _locate(folder: SaveDir, component: str | None) -> _Located:
+    if folder.exists(META_FILE):
+        meta = read_metadata(folder)
+        if meta["kind"] == "module":
+            if component is not None:
+                raise LoadError(f"{folder.path}: a saved module, not a pipeline; drop component=")
+            return _Located(folder, meta)
+        index = _read_json(folder, "model_index.json", "pipeline index")
+        components = dict(meta["components"])
+        pipeline_class = meta["pipeline_class"]
+    elif folder.exists("model_index.json"):
+        index = _read_json(folder, "model_index.json", "pipeline index")
+        if not isinstance(index, dict) or not isinstance(index.get("_class_name"), str):
+            raise LoadError(f"{folder.path / 'model_index.json'}: not a diffusers pipeline index")
+        components = {name: "library" for name, entry in index.items()
+                      if not name.startswith("_") and isinstance(entry, list) and len(entry) == 2
+                      and all(isinstance(e, str) for e in entry)}
+        pipeline_class = index["_class_name"]
+    else:
+        if component is not None:
+            raise LoadError(f"{folder.path}: a model directory, not a pipeline; drop component=")
+        return _Located(folder, None)
+    if component is None:
+        component = next((name for name in DENOISERS if name in components), None)
+        if component is None:
+            raise LoadError(f"{folder.path}: this pipeline has no denoiser ({', '.join(DENOISERS)}); name the "
+                            f"component to convert with component= (one of {', '.join(sorted(components))})")
+    if component not in components:
+        raise LoadError(f"{folder.path}: the pipeline has no component {component!r} (its components: "
+                        f"{', '.join(sorted(components))})")
+    sub = folder.subdir(component)
+    meta = read_metadata(sub) if components[component] == "transformdsl" else None
+    if meta is not None and meta["kind"] != "module":
+        raise LoadError(f"{sub.path}: not a saved module")
+    return _Located(sub, meta, (index, components, pipeline_class), component)
+
+
+def _copy_pipeline(folder: SaveDir, located: _Located, tmp: Path, save_id: str) -> None:
+    """The pipeline's other components, copied file for file (regular files only), its index,
+    and the metadata of a transformdsl pipeline save."""
+    index, components, pipeline_class = located.pipeline
+    components = {**components, located.name: "transformdsl"}
+    for name in components:
+        if name == located.name:
+            continue
+        sub = folder.subdir(name)
+        for rel, info in sub.walk():
+            if stat.S_ISDIR(info.st_mode):
+                (tmp / name / rel).mkdir(parents=True, exist_ok=True)
+                continue
+            if not stat.S_ISREG(info.st_mode):
+                raise LoadError(f"{sub.path / rel}: not a regular file; refusing to copy it")
+            holder, file_name = sub.descend(rel)
+            (tmp / name / rel).parent.mkdir(parents=True, exist_ok=True)
+            fd = holder.open_file(file_name)
+            try:
+                with os.fdopen(fd, "rb", closefd=False) as src, open(tmp / name / rel, "wb") as dst:
+                    while chunk := src.read(1 << 24):
+                        dst.write(chunk)
+            finally:
+                os.close(fd)
+        if not (tmp / name).exists():
+            (tmp / name).mkdir()
+    _write_json(tmp / "model_index.json", index)
+    _write_json(tmp / META_FILE, {
+        "format": FORMAT, "format_version": 1, "kind": "pipeline", "pipeline_class": pipeline_class,
+        "components": components, "versions": _versions(), "save_id": save_id,
+    })
+
+
+# --------------------------------------------------------------------------- units
+
+
+@dataclasses.dataclass
+class Unit:
+    """Part of a model read, transformed and written at once: module subtrees (``whole``) and
+    modules whose own tensors only (not their children's) belong to it."""
+
+    parts: list[tuple[str, bool]]  # (module path, whole subtree?)
+
+    def has_module(self, path: str) -> bool:
+        return any(path == p or whole and (p == "" or path.startswith(p + ".")) for p, whole in self.parts)
+
+    def has_key(self, key: str) -> bool:
+        """Whether a tensor (``module.path.name``) belongs to the unit."""
+        return self.has_module(key.rpartition(".")[0])
+
+    def covers(self, path: str) -> bool:
+        """Whether the module at ``path`` and everything below it belong to the unit."""
+        return any(whole and (p == "" or path == p or path.startswith(p + ".")) for p, whole in self.parts)
+
+
+_LISTS = (nn.ModuleList, nn.ModuleDict)
+
+
+def split_units(root: nn.Module) -> list[Unit]:
+    """The model's units, in module order: each child of a ``ModuleList``/``ModuleDict`` (a
+    block), each other subtree holding no such list, and the own tensors of the modules on the
+    way to the lists."""
+    holds_list = {path for path, module in root.named_modules() if isinstance(module, _LISTS)}
+    for path in list(holds_list):
+        while path:
+            path = path.rpartition(".")[0]
+            holds_list.add(path)
+    if "" not in holds_list:
+        return [Unit([("", True)])]
+    units: list[Unit] = []
+
+    def visit(path: str, module: nn.Module) -> None:
+        if any(t is not None for t in (*module._parameters.values(), *module._buffers.values())):
+            units.append(Unit([(path, False)]))
+        for name, child in module.named_children():
+            child_path = f"{path}.{name}" if path else name
+            if isinstance(module, _LISTS) or child_path not in holds_list:
+                units.append(Unit([(child_path, True)]))
+            else:
+                visit(child_path, child)
+
+    visit("", root)
+    return units
+
+
+def _merge(units: list[Unit], chosen: list[int], replace_below: str | None = None) -> list[Unit]:
+    """``units`` with those at ``chosen`` made one (at the first one's place); with
+    ``replace_below``, their parts under that path become that path's whole subtree."""
+    if len(chosen) <= 1 and replace_below is None:
+        return units
+    parts: list[tuple[str, bool]] = []
+    for i in chosen:
+        parts.extend(units[i].parts)
+    if replace_below is not None:
+        below = [(p, w) for p, w in parts if replace_below == "" or p == replace_below
+                 or p.startswith(replace_below + ".")]
+        parts = [(replace_below, True)] + [part for part in parts if part not in below]
+    merged = Unit(list(dict.fromkeys(parts)))
+    first = min(chosen) if chosen else len(units)
+    return [merged if i == first else unit for i, unit in enumerate(units) if i not in chosen or i == first] \
+        if chosen else units + [merged]
+
+
+def plan_units(root: nn.Module, the_plan: Plan, aliases: dict[str, str]) -> tuple[list[Unit], set[int]]:
+    """The units to stream ``the_plan`` through, and the steps to run after them on the skeleton."""
+    units = split_units(root)
+    # Tensors shared between modules (tied weights) are read and written by one unit.
+    owners: dict[int, list[str]] = {}
+    for name, tensor in (*root.named_parameters(remove_duplicate=False), *root.named_buffers(remove_duplicate=False)):
+        owners.setdefault(id(tensor), []).append(name)
+    groups = [names for names in owners.values() if len(names) > 1] + [[k, t] for k, t in aliases.items()]
+    for names in groups:
+        chosen = sorted({i for i, unit in enumerate(units) for name in names if unit.has_key(name)})
+        units = _merge(units, chosen)
+    steps = the_plan.steps
+    deferred: set[int] = set()
+    for i in range(len(steps) - 1, -1, -1):  # the trailing statements that change no weight
+        step = steps[i]
+        if step.transform.changes_weights or not any(_spans(units, t) for t in step.targets):
+            break
+        deferred.add(i)
+    for i, step in enumerate(steps):
+        if i in deferred:
+            continue
+        for target in step.targets:
+            if _spans(units, target):
+                chosen = [j for j, unit in enumerate(units)
+                          if any(target == "" or p == target or p.startswith(target + ".") for p, _ in unit.parts)]
+                units = _merge(units, chosen, replace_below=target)
+    return units, deferred
+
+
+def _spans(units: list[Unit], target: str) -> bool:
+    """Whether the module at ``target`` is not inside one unit."""
+    return not any(unit.covers(target) for unit in units)
+
+
+# --------------------------------------------------------------------------- streaming
+
+
+class _Stream:
+    """One run of :func:`convert` over an opened module."""
+
+    def __init__(self, opened: OpenedModule, the_plan: Plan, directory: Path, max_shard_size: int, save_id: str,
+                 progress: bool):
+        self.opened = opened
+        self.root = opened.skeleton
+        self.plan = the_plan
+        self.directory = directory
+        self.save_id = save_id
+        self.writer = ShardWriter(directory, max_shard_size, save_id, stream=True)
+        self.progress = progress
+        self.meta = opened.meta
+        layout = self.meta["tensors"]
+        self.aliases: dict[str, str] = layout.get("aliases", {})
+        self.attributes: dict[str, Any] = layout.get("attributes", {})
+        self.nonpersistent = list(layout.get("nonpersistent", []))
+        self.sizes = opened.files.sizes()
+
+    def run(self) -> None:
+        self.root.eval()
+        units, deferred = plan_units(self.root, self.plan, self.aliases)
+        steps = self.plan.steps
+        records: list[list[tuple[int, dict]]] = [[] for _ in steps]
+        layout: dict[str, Any] = {"nonpersistent": [], "aliases": {}}
+        attributes: dict[str, Any] = {}
+        notes: dict = {}
+        bar = self._bar()
+        try:
+            for unit in units:
+                done = self._unit(unit, steps, deferred, records, layout, attributes, notes)
+                if bar is not None:
+                    bar.update(done)
+        finally:
+            if bar is not None:
+                bar.close()
+        edit = Edit()
+        for i in sorted(deferred):
+            ctx = ApplyContext(self.root, edit, _no_progress, notes)
+            records[i].append((0, self._apply(steps[i], ctx, list(steps[i].targets))))
+        edit.commit()
+        layout["nonpersistent"] = sorted(layout["nonpersistent"])
+        if attributes:
+            layout["attributes"] = attributes
+        files = self.writer.finish()
+        history = saved_history(self.meta)
+        applied = []
+        source = self.plan.script.source
+        for i, step in enumerate(steps):
+            parts = [record for _, record in sorted(records[i], key=lambda pair: pair[0])]
+            record = step.transform.merge_records(parts) if parts else self._empty_record(step)
+            applied.append(AppliedStep(
+                key=step.transform.key(), line=step.statement.line, statement=step.text(source),
+                options=dataclasses.asdict(step.transform.options), common=dataclasses.asdict(step.transform.common),
+                record=record, script_index=0))
+        set_history(self.root, history)
+        _append_history(self.root, source, applied)
+        write_module_metadata(self.directory, self.root, files, layout, self.save_id)
+
+    def _empty_record(self, step) -> dict:
+        """The record of a statement with no target: ``apply`` on an empty list."""
+        ctx = ApplyContext(self.root, Edit(), _no_progress, {})
+        return self._apply(step, ctx, [])
+
+    def _apply(self, step, ctx: ApplyContext, targets: list[str]) -> dict:
+        try:
+            return _json_checked(step.transform.apply(ctx, targets), step)
+        except TransformError as exc:
+            raise TransformError(f"line {step.statement.line}: '{step.statement.key}' failed: {exc}; "
+                                 "nothing was written") from exc
+        except Exception as exc:
+            raise TransformError(f"line {step.statement.line}: '{step.statement.key}' failed: "
+                                 f"{type(exc).__name__}: {exc}; nothing was written") from exc
+
+    def _bar(self):
+        if not self.progress:
+            return None
+        from tqdm.auto import tqdm
+
+        total = sum(nbytes for _, nbytes in self.sizes.values())
+        return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="convert", file=sys.stderr,
+                    leave=False)
+
+    def _unit(self, unit: Unit, steps, deferred: set[int], records, layout: dict, attributes: dict,
+              notes: dict) -> int:
+        """Read, transform, write and drop one unit; the source bytes it read."""
+        from .. import plain_tensors
+
+        root = self.root
+        keys = [key for key in self.sizes if unit.has_key(key) and key not in self.aliases]
+        attribute_layout = {name: how for name, how in self.attributes.items() if unit.has_key(name)}
+        restore = self._slots(unit)
+        tensors = self.opened.files.read_some(keys, self.sizes)
+        attribute_tensors = plain_tensors.take(tensors, attribute_layout, self.opened.folder.path)
+        _assign(root, tensors, self.meta, self.opened.folder.path, only=unit.has_key)
+        plain_tensors.restore(root, attribute_layout, attribute_tensors, self.opened.folder.path)
+        del tensors, attribute_tensors
+        edit = Edit()
+        for i, step in enumerate(steps):
+            if i in deferred:
+                continue
+            targets = [t for t in step.targets if unit.covers(t)]
+            if targets:
+                ctx = ApplyContext(root, edit, _no_progress, notes)
+                records[i].append((list(step.targets).index(targets[0]), self._apply(step, ctx, targets)))
+        edit.commit()
+        out, part = _collect_tensors(root, only=unit.has_key)
+        self.writer.add(out)
+        del out
+        layout["nonpersistent"].extend(part["nonpersistent"])
+        layout["aliases"].update(part["aliases"])
+        attributes.update(part.get("attributes", {}))
+        self._drop(unit, restore)
+        _give_back_freed_memory()
+        return sum(self.sizes[key][1] for key in keys)
+
+    def _slots(self, unit: Unit) -> list[tuple[nn.Module, dict, dict]]:
+        """The (meta) tensors of the unit's modules as they are before it is read, to put back."""
+        slots = []
+        for path, module in self.root.named_modules(remove_duplicate=False):
+            if unit.has_module(path):
+                slots.append((module, dict(module._parameters), dict(module._buffers)))
+        return slots
+
+    def _drop(self, unit: Unit, slots) -> None:
+        """Free the unit: its source modules get their meta tensors back (the plan still refers to
+        them) and what replaced them is dropped (an empty module in its place)."""
+        for module, parameters, buffers in slots:
+            module._parameters.update(parameters)
+            module._buffers.update(buffers)
+        for path, whole in unit.parts:
+            if whole and path:
+                parent_path, _, name = path.rpartition(".")
+                parent = self.root.get_submodule(parent_path) if parent_path else self.root
+                parent._modules[name] = _Converted()
+            elif not whole:
+                module = self.root.get_submodule(path)
+                for name, tensor in list(module._parameters.items()):
+                    if tensor is not None and not tensor.is_meta:
+                        module._parameters[name] = nn.Parameter(torch.empty_like(tensor, device="meta"),
+                                                                requires_grad=tensor.requires_grad)
+                for name, tensor in list(module._buffers.items()):
+                    if tensor is not None and not tensor.is_meta:
+                        module._buffers[name] = torch.empty_like(tensor, device="meta")
+
+
+def _give_back_freed_memory() -> None:
+    """Return the heap pages freed with a unit to the system (glibc's ``malloc_trim``; elsewhere
+    nothing).  Without it, glibc keeps them for reuse and, as tensor sizes vary from unit to unit,
+    the process grows by a fraction of every unit converted."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            _malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim: Any = None
+
+
+class _Converted(nn.Module):
+    """Stands where a unit was once it is written."""
+
+
+def _no_progress(iterable, **kwargs):
+    return iterable
