@@ -1,4 +1,4 @@
-"""The ``transformdsl`` command: check, fmt, explain, apply, inspect, demo.
+"""The ``transformdsl`` command: check, fmt, explain, apply, convert, inspect, demo.
 
 Exit status: 0 on success, 1 when the input is wrong (a script, a saved model, a model
 spec), 2 for a usage error.  Diagnostics go to stderr as ``FILE:LINE:COL: message``
@@ -111,6 +111,38 @@ def cmd_apply(args) -> int:
     else:
         _err("note: no --out DIR given: the transformed model was checked and discarded, not saved")
     return 0
+
+
+def cmd_convert(args) -> int:
+    """Stream a checkpoint through a script into a save, one unit (block) at a time."""
+    import warnings
+
+    from .executor import NothingToDoWarning
+    from .persist import convert
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", NothingToDoWarning)
+        convert(args.model, _read_script(args.file), args.out, component=args.component,
+                progress=not args.quiet and sys.stderr.isatty(), max_shard_size=args.max_shard_size,
+                strict=args.strict)
+    for warning in caught:
+        if issubclass(warning.category, NothingToDoWarning):
+            _err(f"warning: {warning.message} (--strict makes this an error)")
+    if not args.quiet:
+        print(f"saved to {args.out}")
+    return 0
+
+
+def _byte_count(text: str) -> int:
+    """``5GB``, ``500MB``, ``200KB`` or a number of bytes."""
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
+    upper = text.strip().upper()
+    for suffix, factor in units.items():
+        if upper.endswith(suffix) and upper[:-len(suffix)].strip().replace(".", "", 1).isdigit():
+            return int(float(upper[:-len(suffix)]) * factor)
+    if upper.isdigit():
+        return int(upper)
+    raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 5GB, 500MB)")
 
 
 def _cli_words(message: str) -> str:
@@ -280,6 +312,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print only errors: no plan, no per-statement lines, no progress bars, no warnings "
                         "from the model libraries")
     p.set_defaults(func=cmd_apply)
+
+    p = sub.add_parser("convert", help="stream a checkpoint through a script into a save, one block at a time "
+                                       "(for models larger than memory)")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--model", required=True, metavar="DIR",
+                   help="a diffusers or transformers model directory, a diffusers pipeline directory, or a "
+                        "transformdsl save")
+    p.add_argument("--out", required=True, metavar="DIR", help="directory to save the result to")
+    p.add_argument("--component", metavar="NAME",
+                   help="the pipeline component to convert (default: the denoiser); the others are copied")
+    p.add_argument("--max-shard-size", type=_byte_count, default="5GiB", metavar="SIZE",
+                   help="largest tensor file of the output, e.g. 2GB or 500MiB (default: 5GiB)")
+    p.add_argument("--strict", action="store_true",
+                   help="fail, writing nothing, if a statement would change no module (else a warning)")
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="print only errors: no progress bar, no warnings from the model libraries")
+    p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("inspect", help="show what a saved model contains")
     p.add_argument("dir", metavar="DIR")
