@@ -89,3 +89,25 @@ def test_support_page_reports_every_cell():
     assert "| Llama | " + support.cell_text(cells[0]) + " |  |" in page
     assert "| BERT |  | " + support.cell_text(cells[1]) + " |" in page
     assert "fuse qkv` coverage:** of the 1 models that have attention modules" in page  # Llama; BERT ran fp8 only
+
+
+def test_verify_checks_every_sample_it_is_given_and_refuses_on_the_worst():
+    """fp8 storage on the narrow UNet1D (8-16 channels, GroupNorm with 1-2 channels per group) moves the
+    output by 0.15 to 0.33 depending on the input, around its bound of 0.2: verify on the test input alone
+    accepts (0.15), on the samples the matrix gives it (the test input and seeds 2, 3) it refuses."""
+    import transformdsl
+    from transformdsl.errors import TransformError
+    from transformdsl.executor import relative_error
+
+    entry = corpus.entry("diffusers/UNet1DModel[UNet1DModel]")
+    model, inputs = corpus.build(entry)
+    reference = corpus.run(model, inputs)
+    samples = [inputs] + [corpus.inputs(entry, seed=seed) for seed in matrix.VERIFY_SEEDS]
+    with pytest.raises(TransformError, match=r"verify: the output changed by 0\.2\d* .* more than the script's "
+                                             r"bound 0\.2 .*the model was left unchanged"):
+        transformdsl.transform(model, "fp8 storage", verify_inputs=samples)
+    assert corpus.run(model, inputs).equal(reference)  # rolled back
+    transformdsl.transform(model, "fp8 storage", verify_inputs=inputs)  # one lucky sample: accepted
+    assert 0.1 < relative_error(reference, corpus.run(model, inputs)) <= 0.2
+    with pytest.raises(TransformError, match=r"verify_inputs=\[\] holds no sample"):
+        transformdsl.transform(corpus.build(entry)[0], "fp8 storage", verify_inputs=[])

@@ -9,7 +9,10 @@ For each cell (model, script) :func:`run_cell`:
    sample (another seed) to get the reference outputs;
 2. plans the script (``not applicable``, and nothing more is done, when no statement selects a
    module it can change);
-3. ``transformdsl.transform(model, plan, verify=True, verify_inputs=inputs)``: a refusal
+3. ``transformdsl.transform(model, plan, verify=True, verify_inputs=[inputs, ...])`` on the
+   test input and :data:`VERIFY_SEEDS` more samples (one sample under the bound proves little
+   where the error varies from input to input, e.g. fp8 storage on the narrow UNet1D: 0.15 to
+   0.33 over six random inputs against a bound of 0.2): a refusal
    because the output moved past the script's bound is ``refused by verify``; a failure of the
    transformed model's own forward is ``crash in forward``;
 4. runs the transformed model on both samples: past the bound on the held-out sample, which
@@ -74,6 +77,11 @@ SEPARATE_QKV = (("to_q", "to_k", "to_v"), ("add_q_proj", "add_k_proj", "add_v_pr
 
 MARK = "@@zoo@@ "
 
+#: Seeds of the samples verify checks besides the test input (seed 0); the held-out sample
+#: (:data:`HELDOUT_SEED`), which verify never sees, is where "past bound silently" is measured.
+VERIFY_SEEDS = (2, 3)
+HELDOUT_SEED = 1
+
 #: model id -> its outputs on the test and held-out inputs, before any transform (one model kept).
 _REFERENCES: dict = {}
 CELL_TIMEOUT = 300.0
@@ -133,7 +141,8 @@ def run_cell(model_id: str, script_name: str) -> dict:
     entry = corpus.entry(model_id)
     try:
         model, inputs = corpus.build(entry)
-        heldout = corpus.inputs(entry, seed=1)
+        heldout = corpus.inputs(entry, seed=HELDOUT_SEED)
+        verify_samples = [inputs] + [corpus.inputs(entry, seed=seed) for seed in VERIFY_SEEDS]
         if model_id not in _REFERENCES:  # same model, same inputs: the same outputs for every script
             _REFERENCES.clear()
             _REFERENCES[model_id] = (corpus.run(model, inputs), corpus.run(model, heldout))
@@ -161,7 +170,7 @@ def run_cell(model_id: str, script_name: str) -> dict:
     tolerance = None if bound is None else bound + ROUNDING_EPS * torch.finfo(reference.dtype).eps
 
     try:
-        transformdsl.transform(model, plan, verify=True, verify_inputs=inputs)
+        transformdsl.transform(model, plan, verify=True, verify_inputs=verify_samples)
     except TransformError as exc:
         message = str(exc)
         moved = re.search(r"verify: the output changed by ([0-9.eE+-]+|inf|nan)", message)

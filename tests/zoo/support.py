@@ -38,9 +38,9 @@ relative error `max|after - before| / max|before|` on the model's test input · 
 
 | status | meaning |
 |---|---|
-| ok | ran with `verify=True`, error within the script's declared bound (also on a held-out input), saved, reloaded with `load(dir)` alone, bit-identical output |
+| ok | ran with `verify=True` on the test input and two more samples, error within the script's declared bound (also on a held-out input verify never saw), saved, reloaded with `load(dir)` alone, bit-identical output |
 | – | not applicable: no statement selected a module it can change (nothing to do) |
-| refused | `verify=True` refused the result: the output moved past the script's declared bound (the model was left unchanged) |
+| refused | `verify=True` refused the result: on one of its samples the output moved past the script's declared bound (the model was left unchanged) |
 | PAST BOUND | verify accepted, but on a held-out input the error is past the declared bound |
 | CRASH | the transformed model's own forward raised (verify rolled the change back) |
 | FAILS / plan fails | the statement failed while applying / planning (the model was left unchanged) |
