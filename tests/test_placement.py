@@ -23,6 +23,10 @@ SCRIPTS = ["quantize int8", "quantize nf4", "quantize hqq bits=4 group_size=16",
 BUILDERS = {"flux": models.tiny_flux, "llama": models.tiny_llama}
 
 
+def bf16_flux():
+    return models.tiny_flux().to(torch.bfloat16)
+
+
 @pytest.fixture(scope="module")
 def saves(tmp_path_factory) -> dict:
     """One save per (model, script), built once."""
@@ -113,6 +117,19 @@ def test_auto_map_with_a_memory_limit_splits_and_runs_the_same(saves, tmp_path_f
         parts = key.split(".")
         for depth in range(1, len(parts)):
             assert type(model.get_submodule(".".join(parts[:depth]))).__name__ not in unsplit, key
+
+
+@pytest.mark.parametrize("script", ["fp8 storage", "quantize int8 weight_only=true"])
+def test_bfloat16_tensors_offload_bit_for_bit(tmp_path, script):
+    model = bf16_flux()
+    transformdsl.transform(model, script)
+    transformdsl.save(model, tmp_path / "save")
+    reference = transformdsl.load(tmp_path / "save")
+    assert torch.bfloat16 in {t.dtype for t in reference.state_dict().values()}
+    children = [name for name, _ in reference.named_children()]
+    placed = transformdsl.load(tmp_path / "save", device_map={n: "disk" if i % 2 else "cpu" for i, n in
+                                                              enumerate(children)}, offload_folder=tmp_path / "off")
+    check_placed(placed, reference, tmp_path / "off")
 
 
 def test_transformed_layers_and_declared_blocks_are_never_split():
