@@ -223,7 +223,10 @@ def _move(owned: list[tuple[nn.Module, str, str]], device: torch.device, path: s
     owners = {id(owner): owner for owner, _, _ in owned}
     try:
         for owner in owners.values():
-            if next(owner.children(), None) is None:
+            if type(owner).__name__ == "HQQLinear":  # its .to() does nothing; .cuda() moves the quantized state
+                if device.type != "cpu":
+                    owner.cuda(device)
+            elif next(owner.children(), None) is None:
                 owner.to(device)
             else:
                 owner._apply(lambda t: t.to(device), recurse=False)
