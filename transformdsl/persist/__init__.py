@@ -10,7 +10,8 @@ One module per stage:
 - :mod:`.pipelines`: diffusers pipelines, one folder per component;
 - :mod:`.contents`: :func:`inspect`, from headers only;
 - :mod:`.streaming`: :func:`convert`, a checkpoint through a script into a save, unit by unit,
-  through the same reader and writer.
+  through the same reader and writer;
+- :mod:`.placement`: ``load(dir, device_map=...)``: a loaded model placed over devices, CPU and disk.
 
 A saved module is a directory holding ``transformdsl.json`` (metadata), ``script.tfm`` (the
 scripts) and ``model.safetensors`` (or shards plus ``model.safetensors.index.json``).  A
