@@ -57,18 +57,61 @@ sys.exit(status)
 """
 
 
-@pytest.mark.parametrize("argv", [
-    ["check", *sorted(str(p) for p in EXAMPLES.glob("*.tfm"))],
-    ["fmt", "--check", *sorted(str(p) for p in EXAMPLES.glob("*.tfm"))],
-    ["--help"],
-    ["--version"],
-    ["check", "--help"],
-], ids=["check", "fmt", "help", "version", "check-help"])
-def test_light_commands_import_no_model_library(argv):
+@pytest.mark.parametrize("argv, status", [
+    (["check", *sorted(str(p) for p in EXAMPLES.glob("*.tfm"))], 0),
+    (["fmt", "--check", *sorted(str(p) for p in EXAMPLES.glob("*.tfm"))], 0),
+    (["--help"], 0),
+    (["--version"], 0),
+    (["check", "--help"], 0),
+    (["check", "TYPO"], 1),  # the error path too: near-miss suggestions come from the catalog
+    (["fmt", "-"], 0),
+], ids=["check", "fmt", "help", "version", "check-help", "check-typo", "fmt-stdin"])
+def test_light_commands_import_no_model_library(argv, status, tmp_path):
+    typo = tmp_path / "typo.tfm"
+    typo.write_text("fuse qkv in *Attention\nquantise int8 except norm\n")
+    argv = [str(typo) if a == "TYPO" else a for a in argv]
     done = subprocess.run([sys.executable, "-c", _PROBE, *argv], capture_output=True, text=True, env=ENV,
-                          cwd=ROOT, timeout=120)
-    assert done.returncode == 0, done.stderr
+                          cwd=ROOT, timeout=120, input="quantize   int8\n")
+    assert done.returncode == status, done.stderr
     assert done.stderr.strip().splitlines()[-1] == "IMPORTED", done.stderr
+    if status:
+        assert "did you mean 'quantize'" in done.stderr, done.stderr
+
+
+#: Plans each script on a plain torch model in a fresh interpreter, then reports the backends imported.
+_PLAN_PROBE = """
+import sys, torch, transformdsl
+model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 16))
+for text in sys.argv[1:]:
+    str(transformdsl.plan(model, text))
+backends = ("bitsandbytes", "hqq", "torch._dynamo", "torch._inductor", "diffusers", "transformers", "torchao")
+print("IMPORTED", ",".join(m for m in backends if m in sys.modules))
+"""
+
+
+def test_planning_imports_no_backend():
+    """``explain`` (planning) imports a backend only where the model's own library does: planning
+    every transform on a plain torch model imports no quantization library, no dynamo, no inductor."""
+    scripts = ["fuse qkv", "quantize int8 threshold=6", "quantize nf4 double_quant=true", "quantize hqq bits=4",
+               "quantize int8 weight_only=true", "fp8 storage", "fp8 native", "compile fullgraph=true",
+               "compile regional in Linear", "fuse bias_dropout_residual"]
+    done = subprocess.run([sys.executable, "-c", _PLAN_PROBE, *scripts], capture_output=True, text=True, env=ENV,
+                          cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "IMPORTED", done.stdout
+
+
+def test_fp8_marks_its_capability_check_constant_as_torch_does():
+    """fp8.py marks ``_cuda_has_fp8_matmul`` for dynamo without importing it; the marker must stay
+    the one ``torch.compiler.assume_constant_result`` sets, or compile would trace the check."""
+    import torch
+
+    from transformdsl.passes import fp8
+
+    marked = torch.compiler.assume_constant_result(lambda: None)
+    attributes = {name for name in vars(marked) if name.startswith("_dynamo")}
+    assert attributes == {"_dynamo_marked_constant"}
+    assert fp8._cuda_has_fp8_matmul._dynamo_marked_constant is True
 
 
 def test_import_transformdsl_imports_no_torch():
