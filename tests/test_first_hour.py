@@ -136,6 +136,18 @@ def test_public_functions_show_their_real_signatures_and_docs():
     assert set(transformdsl.__all__) <= set(dir(transformdsl))
 
 
+def test_spec_names_every_command():
+    """spec.md's command list (issue 14: it left out ``fmt``) is the command line's own list."""
+    import argparse
+    import re
+
+    from transformdsl.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    listed = re.search(r"Command line: `transformdsl ([a-z|]+)` and `--version`", (ROOT / "spec.md").read_text())
+    assert listed and listed.group(1).split("|") == list(sub.choices)
+
+
 def test_version(capsys):
     status, out, _ = cli(capsys, "--version")
     assert (status, out) == (0, f"transformdsl {transformdsl.__version__}\n")
@@ -458,6 +470,24 @@ def test_demo_leaves_no_temporary_folder_and_states_compile_cold_start_apart(tmp
     assert "steady state: median of 9 calls after 2 warm-up calls" in latency
     assert any(line.strip().startswith("first call:") and "compiling (not counted in the latency above)" in line
                for line in out.splitlines())
+
+
+@pytest.mark.parametrize("text, reason", [
+    ("quantize int8", "LLM.int8 layers multiply in int8 (torch._int_mm)"),
+    ("quantize int8 weight_only=true", "turn their weights back into floats on every call"),
+    ("quantize nf4", "turn their weights back into floats on every call"),
+    ("fp8 storage", "turn their weights back into floats on every call"),
+    ("compile", "compile speeds up the arithmetic"),
+])
+def test_demo_says_why_the_script_it_ran_is_slower_on_a_cpu(text, reason):
+    """LLM.int8 does not dequantize: it multiplies in int8, slow on CPUs without VNNI/AMX (spec.md)."""
+    from torch import nn
+
+    from transformdsl.demo import _slower_because
+
+    because = _slower_because(transformdsl.plan(nn.Sequential(nn.Linear(16, 16)), text), "CPU")
+    assert reason in because
+    assert ("torch._int_mm" in because) == (text == "quantize int8")
 
 
 def test_cli_errors_speak_cli(tmp_path, monkeypatch, capsys):
