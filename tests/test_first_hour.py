@@ -82,20 +82,25 @@ def test_light_commands_import_no_model_library(argv, status, tmp_path):
 _PLAN_PROBE = """
 import sys, torch, transformdsl
 model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 16))
-for text in sys.argv[1:]:
+for text in sys.argv[2:]:
     str(transformdsl.plan(model, text))
+transformdsl.transform(model, "quantize int8 weight_only=true")  # plain torch, saved and loaded
+transformdsl.save(model, sys.argv[1])
+transformdsl.load(sys.argv[1], model=torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16),
+                                                         torch.nn.Linear(16, 16)))
 backends = ("bitsandbytes", "hqq", "torch._dynamo", "torch._inductor", "diffusers", "transformers", "torchao")
 print("IMPORTED", ",".join(m for m in backends if m in sys.modules))
 """
 
 
-def test_planning_imports_no_backend():
+def test_planning_imports_no_backend(tmp_path):
     """``explain`` (planning) imports a backend only where the model's own library does: planning
-    every transform on a plain torch model imports no quantization library, no dynamo, no inductor."""
+    every transform on a plain torch model imports no quantization library, no dynamo, no inductor;
+    nor do applying, saving and loading a transform that needs none."""
     scripts = ["fuse qkv", "quantize int8 threshold=6", "quantize nf4 double_quant=true", "quantize hqq bits=4",
                "quantize int8 weight_only=true", "fp8 storage", "fp8 native", "compile fullgraph=true",
                "compile regional in Linear", "fuse bias_dropout_residual"]
-    done = subprocess.run([sys.executable, "-c", _PLAN_PROBE, *scripts], capture_output=True, text=True, env=ENV,
+    done = subprocess.run([sys.executable, "-c", _PLAN_PROBE, str(tmp_path / "saved"), *scripts], capture_output=True, text=True, env=ENV,
                           cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "IMPORTED", done.stdout
