@@ -15,12 +15,15 @@ commit unpacked there) the same ``explain`` commands of that checkout run in tur
     .venv/bin/python benchmarks/bench_cli.py            # writes benchmarks/results/cli.md
     .venv/bin/python benchmarks/bench_cli.py --quick    # 3 light runs each instead of 7, 1 heavy instead of 3
     .venv/bin/python benchmarks/bench_cli.py --before /tmp/transformdsl-old
+    .venv/bin/python benchmarks/bench_cli.py --only-light   # light commands; explain table kept
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -34,6 +37,8 @@ from common import header, table, write  # noqa: E402
 
 EXAMPLES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "examples").glob("*.tfm"))
 TARGET_S = 0.3
+#: The last explain table (``--only-light`` keeps it).
+EXPLAIN_JSON = ROOT / "benchmarks" / "results" / "cli_explain.json"
 
 COMMANDS = {
     "python -c pass (floor)": ["-c", "pass"],
@@ -64,28 +69,33 @@ def build_by_hand(spec: str) -> list[str]:
     return ["-c", f"from transformdsl.models import BUILTIN; BUILTIN[{spec!r}]()"]
 
 
-def wall(argv: list[str], checkout: Path = ROOT) -> float:
-    """Seconds ``python ARGV`` takes with ``checkout``'s transformdsl (run from there: ``-m`` puts the
-    current directory first on the path); paths in ``argv`` are relative to this checkout."""
+def wall(argv: list[str], checkout: Path = ROOT) -> tuple[float, float]:
+    """Wall and CPU (user + system) seconds ``python ARGV`` takes with ``checkout``'s transformdsl (run
+    from there: ``-m`` puts the current directory first on the path); ``examples/`` paths are this checkout's."""
     path = os.pathsep.join(dict.fromkeys([str(checkout), str(ROOT)]))  # ROOT: benchmarks.cli_models
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": path}
     argv = [str(ROOT / a) if a.startswith("examples/") else a for a in argv]
+    cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     subprocess.run([sys.executable, *argv], cwd=checkout, env=env, check=True, stdout=subprocess.DEVNULL,
                    stderr=subprocess.DEVNULL)
-    return time.perf_counter() - started
+    elapsed = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return elapsed, (after.ru_utime - cpu.ru_utime) + (after.ru_stime - cpu.ru_stime)
 
 
-def medians(commands: dict[str, tuple[list[str], Path]], runs: int, warmup: bool = True) -> dict[str, float]:
-    """Median wall time of each ``name → (argv, checkout)``, the commands run in turn ``runs`` times."""
-    times: dict[str, list[float]] = {name: [] for name in commands}
+def medians(commands: dict[str, tuple[list[str], Path]], runs: int,
+            warmup: bool = True) -> dict[str, tuple[float, float]]:
+    """Median (wall, CPU) seconds of each ``name → (argv, checkout)``, the commands run in turn ``runs`` times."""
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in commands}
     if warmup:
         for argv, checkout in commands.values():  # one warm-up each (file cache)
             wall(argv, checkout)
     for _ in range(runs):
         for name, (argv, checkout) in commands.items():  # in turn: load on the machine hits all alike
             times[name].append(wall(argv, checkout))
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return {name: (statistics.median(t[0] for t in ts), statistics.median(t[1] for t in ts))
+            for name, ts in times.items()}
 
 
 def explain_rows(runs: int, before: Path | None) -> list[dict]:
@@ -95,7 +105,7 @@ def explain_rows(runs: int, before: Path | None) -> list[dict]:
                     "explain": (["-m", "transformdsl", "explain", script, "--model", spec], ROOT)}
         if before is not None:
             commands["before"] = (commands["explain"][0], before)
-        seconds = medians(commands, runs, warmup=False)
+        seconds = {name: wall_cpu[0] for name, wall_cpu in medians(commands, runs, warmup=False).items()}
         row = {"model": spec, "script": script, "build by hand (s)": f"{seconds['by hand']:.2f}",
                "explain (s)": f"{seconds['explain']:.2f}",
                "explain ÷ by hand": f"{seconds['explain'] / seconds['by hand']:.2f}"}
@@ -107,21 +117,48 @@ def explain_rows(runs: int, before: Path | None) -> list[dict]:
     return rows
 
 
+def explain_section(args: argparse.Namespace, runs: int) -> list[str]:
+    """The explain table: measured now, or (``--only-light``) the last one, kept in ``EXPLAIN_JSON``."""
+    if args.only_light:
+        if not EXPLAIN_JSON.is_file():
+            return []
+        saved = json.loads(EXPLAIN_JSON.read_text())
+    else:
+        saved = {"rows": explain_rows(runs, args.before), "runs": runs, "load": os.getloadavg()[0],
+                 "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                 "before": str(args.before) if args.before else None}
+        EXPLAIN_JSON.write_text(json.dumps(saved, indent=1, ensure_ascii=False) + "\n")
+    columns = ["model", "script", "build by hand (s)", "explain (s)", "explain ÷ by hand"]
+    if saved["before"]:
+        columns += ["explain before (s)", "after ÷ before"]
+    parts = ["", f"`explain FILE --model SPEC` against building the model by hand (measured {saved['measured']}, "
+                 f"median of {saved['runs']}, in turn; load average {saved['load']:.1f} after them):",
+             "", table(saved["rows"], columns)]
+    if saved["before"]:
+        parts += ["", f"before: the checkout in {saved['before']} (`--before`)."]
+    return parts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--before", type=Path, metavar="DIR",
-                        help="another transformdsl checkout whose explain runs in turn with ours")
-    parser.add_argument("--only-light", action="store_true", help="skip explain (the minutes-long part)")
+                        help="another transformdsl checkout, measured in turn with this one")
+    parser.add_argument("--only-light", action="store_true",
+                        help="measure only the light commands; the explain table is the last run's")
     args = parser.parse_args()
     runs = 3 if args.quick else 7
     heavy_runs = 1 if args.quick else 3
-    light = medians({name: (argv, ROOT) for name, argv in COMMANDS.items()}, runs)
-    floor, torch_s = light["python -c pass (floor)"], light["python -c 'import torch' (anchor)"]
+    commands = {name: (argv, ROOT) for name, argv in COMMANDS.items()}
+    if args.before is not None:
+        commands["transformdsl check examples/*.tfm (before)"] = (commands["transformdsl check examples/*.tfm"][0],
+                                                                  args.before)
+    light = medians(commands, runs)
+    floor, torch_s = light["python -c pass (floor)"][0], light["python -c 'import torch' (anchor)"][0]
     target = f"≤ {TARGET_S} s"
-    rows = [{"command": name, "seconds": f"{s:.3f}", "÷ import torch": f"{s / torch_s:.2f}",
+    rows = [{"command": name, "seconds": f"{s:.3f}", "CPU seconds": f"{cpu:.3f}", "÷ import torch": f"{s / torch_s:.2f}",
              target: ("yes" if s <= TARGET_S else "NO") if "transformdsl" in name else ""}
-            for name, s in light.items()]
+            for name, (s, cpu) in light.items()]
     load = os.getloadavg()
     parts = [
         header("Command-line start-up"),
@@ -129,26 +166,13 @@ def main() -> None:
         __doc__.split("\n\n    .venv")[0],
         "",
         f"Median wall time of {runs} runs each, in a fresh process; load average {load[0]:.1f} after them.",
+        "CPU seconds (user + system) are what the command itself costs: its wall time on an idle machine.",
         "",
-        table(rows, ["command", "seconds", "÷ import torch", target]),
+        table(rows, ["command", "seconds", "CPU seconds", "÷ import torch", target]),
         "",
         f"The floor (the interpreter alone) is {floor:.3f} s.",
     ]
-    if not args.only_light:
-        heavy = explain_rows(heavy_runs, args.before)
-        columns = ["model", "script", "build by hand (s)", "explain (s)", "explain ÷ by hand"]
-        if args.before is not None:
-            columns += ["explain before (s)", "after ÷ before"]
-        load = os.getloadavg()
-        parts += [
-            "",
-            f"`explain FILE --model SPEC` against building the model by hand (median of {heavy_runs}, in turn; "
-            f"load average {load[0]:.1f} after them):",
-            "",
-            table(heavy, columns),
-        ]
-        if args.before is not None:
-            parts += ["", f"before: the checkout in {args.before} (`--before`)."]
+    parts += explain_section(args, heavy_runs)
     write("cli.md", "\n".join(parts) + "\n")
 
 
