@@ -8,7 +8,8 @@ One module per stage:
 - :mod:`.read`: :func:`load` and the one reader of saved tensors (:func:`load_module`);
 - :mod:`.checks`: metadata and configuration checks, before anything is built;
 - :mod:`.pipelines`: diffusers pipelines, one folder per component;
-- :mod:`.contents`: :func:`inspect`, from headers only.
+- :mod:`.contents`: :func:`inspect`, from headers only;
+- :mod:`.placement`: ``load(dir, device_map=...)``: a loaded model placed over devices, CPU and disk.
 
 A saved module is a directory holding ``transformdsl.json`` (metadata), ``script.tfm`` (the
 scripts) and ``model.safetensors`` (or shards plus ``model.safetensors.index.json``).  A

@@ -28,7 +28,8 @@ from .format import META_FILE, _clip
 
 
 def load(directory: str | os.PathLike, model: nn.Module | Callable[[], nn.Module] | None = None, *,
-         device: str | torch.device = "cpu", mmap: bool = True) -> Any:
+         device: str | torch.device | None = None, mmap: bool = True, device_map: str | dict | None = None,
+         max_memory: dict | None = None, offload_folder: str | os.PathLike | None = None) -> Any:
     """Load a model saved by :func:`save`; returns a new module (or pipeline).
 
     The architecture is rebuilt from the saved configuration (diffusers and transformers
@@ -46,9 +47,34 @@ def load(directory: str | os.PathLike, model: nn.Module | Callable[[], nn.Module
     With ``mmap=True`` (the default) tensors on the CPU are memory-mapped from the saved
     files (copy on write): do not truncate or rewrite those files in place while the model
     is in use (:func:`save` never does; it writes a new directory and swaps it in).
+
+    ``device_map`` (instead of ``device``) spreads the model over devices, CPU and disk the way
+    ``from_pretrained(device_map=...)`` does: ``"auto"`` (accelerate computes the map from
+    ``max_memory``, never splitting a transformed layer or a module of ``_no_split_modules``) or a
+    dict ``{module path: device | "cpu" | "disk" | "meta"}``; ``"disk"`` modules are kept in
+    ``offload_folder`` and read from there at each call.  Quantized layers stay quantized where
+    they land.  See :mod:`.placement` and spec.md "Placing a model over devices".
     """
     directory = Path(directory)
-    device = _check_device(device)
+    if device_map is None:
+        if max_memory is not None or offload_folder is not None:
+            raise LoadError("load(max_memory=..., offload_folder=...): these place a model with device_map=; "
+                            "add device_map='auto'")
+        return _load(directory, model, _check_device(device or "cpu"), mmap)
+    if device is not None:
+        raise LoadError("load(device=..., device_map=...): give one of device= and device_map= "
+                        "(device_map={'': 'cuda:0'} is device='cuda:0')")
+    loaded = _load(directory, model, torch.device("cpu"), mmap)
+    if not isinstance(loaded, nn.Module):
+        raise LoadError(f"{directory}: device_map= places one model; this is a pipeline: load it, then place "
+                        "its components with transformdsl.persist.placement.place(component, device_map, ...)")
+    from .placement import place
+
+    return place(loaded, device_map, max_memory=max_memory, offload_folder=offload_folder)
+
+
+def _load(directory: Path, model: Any, device: torch.device, mmap: bool) -> Any:
+    """:func:`load` on one device."""
     for attempt in range(_LOAD_ATTEMPTS):
         try:
             with guard.loading(), SaveDir.open(directory) as folder:
