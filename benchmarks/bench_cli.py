@@ -136,6 +136,8 @@ def explain_section(args: argparse.Namespace, runs: int) -> list[str]:
              "", table(saved["rows"], columns)]
     if saved["before"]:
         parts += ["", f"before: the checkout in {saved['before']} (`--before`)."]
+    if saved.get("note"):
+        parts += ["", f"Note: {saved['note']}."]
     return parts
 
 
