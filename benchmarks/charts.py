@@ -118,10 +118,35 @@ def draw_scaling(points: dict[str, list[dict]], path: Path) -> str | None:
     return _save(fig, path)
 
 
+def draw_convert(results: Path, path: Path) -> str | None:
+    """Peak RSS against checkpoint size per way (``results/convert.json``, ``bench_convert.py``)."""
+    import json
+
+    if not results.exists():
+        return None
+    points = [p for p in json.loads(results.read_text()).get("points", []) if p.get("status") == "ok"]
+    if not points:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for way in dict.fromkeys(p["way"] for p in points):
+        pts = sorted((p for p in points if p["way"] == way), key=lambda p: p["checkpoint"])
+        ax.plot([p["checkpoint"] / 2**30 for p in pts], [p["peak"] / 2**30 for p in pts], "o-", label=way)
+    ax.set_xlabel("checkpoint (GiB, bf16)")
+    ax.set_ylabel("peak RSS above start (GiB)")
+    ax.set_title(f"Peak memory against model size ({json.loads(results.read_text()).get('script', '')})",
+                 fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
 def draw_all(rows: list[dict], points: dict[str, list[dict]], folder: Path) -> dict[str, str]:
     """Every chart that has data; name -> path relative to the page."""
     drawn = {"ratios": draw_ratios(rows, folder / "ratios.png"),
              "ratios-medium": draw_ratios(rows, folder / "ratios-medium.png", "medium"),
              "reload": draw_reload(rows, folder / "reload.png"),
-             "scaling": draw_scaling(points, folder / "scaling.png")}
+             "scaling": draw_scaling(points, folder / "scaling.png"),
+             "convert": draw_convert(Path(__file__).resolve().parent / "results" / "convert.json",
+                                     folder / "convert.png")}
     return {name: path for name, path in drawn.items() if path}

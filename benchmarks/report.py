@@ -401,6 +401,17 @@ def undo_section() -> str:
     return "\n" + text.split("\n", 1)[1] if text.startswith("# ") else text
 
 
+def convert_section() -> str:
+    """``convert`` against model size, and the larger-than-memory run (``benchmarks/bench_convert.py``
+    writes ``results/convert.md``)."""
+    page = HERE / "results" / "convert.md"
+    if not page.exists():
+        return "\nNot yet measured: `benchmarks/bench_convert.py` writes `benchmarks/results/convert.md`.\n"
+    text = page.read_text()
+    text = "\n" + text.split("\n", 1)[1] if text.startswith("# ") else text
+    return text.replace("\n## Larger than memory", "\n### Larger than memory")
+
+
 def gaps_section(rows: list[dict]) -> str:
     """Every ratio past its limit, grouped under its explanation (each explanation once)."""
     groups: dict[str, list[str]] = defaultdict(list)
@@ -461,6 +472,9 @@ def write_report(rows: list[dict], scaling: list[dict], meta: dict, out: Path) -
         text += f"\n![scaling]({figures['scaling']})\n"
     text += "\n## Planning\n" + planning_section()
     text += "\n## The undo log's memory (fp8 storage against layerwise casting)\n" + undo_section()
+    text += "\n## Streaming a checkpoint through a script (convert)\n" + convert_section()
+    if "convert" in figures:
+        text += f"\n![convert]({figures['convert']})\n"
     text += "\n## GPU\n" + gpu_section()
     text += "\n## Not measured\n\n" + NOT_MEASURED
     text += f"\nComparisons are declared in `benchmarks/comparisons.py` ({len(COMPARISONS)} entries), the by-hand "

@@ -1,0 +1,346 @@
+"""``convert`` against model size: peak RSS and time, against the in-memory ways.
+
+    nice -n 10 .venv/bin/python benchmarks/bench_convert.py [--sizes small,medium,1b] [--script "quantize nf4"]
+    nice -n 10 .venv/bin/python benchmarks/bench_convert.py --flux-dev /work/bigckpt   # the larger-than-memory run
+
+Writes ``benchmarks/results/convert.md`` and ``convert.json`` (``benchmarks/run.py --report-only`` puts
+them in RESULTS.md, with a chart).
+
+The checkpoints are Llama models (transformers ``save_pretrained``, bf16, random weights) of growing
+size, the largest shaped like TinyLlama-1.1B.  Three ways, each in a fresh process under a watchdog:
+
+- **convert**: ``transformdsl.convert(checkpoint, script, out)``, unit by unit;
+- **load → transform → save**: ``transformdsl.load`` (memory-mapped), ``transform``, ``save``;
+- **transformers + bitsandbytes**: ``from_pretrained(quantization_config=BitsAndBytesConfig(...))``
+  then ``save_pretrained`` (the library quantizes each tensor as it loads it).
+
+**peak RSS** is the highest resident memory of the process during the job above what it held before
+(its imports done; Linux ``clear_refs``/``VmHWM``), and the watchdog's samples split it into anonymous
+memory (``RssAnon``: tensors) and file pages (``RssFile``: the memory-mapped checkpoint, which the
+kernel can drop at will).
+
+``--flux-dev DIR`` writes a FLUX.1-dev-shaped ``FluxTransformer2DModel`` (diffusers' default
+configuration: 19 double and 38 single blocks, 24 heads × 128, ``joint_attention_dim`` 4096, guidance
+embedding; 11.9 B parameters, 23.8 GB in bf16) block by block with random weights, never whole in
+memory, converts it with ``quantize nf4`` and ``fp8 storage`` under a watchdog (``--max-rss-gb``,
+10 by default), loads each result and runs one forward at a 16×16 latent; then deletes ``DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(1, str(HERE.parent))
+
+from common import RESULTS, header, table, write  # noqa: E402
+
+#: name -> (hidden, intermediate, layers, heads, kv heads, vocab)
+SIZES = {
+    "small": (512, 1376, 8, 8, 8, 32000),
+    "medium": (1024, 2816, 16, 16, 4, 32000),
+    "1b": (2048, 5632, 22, 32, 4, 32000),  # TinyLlama-1.1B's shape
+}
+WAYS = ("convert", "load → transform → save", "transformers + bitsandbytes")
+
+
+def _status(pid: int | str = "self") -> dict[str, int]:
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def make_checkpoint(size: str, directory: Path) -> dict:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hidden, intermediate, layers, heads, kv, vocab = SIZES[size]
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
+                         tie_word_embeddings=False, torch_dtype="bfloat16")
+    torch.manual_seed(0)
+    with torch.device("cpu"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(directory, safe_serialization=True, max_shard_size="1GB")
+    params = sum(p.numel() for p in model.parameters())
+    return {"params": params, "bytes": sum(p.stat().st_size for p in directory.glob("*.safetensors"))}
+
+
+def _job(way: str, source: str, script: str, out: str, writer) -> None:
+    import gc
+
+    # Imported before the baseline: what every way needs (the libraries, our passes).
+    import bitsandbytes  # noqa: F401
+    import diffusers  # noqa: F401
+    import torch
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    import transformdsl
+    import transformdsl.persist  # noqa: F401
+    from transformdsl.passes import load_all
+
+    load_all()
+    torch.set_num_threads(1)
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _status()
+    base = before["VmRSS"]
+    start = time.perf_counter()
+    if way == WAYS[0]:
+        transformdsl.convert(source, script, out)
+    elif way == WAYS[1]:
+        model = transformdsl.load(source)
+        transformdsl.transform(model, script)
+        transformdsl.save(model, out)
+    else:
+        mode = script.split()[1]
+        config = (BitsAndBytesConfig(load_in_8bit=True) if mode == "int8" else
+                  BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=mode,
+                                     bnb_4bit_compute_dtype=torch.bfloat16))
+        model = AutoModelForCausalLM.from_pretrained(source, quantization_config=config, device_map="cpu",
+                                                     dtype=torch.bfloat16, local_files_only=True)
+        model.save_pretrained(out, safe_serialization=True)
+    seconds = time.perf_counter() - start
+    writer.send({"seconds": seconds, "peak": _status()["VmHWM"] - base, "base_anon": before["RssAnon"],
+                 "base_file": before["RssFile"]})
+
+
+def run_way(way: str, source: Path, script: str, out: Path, max_rss: int, timeout: float) -> dict:
+    """One job in a fresh process; the watchdog samples RssAnon/RssFile and kills it past ``max_rss``."""
+    context = multiprocessing.get_context("spawn")
+    reader, writer = context.Pipe(duplex=False)
+    process = context.Process(target=_job, args=(way, str(source), script, str(out), writer), daemon=True)
+    process.start()
+    writer.close()
+    peaks = {"RssAnon": 0, "RssFile": 0}
+    killed = []
+
+    def watchdog():
+        while process.is_alive():
+            try:
+                status = _status(process.pid)
+            except (OSError, KeyError):
+                return
+            for key in peaks:
+                peaks[key] = max(peaks[key], status.get(key, 0))
+            if status.get("VmRSS", 0) > max_rss:
+                killed.append(status["VmRSS"])
+                process.kill()
+                return
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=watchdog, daemon=True)
+    thread.start()
+    row = reader.recv() if reader.poll(timeout) else None
+    process.join(30)
+    if process.is_alive():
+        process.kill()
+    thread.join(1)
+    if row is None:
+        return {"status": f"killed by the watchdog at {killed[0] / 2**30:.1f} GiB" if killed else "no result"}
+    return {**row, "anon": peaks["RssAnon"], "file": peaks["RssFile"], "status": "ok"}
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.0f}"
+
+
+def scaling(args) -> None:
+    work = Path(tempfile.mkdtemp(prefix="bench-convert-", dir=args.work))
+    rows, points = [], []
+    started = time.time()
+    try:
+        for size in args.sizes.split(","):
+            source = work / size
+            made = make_checkpoint(size, source)
+            for way in WAYS:
+                out = work / f"{size}-out"
+                result = run_way(way, source, args.script, out, int(args.max_rss_gb * 2**30), args.timeout)
+                shutil.rmtree(out, ignore_errors=True)
+                point = {"size": size, "params": made["params"], "checkpoint": made["bytes"], "way": way, **result}
+                points.append(point)
+                ok = result["status"] == "ok"
+                rows.append({
+                    "checkpoint": f"Llama {size} ({made['params'] / 1e6:,.0f} M, {made['bytes'] / 2**30:.2f} GiB bf16)",
+                    "way": way,
+                    "peak RSS MiB": _mib(result["peak"]) if ok else result["status"],
+                    "÷ checkpoint": f"{result['peak'] / made['bytes']:.2f}" if ok else "",
+                    "peak RssAnon / RssFile MiB": f"{_mib(result['anon'] - result['base_anon'])} / {_mib(result['file'] - result['base_file'])}"
+                    if ok else "",
+                    "time s": f"{result['seconds']:.1f}" if ok else "",
+                })
+            shutil.rmtree(source, ignore_errors=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    text = header(f"convert against model size ({args.script})", started, 1)
+    text += ("\nCommand: `nice -n 10 .venv/bin/python benchmarks/bench_convert.py` (each job in a fresh process, one "
+             "thread).  Peak RSS: the highest resident memory during the job above the process's memory before it "
+             "(imports done); RssAnon (tensors) and RssFile (mapped file pages: the checkpoint, which the kernel "
+             "can drop) are the watchdog's highest samples above the same moment's.\n\n")
+    text += table(rows, ["checkpoint", "way", "peak RSS MiB", "÷ checkpoint", "peak RssAnon / RssFile MiB", "time s"])
+    text += "\n"
+    previous = json.loads((RESULTS / "convert.json").read_text()) if (RESULTS / "convert.json").exists() else {}
+    (RESULTS / "convert.json").write_text(json.dumps({**previous, "script": args.script, "points": points}, indent=1))
+    big = previous.get("flux_dev_text", "")
+    write("convert.md", text + big)
+
+
+# ---------------------------------------------------------------------------- FLUX.1-dev, larger than memory
+
+def write_flux_dev(directory: Path, shard_bytes: int = 2 * 10**9) -> dict:
+    """FLUX.1-dev's transformer (diffusers' default config) with random bf16 weights, written shard by
+    shard from the meta skeleton: at most one block's tensors in memory."""
+    import torch
+    from diffusers import FluxTransformer2DModel
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    with torch.device("meta"):
+        model = FluxTransformer2DModel(guidance_embeds=True)
+    config = dict(model.config)
+    config["_class_name"] = "FluxTransformer2DModel"
+    config["_diffusers_version"] = __import__("diffusers").__version__
+    (directory / "config.json").write_text(json.dumps(config, indent=1, default=list))
+    generator = torch.Generator().manual_seed(0)
+    weight_map, shard, size, count, total, params = {}, {}, 0, 0, 0, 0
+
+    def flush():
+        nonlocal shard, size, count
+        if shard:
+            count += 1
+            name = f"diffusion_pytorch_model-{count:05d}.safetensors"
+            save_file(shard, str(directory / name), metadata={"format": "pt"})
+            weight_map.update({key: name for key in shard})
+            shard, size = {}, 0
+
+    for key, tensor in model.state_dict().items():
+        value = torch.empty(tensor.shape, dtype=torch.bfloat16)
+        if "norm" in key and key.endswith("weight"):
+            value.fill_(1.0)
+        else:
+            value.copy_(torch.randn(tensor.shape, generator=generator, dtype=torch.float32).mul_(0.02))
+        nbytes = value.numel() * 2
+        if size and size + nbytes > shard_bytes:
+            flush()
+        shard[key] = value
+        size += nbytes
+        total += nbytes
+        params += value.numel()
+    flush()
+    names = sorted(set(weight_map.values()))
+    final = {name: name.replace(".safetensors", f"-of-{count:05d}.safetensors") for name in names}
+    for old, new in final.items():
+        os.rename(directory / old, directory / new)
+    (directory / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": {k: final[v] for k, v in weight_map.items()}}))
+    return {"params": params, "bytes": total}
+
+
+def _load_and_run(out: str, writer) -> None:
+    import torch
+
+    import transformdsl
+
+    start = time.perf_counter()
+    model = transformdsl.load(out)
+    loaded = time.perf_counter() - start
+    config = model.config
+    with torch.inference_mode():
+        latent = torch.randn(1, 16 * 16 // 4 * 1, config.in_channels, dtype=torch.bfloat16)
+        text = torch.randn(1, 8, config.joint_attention_dim, dtype=torch.bfloat16)
+        start = time.perf_counter()
+        output = model(hidden_states=latent, encoder_hidden_states=text,
+                       pooled_projections=torch.randn(1, config.pooled_projection_dim, dtype=torch.bfloat16),
+                       timestep=torch.tensor([0.5]), guidance=torch.tensor([3.5]),
+                       img_ids=torch.zeros(latent.shape[1], 3), txt_ids=torch.zeros(8, 3), return_dict=False)[0]
+    writer.send({"load_s": loaded, "forward_s": time.perf_counter() - start,
+                 "finite": bool(torch.isfinite(output).all()), "peak": _status()["VmHWM"]})
+
+
+def flux_dev(args) -> None:
+    directory = Path(args.flux_dev)
+    started = time.time()
+    rows = []
+    try:
+        begin = time.perf_counter()
+        made = write_flux_dev(directory / "source")
+        print(f"wrote FLUX.1-dev shape: {made['params'] / 1e9:.2f} B parameters, {made['bytes'] / 1e9:.1f} GB "
+              f"in {time.perf_counter() - begin:.0f} s", flush=True)
+        for script in ("quantize nf4", "fp8 storage"):
+            out = directory / script.replace(" ", "-")
+            result = run_way("convert", directory / "source", script, out, int(args.max_rss_gb * 2**30),
+                             args.timeout)
+            print(script, result, flush=True)
+            row = {"script": script, "source": f"{made['params'] / 1e9:.2f} B params, {made['bytes'] / 1e9:.1f} GB bf16"}
+            if result["status"] != "ok":
+                rows.append({**row, "peak RSS GiB": result["status"]})
+                continue
+            written = sum(p.stat().st_size for p in out.glob("*.safetensors"))
+            context = multiprocessing.get_context("spawn")
+            reader, writer = context.Pipe(duplex=False)
+            process = context.Process(target=_load_and_run, args=(str(out), writer), daemon=True)
+            process.start()
+            writer.close()
+            ran = reader.recv() if reader.poll(args.timeout) else {}
+            process.join(30)
+            rows.append({**row, "output GB": f"{written / 1e9:.1f}",
+                         "peak RSS GiB": f"{result['peak'] / 2**30:.2f}",
+                         "÷ source": f"{result['peak'] / made['bytes']:.3f}",
+                         "peak RssAnon / RssFile GiB": f"{(result['anon'] - result['base_anon']) / 2**30:.2f} / "
+                                                       f"{(result['file'] - result['base_file']) / 2**30:.2f}",
+                         "convert s": f"{result['seconds']:.0f}",
+                         "load + forward (16×16)": (f"{ran['load_s']:.1f} s + {ran['forward_s']:.1f} s, finite: "
+                                                    f"{ran['finite']}") if ran else "failed"})
+            shutil.rmtree(out, ignore_errors=True)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    text = ("\n## Larger than memory: a FLUX.1-dev-shaped transformer\n\n"
+            f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(started))} on this machine (24 GB of memory, "
+            "shared).  Command: `nice -n 10 .venv/bin/python benchmarks/bench_convert.py --flux-dev /work/bigckpt` "
+            "(the checkpoint is written with random weights, block by block, then deleted).  Peak RSS is the "
+            "process's, above its memory before the convert (imports done); RssAnon / RssFile: the watchdog's "
+            "highest samples, above the same moment's.  Target: peak RSS < 1/3 of the source.\n\n")
+    text += table(rows, ["script", "source", "output GB", "peak RSS GiB", "÷ source", "peak RssAnon / RssFile GiB",
+                         "convert s", "load + forward (16×16)"]) + "\n"
+    previous = json.loads((RESULTS / "convert.json").read_text()) if (RESULTS / "convert.json").exists() else {}
+    (RESULTS / "convert.json").write_text(json.dumps({**previous, "flux_dev": rows, "flux_dev_text": text}, indent=1))
+    page = RESULTS / "convert.md"
+    current = page.read_text().split("\n## Larger than memory")[0] if page.exists() else ""
+    write("convert.md", current.rstrip("\n") + "\n" + text)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="small,medium,1b")
+    parser.add_argument("--script", default="quantize nf4")
+    parser.add_argument("--max-rss-gb", type=float, default=8.0)
+    parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--work", default=None, help="where checkpoints are written (default: the system's tmp)")
+    parser.add_argument("--flux-dev", metavar="DIR", help="the larger-than-memory run, in DIR (deleted after)")
+    args = parser.parse_args(argv)
+    if args.flux_dev:
+        if "--max-rss-gb" not in (argv or sys.argv):
+            args.max_rss_gb = 10.0
+        flux_dev(args)
+    else:
+        scaling(args)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    main()
