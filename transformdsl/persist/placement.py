@@ -18,8 +18,8 @@ Here tensors keep their objects and classes; only their storage moves:
   model's outputs come back to the device of its first placed module;
 - ``"disk"``: the module's tensors are written to ``offload_folder`` (one safetensors file per
   module: every dtype bit for bit, int8, uint8, float8 and bfloat16 included) and replaced by views
-  of that file, memory-mapped; after each forward of the module its pages are given back to the
-  system, so the module costs memory only while it runs;
+  of that file, memory-mapped; the module runs on the CPU, and after each of its forwards its pages
+  are given back to the system, so it costs memory only while it runs;
 - ``"meta"``: the module's tensors are dropped (meta tensors: shapes and dtypes, no data); calling
   it fails.
 """
@@ -75,7 +75,8 @@ def place(model: nn.Module, device_map: str | Mapping, *, max_memory: Mapping | 
         folder.mkdir(parents=True, exist_ok=True)
     devices = {_device(v) for v in resolved.values() if v not in OFFLOAD}
     main = next((_device(v) for v in resolved.values() if v not in OFFLOAD), torch.device("cpu"))
-    route = len(devices | ({main} if "disk" in resolved.values() else set())) > 1
+    cpu = torch.device("cpu")
+    route = len(devices | ({cpu} if "disk" in resolved.values() else set())) > 1
     owned = _tensors_by_key(model, resolved)
     for path, where_to in _units(resolved):
         module = model.get_submodule(path) if path else model
@@ -87,7 +88,7 @@ def place(model: nn.Module, device_map: str | Mapping, *, max_memory: Mapping | 
             _move(owned.get(path, []), _device(where_to), path, where)
         if route and path and where_to != "meta":
             for called in _called(module):
-                _send_inputs(called, main if where_to == "disk" else _device(where_to))
+                _send_inputs(called, cpu if where_to == "disk" else _device(where_to))
     if route:
         model.register_forward_hook(lambda _module, _args, output: _send(output, main))
     model.hf_device_map = dict(resolved)
