@@ -416,10 +416,10 @@ def test_parse_time_grows_linearly():
 
 def test_oversized_script_is_refused_before_parsing():
     text = "compile\n" * (MAX_SCRIPT_CHARS // 8 + 1)
-    started = time.perf_counter()
+    started = time.process_time()  # our CPU time: a busy CI machine must not fail the guard
     with pytest.raises(ScriptError) as caught:
         parse(text)
-    assert time.perf_counter() - started < 0.5
+    assert time.process_time() - started < 0.5
     assert "the limit is" in caught.value.message
     check_error(caught.value, text)
 

@@ -241,10 +241,10 @@ def test_alias_tying_independent_parameters_is_refused(module_save):
 
 def test_repeated_tensor_files_are_refused_quickly(module_save):
     edit_json(module_save / META_FILE, lambda m: m["tensors"].update({"files": ["model.safetensors"] * 200_000}))
-    started = time.perf_counter()
+    started = time.process_time()  # our CPU time: a busy CI machine must not fail the guard
     with pytest.raises(LoadError, match="each file once"):
         transformdsl.load(module_save)
-    assert time.perf_counter() - started < 5
+    assert time.process_time() - started < 5
 
 
 @pytest.mark.parametrize("value", [3e9, 10**12, -1e9])

@@ -77,13 +77,15 @@ HOSTILE_PLANS = {
 @pytest.mark.parametrize("name", list(HOSTILE_PLANS))
 def test_hostile_scripts_are_rejected_or_planned_in_bounded_time(flux, name):
     text = HOSTILE_PLANS[name]
-    started = time.perf_counter()
+    # CPU time of this process, not wall time: the bound is on our work, and a busy machine
+    # (CI running tests in parallel) must not turn a guard into a flaky test.
+    started = time.process_time()
     try:
         transformdsl.plan(flux, text)
     except ScriptError as exc:
         rendered = str(exc)
         assert len(rendered) < 100_000, len(rendered)
-    assert time.perf_counter() - started < BUDGET_S, name
+    assert time.process_time() - started < BUDGET_S, name
 
 
 def test_a_slow_regex_is_a_script_error_naming_it(flux):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -123,22 +122,30 @@ def test_gpt2_conv1d_is_quantized_transposed():
     assert entry["source"] == "Conv1D" and (entry["in"], entry["out"]) == (64, 192)
 
 
-def test_reload_is_much_faster_than_quantizing(tmp_path):
-    """On layers of a realistic width, where quantizing costs (load() has a fixed cost of its own)."""
+def test_reload_reads_the_quantized_bytes_instead_of_quantizing_again(tmp_path, monkeypatch):
+    """load() rebuilds nf4 layers from the saved packed weights and quant state: bitsandbytes'
+    quantizer never runs again on real data, only on the meta skeleton that shapes the layer (how
+    much faster that is lives in benchmarks/, not in a timed test)."""
+    import bitsandbytes as bnb
+
     def make():
-        return nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(3)])
+        return nn.Sequential(*[nn.Linear(256, 256) for _ in range(3)])
 
     torch.manual_seed(0)
     model = make()
-    started = time.perf_counter()
     transformdsl.transform(model, "quantize nf4")
-    quantize_s = time.perf_counter() - started
     transformdsl.save(model, tmp_path / "saved")
-    started = time.perf_counter()
+    calls = []
+    real = bnb.functional.quantize_4bit
+
+    def counting(weight, *args, **kwargs):
+        calls.append(weight.device.type)
+        return real(weight, *args, **kwargs)
+
+    monkeypatch.setattr(bnb.functional, "quantize_4bit", counting)
     loaded = transformdsl.load(tmp_path / "saved", model=make)
-    load_s = time.perf_counter() - started
-    assert load_s < quantize_s / 4, (load_s, quantize_s)
-    x = torch.randn(2, 1024)
+    assert calls and set(calls) == {"meta"}, calls
+    x = torch.randn(2, 256)
     with torch.no_grad():
         assert torch.equal(loaded(x), model(x))
 
