@@ -367,3 +367,10 @@ def test_transformers_format_refuses_quantized_linear_subclasses(tmp_path):
                                              r"FalconLinear'\)"):
         transformdsl.save(model, tmp_path / "stock", format="transformers")
     assert not (tmp_path / "stock").exists()
+
+
+def test_a_refusal_names_the_format_asked_for():
+    model = BUILTIN["llama"]()
+    transformdsl.transform(model, "quantize hqq group_size=auto")
+    with pytest.raises(TransformError, match=r"^format='compressed-tensors' cannot carry line 1: 'quantize hqq"):
+        transformdsl.save(model, Path("/nonexistent/never-written"), format="compressed-tensors")

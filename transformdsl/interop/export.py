@@ -128,7 +128,7 @@ def export(module: nn.Module, fmt: str) -> Exported:
             fp8.append((where, step.record))
             quantized.update(step.record["layers"])
         elif step.key == "quantize hqq":
-            raise TransformError(f"format={library!r} cannot carry {where}: transformers 5.24 cannot load HQQ "
+            raise TransformError(f"format={fmt!r} cannot carry {where}: transformers 5.24 cannot load HQQ "
                                  "checkpoints (its HQQ quantizer raises NotImplementedError) and diffusers has no "
                                  "HQQ loader; quantize with int8/nf4/fp4 for a stock-loadable save, or save with "
                                  "format='transformdsl'")
