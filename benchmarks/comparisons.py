@@ -111,6 +111,8 @@ COMPARISONS: list[Comparison] = [
                  sizes=("tiny", "medium")),
     ), dtype=torch.bfloat16),
     # diffusers' plain cast, option for option: the apply-time target (<= 1.5x) at equal error.
+    Comparison("fp8 storage scale=tensor", "fp8 storage scale=tensor", (LAYERWISE,), dtype=torch.bfloat16,
+               sizes=("tiny", "medium")),
     Comparison("fp8 storage scale=none", "fp8 storage scale=none", (LAYERWISE,), dtype=torch.bfloat16,
                sizes=("tiny", "medium")),
     Comparison("fp8 native", "fp8 native", (), dtype=torch.bfloat16,

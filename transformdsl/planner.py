@@ -89,6 +89,8 @@ class Step:
     overridden: list[tuple[str, int]] = field(default_factory=list)
     bytes: int = 0
     notes: list[str] = field(default_factory=list)
+    #: the note (also in ``notes``) saying the chosen backend has no fast kernel on this device.
+    device_note: str | None = None
 
     @property
     def statement(self):
@@ -336,6 +338,9 @@ class Planner:
         self._claim(step)
         step.bytes = _bytes(tree, step.targets)
         step.notes.extend(transform.notes(tree, step.targets))
+        step.device_note = transform.device_note(tree, step.targets) if step.targets else None
+        if step.device_note:
+            step.notes.append(step.device_note)
         if not step.targets:
             step.notes.append("selects no module: this statement does nothing on this model")
         transform.plan_effect(tree, list(step.targets))

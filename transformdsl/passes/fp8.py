@@ -924,17 +924,24 @@ class FP8Native(Transform):
             more = f" (+{len(fallback) - 4} more)" if len(fallback) > 4 else ""
             notes.append(f"{len(fallback)} layer(s) cannot run torch._scaled_mm on a GPU and are stored in fp8 "
                          f"with upcast instead: {shown}{more}")
-        device = _model_device(tree, targets)
-        problem = device_fp8_problem(device) if device is not None else None
-        if problem:
-            hint = (" (set transformdsl.passes.fp8.CPU_SCALED_MM = True to run torch._scaled_mm's slow CPU "
-                    "reference instead)") if device.type == "cpu" else ""
-            notes.append(f"fallback: {problem}; native layers upcast their fp8 weights to {self.options.compute} "
-                         f"on it{hint}; strict=true makes this an error")
         before = sum(tree[p].own_bytes for p in targets)
         after = sum(_fp8_bytes(tree[p], self.scale_count(tree[p])) for p in targets)
         notes.append(_ratio_note(before, after))
         return unhandled + notes
+
+    def device_note(self, tree: ModuleTree, targets: list[str]) -> str | None:
+        device = _model_device(tree, targets)
+        problem = device_fp8_problem(device) if device is not None and device.type != "meta" else None
+        if not problem:
+            return None
+        hint = (" (set transformdsl.passes.fp8.CPU_SCALED_MM = True to run torch._scaled_mm's slow CPU "
+                "reference instead)") if device.type == "cpu" else ""
+        from ..capabilities import fp8_cost
+
+        cost = fp8_cost() if device.type == "cpu" else None
+        measured = f", measured {cost}; fp8 saves memory here, not time" if cost else ""
+        return (f"fallback: {problem}; native layers upcast their fp8 weights to {self.options.compute} "
+                f"on it{measured}{hint}; strict=true makes this an error")
 
     def apply(self, ctx: ApplyContext, targets: list[str]) -> dict:
         layers = {}
