@@ -89,7 +89,8 @@ class Step:
     overridden: list[tuple[str, int]] = field(default_factory=list)
     bytes: int = 0
     notes: list[str] = field(default_factory=list)
-    #: the note (also in ``notes``) saying the chosen backend has no fast kernel on this device.
+    #: Why the chosen backend is slow on the device the targets are on (no fast kernel there),
+    #: what that costs as measured, and the faster alternative; None when it is fast there.
     device_note: str | None = None
 
     @property
@@ -118,6 +119,7 @@ class Step:
             "excluded": dict(self.excluded),
             "bytes": self.bytes,
             "notes": list(self.notes),
+            "device_note": self.device_note,
         }
 
 
@@ -339,8 +341,6 @@ class Planner:
         step.bytes = _bytes(tree, step.targets)
         step.notes.extend(transform.notes(tree, step.targets))
         step.device_note = transform.device_note(tree, step.targets) if step.targets else None
-        if step.device_note:
-            step.notes.append(step.device_note)
         if not step.targets:
             step.notes.append("selects no module: this statement does nothing on this model")
         transform.plan_effect(tree, list(step.targets))
