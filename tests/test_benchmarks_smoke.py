@@ -36,7 +36,8 @@ def test_smallest_configuration_runs(harness, tmp_path):
 
     data = json.loads((out / "results" / "run.json").read_text())
     rows = {row["side"]: row for row in data["rows"]}
-    assert set(rows) == {"original", "transformdsl", "bitsandbytes Linear8bitLt by hand"}
+    assert set(rows) == {"original", "transformdsl", "bitsandbytes Linear8bitLt by hand",
+                         "the model unchanged (same process)"}  # ours ÷ original, calls in turn
     for row in rows.values():
         assert row["status"] == "ok" or row["status"].startswith("not available yet"), row.get("traceback")
     ours, by_hand = rows["transformdsl"], rows["bitsandbytes Linear8bitLt by hand"]
@@ -80,5 +81,5 @@ def test_merge_regenerates_only_the_sections_it_ran(harness, tmp_path):
     text = page.read_text()
     assert "## Issue 15's targets" in text
     assert "| flux-tiny | int8 weight-only: latency ÷ fp32 |" in text
-    assert "| flux-tiny | hqq reload ÷ floor (reading the bytes) |" in text
+    assert "| flux-tiny | hqq reload ÷ floor (reading the bytes)" in text
     assert "Rows from an earlier run" in text

@@ -120,18 +120,23 @@ def _figure(workload: str, comparison: str, name: str) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def _measured_on() -> str:
+def source() -> str:
+    """Where the quoted figures come from, and the CPU they were measured on."""
     cpu = measured().get("cpu") or {}
-    what = cpu.get("capability", "?")
     dot = ", ".join(cpu.get("int8_dot") or []) or "no VNNI/AMX"
-    return f"benchmarks/RESULTS.md, {what} CPU ({dot})"
+    return f"benchmarks/RESULTS.md, measured on an {cpu.get('capability', '?')} CPU ({dot})"
 
 
 def _latency(workload: str, comparison: str) -> str | None:
     value = _figure(workload, comparison, "latency_vs_original")
     if value is None:
         return None
-    return f"{value:.2f}× fp32 latency ({workload}, '{comparison}' row, {_measured_on()})"
+    return f"{value:.2f}× fp32 latency ({workload}, '{comparison}' row)"
+
+
+def _cited(text: str, *figures: str | None) -> str:
+    """``text``, with the source of its figures when it quotes any."""
+    return f"{text} [{source()}]" if any(figures) else text
 
 
 # --------------------------------------------------------------------------- notes
@@ -149,19 +154,21 @@ def int8_note(device_type: str) -> str | None:
               + (f" at {alternative}" if alternative else " with a float matmul"))
     if kind == "float32":
         cost = _latency("flux-medium", "quantize int8")
-        return (f"this CPU ({cpu_capability()}) has no int8 matmul kernel: bitsandbytes converts both sides and "
-                f"multiplies in float32 at every call" + (f", measured {cost}" if cost else "")
-                + f"; {faster}")
+        text = (f"this CPU ({cpu_capability()}) has no int8 matmul kernel: bitsandbytes converts both sides and "
+                f"multiplies in float32 at every call" + (f", measured {cost}" if cost else "") + f"; {faster}")
+        return _cited(text, cost, alternative)
     # AVX-512 without VNNI/AMX: torch._int_mm runs without int8 dot products.  Not measured by this
-    # project's benchmark machine (AVX2); the figure is issue 15's, measured with the same script.
-    return ("this CPU has AVX-512 without int8 dot products (no avx512_vnni/avx_vnni/amx_int8): bitsandbytes' "
-            "int8 matmul (torch._int_mm) ran ~36× slower than fp32 on such a CPU (medium Flux: 10.8 s against "
-            f"0.30 s, issue 15); {faster}")
+    # project's benchmark machine (AVX2); the figure is issue 15's, measured with the same model.
+    return _cited("this CPU has AVX-512 without int8 dot products (no avx512_vnni/avx_vnni/amx_int8): "
+                  "bitsandbytes' int8 matmul (torch._int_mm) ran ~36× slower than fp32 on such a CPU (medium "
+                  f"Flux: 10.8 s against 0.30 s, issue 15); {faster}", alternative)
 
 
 def fp8_cost() -> str | None:
-    """What upcasting fp8 layers cost, as measured (for the fp8 native fallback note)."""
-    return _latency("flux-medium", "fp8 native")
+    """What upcasting fp8 layers costs on a CPU, as measured, with its source (for the fp8 native
+    fallback note); None when not measured."""
+    cost = _latency("flux-medium", "fp8 native")
+    return _cited(cost, cost) if cost else None
 
 
 def hqq_note(device_type: str) -> str | None:
@@ -181,6 +188,7 @@ def hqq_note(device_type: str) -> str | None:
         note += f", measured {cost}" if cost else ""
         note += (f"; 'quantize int8 weight_only=true' (twice the bytes of 4-bit) runs at {alternative}"
                  if alternative else "")
+        note = _cited(note, cost, alternative)
     return note
 
 
