@@ -105,16 +105,17 @@ _LOGGED_DEVICE_NOTES: set[str] = set()
 
 
 def _log_device_notes(the_plan: Plan, log: Callable[[str], None] | None) -> None:
-    """Each statement's note that its backend has no fast kernel on this device: to ``log``
-    (every call), and to the ``transformdsl`` logger at WARNING once per process."""
+    """Each statement's note that its backend has no fast kernel on this device: to ``log`` when
+    given (at every call, with the other summary lines), else to the ``transformdsl`` logger at
+    WARNING, once per process."""
     for step in the_plan.steps:
         note = step.device_note
         if not note:
             continue
-        line = f"line {step.statement.line}: {step.statement.key}: {note}"
+        line = f"line {step.statement.line}: {step.statement.key}: device: {note}"
         if log is not None:
             log(line)
-        if note not in _LOGGED_DEVICE_NOTES:
+        elif note not in _LOGGED_DEVICE_NOTES:
             _LOGGED_DEVICE_NOTES.add(note)
             logger.warning(line)
 
