@@ -375,6 +375,15 @@ def gpu_section() -> str:
             "`make bench` puts here.\n")
 
 
+def undo_section() -> str:
+    """The undo log's memory (``benchmarks/bench_undo.py`` writes ``results/undo.md``)."""
+    page = HERE / "results" / "undo.md"
+    if not page.exists():
+        return "\nNot yet measured: `benchmarks/bench_undo.py` writes `benchmarks/results/undo.md`.\n"
+    text = page.read_text()
+    return "\n" + text.split("\n", 1)[1] if text.startswith("# ") else text
+
+
 def gaps_section(rows: list[dict]) -> str:
     """Every ratio past its limit, grouped under its explanation (each explanation once)."""
     groups: dict[str, list[str]] = defaultdict(list)
@@ -544,6 +553,7 @@ def write_report(rows: list[dict], scaling: list[dict], meta: dict, out: Path) -
     text += "\n## Cost against model size\n" + scaling_section(points)
     if "scaling" in figures:
         text += f"\n![scaling]({figures['scaling']})\n"
+    text += "\n## The undo log's memory (fp8 storage against layerwise casting)\n" + undo_section()
     text += "\n## GPU\n" + gpu_section()
     text += "\n## Not measured\n\n" + NOT_MEASURED
     text += f"\nComparisons are declared in `benchmarks/comparisons.py` ({len(COMPARISONS)} entries), the by-hand "

@@ -28,12 +28,13 @@ from torch import nn
 
 import transformdsl
 from transformdsl import TransformError, models, registry
-from transformdsl import persist as persist_module
 from transformdsl.edit import Edit
 from transformdsl.executor import history_of, relative_error, script_error_bound
 from transformdsl.passes import qkv
 from transformdsl.passes.base import Transform
 from transformdsl.passes.quantize import Int8Quantization
+from transformdsl.persist import atomic as persist_atomic
+from transformdsl.persist import write as persist_write
 from transformdsl.planner import module_components
 
 # --------------------------------------------------------------------------- snapshots
@@ -343,8 +344,8 @@ def leftovers(parent: Path, name: str) -> list[str]:
 
 
 #: Every step save() writes through, in order.
-SAVE_POINTS = [(persist_module, "save_aligned"), (Path, "write_text"),  # JSON files and script.tfm
-               (os, "fsync"), (os, "rename"), (persist_module, "_renameat2_exchange")]
+SAVE_POINTS = [(persist_write, "save_aligned"), (Path, "write_text"),  # JSON files and script.tfm
+               (os, "fsync"), (os, "rename"), (persist_atomic, "_renameat2_exchange")]
 
 
 @pytest.fixture(scope="module")
@@ -402,7 +403,7 @@ SHARD = 200_000
 def test_interrupted_save_keeps_the_previous_save(monkeypatch, tmp_path, two_models, exc, exchange):
     previous, new = two_models
     if not exchange:  # the fallback: move the old save aside, move the new one in
-        monkeypatch.setattr(persist_module, "_renameat2_exchange", lambda a, b: False)
+        monkeypatch.setattr(persist_atomic, "_renameat2_exchange", lambda a, b: False)
     steps = interrupt_every_save_step(monkeypatch, tmp_path / "saved", previous, new, exc, SHARD)
     assert steps >= 12  # every shard, JSON file, fsync and rename was a failure point once
     assert torch.equal(models.run(transformdsl.load(tmp_path / "saved")), models.run(new))
@@ -420,7 +421,7 @@ def test_disk_full_mid_write_is_reported_and_leaves_nothing(monkeypatch, tmp_pat
     target = tmp_path / "saved"
     transformdsl.save(previous, target)
     old_digest = digest(target)
-    real = persist_module.save_aligned
+    real = persist_write.save_aligned
 
     def fills_up(tensors, path, metadata=None):
         real(tensors, path, metadata)
@@ -428,7 +429,7 @@ def test_disk_full_mid_write_is_reported_and_leaves_nothing(monkeypatch, tmp_pat
             f.truncate(os.path.getsize(path) // 2)
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-    monkeypatch.setattr(persist_module, "save_aligned", fills_up)
+    monkeypatch.setattr(persist_write, "save_aligned", fills_up)
     with pytest.raises(TransformError, match=r"cannot save to .*saved: No space left on device \(.*model.safetensors\); "
                                              r"nothing was written there and a previous save there, if any, is intact"):
         transformdsl.save(new, target)

@@ -27,6 +27,7 @@ from .explain import human_bytes
 from .ir import Script
 from .passes.base import ApplyContext
 from .planner import Plan, module_components, plan
+from .spill import UndoStore, auto_budget, check_undo_options
 from .tree import parameter_bytes
 from .validate import ValidatedScript
 
@@ -122,7 +123,8 @@ def _log_device_notes(the_plan: Plan, log: Callable[[str], None] | None) -> None
 
 def transform(model: Any, script: str | Path | Script | ValidatedScript | Plan, *, progress: bool = False,
               log: Callable[[str], None] | None = None, verify: bool = False,
-              verify_inputs: tuple[tuple, dict] | None = None, strict: bool = False) -> Any:
+              verify_inputs: tuple[tuple, dict] | None = None, strict: bool = False, undo: str = "auto",
+              undo_budget: int | None = None, undo_dir: str | Path | None = None) -> Any:
     """Apply ``script`` to ``model`` (an ``nn.Module`` or a diffusers pipeline); return the model.
 
     The model is changed in place and returned.  ``progress=True`` shows a progress bar
@@ -138,7 +140,20 @@ def transform(model: Any, script: str | Path | Script | ValidatedScript | Plan, 
     A statement that changes no module (its selectors name nothing the transform can change on
     this model) is a :class:`NothingToDoWarning`; with ``strict=True`` it is a
     :class:`TransformError`, raised before anything is changed.
+
+    Until the script has run, the originals it replaces are kept so that a failure can put them
+    back (the undo log).  ``undo`` says where they wait once they exceed ``undo_budget`` bytes:
+    ``"auto"`` (the default) keeps up to ``undo_budget`` bytes of them in memory (default: 5% of
+    the model's parameter bytes, at least 64 MiB and at most 1 GiB) and the rest on disk;
+    ``"disk"`` keeps none in memory (``undo_budget`` 0); ``"memory"`` keeps them all in memory
+    (the fastest, and twice the memory of the replaced layers at the peak).  On disk means: an
+    original memory-mapped from an unchanged file (``from_pretrained`` of a safetensors checkpoint)
+    gives its pages back and is read from that file again if needed; any other is written to a
+    nameless temporary file in ``undo_dir`` (default: the system's temporary directory), freed when
+    the transform ends, whatever way it ends.  Either way a rollback is bit-exact, and only
+    originals that nothing but the undo log refers to leave memory.
     """
+    check_undo_options(undo, undo_budget)
     the_plan = script if isinstance(script, Plan) else plan(model, script)
     idle = idle_statements(the_plan)
     if idle and strict:
@@ -149,7 +164,7 @@ def transform(model: Any, script: str | Path | Script | ValidatedScript | Plan, 
     verify = verify or verify_inputs is not None
     reference = _reference_output(model, verify_inputs) if verify else None
     components = module_components(model)
-    edit = Edit()
+    edit = Edit(_undo_store(undo, undo_budget, undo_dir, components))
     applied: dict[str, list[AppliedStep]] = {}
     source = the_plan.script.source
     make_progress = _progress_factory(progress)
@@ -168,6 +183,8 @@ def transform(model: Any, script: str | Path | Script | ValidatedScript | Plan, 
             except Exception as exc:
                 raise TransformError(f"line {step.statement.line}: '{step.statement.key}' failed: "
                                      f"{type(exc).__name__}: {exc}; the model was left unchanged") from exc
+            if edit.store is not None:
+                edit.store.settle()
             if log is not None:
                 after = parameter_bytes(root)
                 log(f"line {step.statement.line}: {step.text(source)}: {len(step.targets)} module(s), "
@@ -184,12 +201,38 @@ def transform(model: Any, script: str | Path | Script | ValidatedScript | Plan, 
         if verify:
             _verify(model, reference, verify_inputs, [step.transform for step in the_plan.steps], log)
     except BaseException:
-        edit.rollback()
+        try:
+            edit.rollback()
+        finally:
+            _close_store(edit.store, log)
         raise
     edit.commit()
+    _close_store(edit.store, log)
     for name, steps in applied.items():
         _append_history(components[name], source, steps)
     return model
+
+
+def _undo_store(undo: str, budget: int | None, directory, components: dict) -> UndoStore | None:
+    """The store that bounds the undo log's memory (None: everything stays in memory)."""
+    if undo == "memory":
+        return None
+    if undo == "disk":
+        budget = 0
+    elif budget is None:
+        budget = auto_budget(sum(parameter_bytes(root) for root in components.values()))
+    return UndoStore(budget, directory)
+
+
+def _close_store(store: UndoStore | None, log) -> None:
+    if store is None:
+        return
+    store.close()
+    parts = ([f"{human_bytes(store.spilled_bytes)} of originals kept on disk"] if store.spilled_bytes else []) + \
+        ([f"{human_bytes(store.dropped_bytes)} of memory-mapped originals left in their files"]
+         if store.dropped_bytes else [])
+    if log is not None and parts:
+        log(f"undo log: {', '.join(parts)} (budget {human_bytes(store.budget)} in memory)")
 
 
 def _append_history(module: nn.Module, source: str, steps: list[AppliedStep]) -> None:

@@ -1,0 +1,219 @@
+"""Writing a save atomically: a temporary sibling directory, flushed, then swapped into place.
+
+An interrupted write leaves any previous save intact and, once the next save runs, no
+temporary directory behind (each is named by the process that wrote it).  A target is
+replaced only when it is empty or exactly a complete previous save.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import glob
+import json
+import os
+import re
+import shutil
+import stat
+from pathlib import Path
+
+from ..errors import LoadError, TransformError
+from ..savedir import SaveDir
+from .checks import read_metadata
+from .format import META_FILE, _write_json
+
+
+def _check_target(final: Path) -> None:
+    """Refuse a target that is not empty or a complete previous save: saving replaces
+    (deletes) what is there, so a directory holding anything a save did not write, or
+    missing a file its save listed, is left alone."""
+    if final.is_symlink() or (final.exists() and not final.is_dir()):
+        raise TransformError(f"cannot save to {final}: it exists and is not a directory")
+    if not final.is_dir() or not any(final.iterdir()):
+        return
+    problem = _not_a_complete_save(final)
+    if problem:
+        raise TransformError(f"cannot save to {final}: {problem}, and saving replaces the whole directory "
+                             "(deleting what is there); choose a new or empty directory, or remove it yourself")
+
+
+def _not_a_complete_save(final: Path) -> str | None:
+    """Why ``final`` is not exactly a save's files (``None`` if it is)."""
+    try:
+        with SaveDir.open(final) as folder:
+            meta = read_metadata(folder)
+            present = {rel for rel, info in folder.walk() if not stat.S_ISDIR(info.st_mode)}
+            links = {rel for rel, info in folder.walk() if stat.S_ISLNK(info.st_mode)}
+    except (LoadError, OSError) as exc:
+        return f"it is a non-empty directory that holds no transformdsl save ({exc})"
+    listed = meta.get("manifest")
+    if listed is None:
+        return "it holds a transformdsl save without a file list (saved by an older version)"
+    listed = set(listed) | {META_FILE}
+    extra, missing = sorted(present - listed), sorted(listed - present)
+    if links:
+        return f"it holds symbolic links ({', '.join(sorted(links)[:3])})"
+    if extra:
+        return f"it holds files the save there did not write ({', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''})"
+    if missing:
+        return f"the save there is incomplete (missing {', '.join(missing[:3])})"
+    return None
+
+
+def _write_manifest(directory: Path) -> None:
+    """List every file of the save in its metadata (``manifest``): what a later save may
+    replace is exactly that (:func:`_not_a_complete_save`)."""
+    path = directory / META_FILE
+    if not path.is_file():
+        return
+    meta = json.loads(path.read_text())
+    meta["manifest"] = sorted(str(p.relative_to(directory)) for p in directory.rglob("*")
+                              if not p.is_dir() and p != path and p.relative_to(directory) != Path(_TMP_MARKER))
+    _write_json(path, meta)
+
+
+#: Present in a temporary save directory while it is written: ``PID BOOT_ID``.
+_TMP_MARKER = ".transformdsl-incomplete"
+
+
+def _umask() -> int:
+    try:  # Linux: read it without changing it (os.umask sets it, racing other threads)
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return "unknown"
+
+
+def _boot_tag() -> str:
+    """The first field of the boot id: enough to tell this boot's process ids from an earlier one's."""
+    return _boot_id().split("-", 1)[0]
+
+
+#: ``PID.BOOTTAG.random`` after ``.NAME.tmp-``: a temporary directory named by the save that made it.
+_TMP_NAME = re.compile(r"(\d{1,10})\.([0-9a-z]{1,16})\.")
+
+
+def _remove_stale_temporaries(final: Path) -> None:
+    """Remove ``.NAME.tmp-*`` / ``.NAME.old-*`` siblings left by saves that were killed.
+
+    Only directories carrying our marker (or old copies named by a dead process id) whose
+    writing process is gone (not running on this boot) are removed: a save still in
+    progress elsewhere is left alone.
+    """
+    for sibling in final.parent.glob(f".{glob.escape(final.name)}.*-*"):
+        kind = sibling.name[len(final.name) + 2:].split("-", 1)[0]
+        if kind not in ("tmp", "old") or sibling.is_symlink() or not sibling.is_dir():
+            continue
+        try:
+            named = _TMP_NAME.match(sibling.name[len(final.name) + 6:]) if kind == "tmp" else None
+            if named:
+                pid_text, boot = named.group(1), _boot_id() if named.group(2) == _boot_tag() else "other boot"
+            elif kind == "tmp":
+                pid_text, boot = (sibling / _TMP_MARKER).read_text().split()
+            else:
+                pid_text, boot = sibling.name.rsplit("-", 1)[1], _boot_id()
+            pid = int(pid_text)
+        except (OSError, ValueError):
+            continue  # not ours (no marker), or finished and being swapped in: leave it
+        if boot == _boot_id() and _process_alive(pid):
+            continue
+        shutil.rmtree(sibling, ignore_errors=True)
+
+
+def _process_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def _save_error(final: Path, exc: OSError) -> TransformError:
+    return TransformError(f"cannot save to {final}: {exc.strerror or exc}"
+                          f"{f' ({exc.filename})' if exc.filename else ''}; nothing was written there and a "
+                          "previous save there, if any, is intact")
+
+
+
+def _fsync_tree(directory: Path) -> None:
+    for path in sorted(directory.rglob("*")):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+_RENAME_EXCHANGE = 2
+
+
+def _swap_into_place(new: Path, final: Path) -> None:
+    """Make ``new`` appear at ``final`` in one step; the previous ``final`` is removed after."""
+    if not final.exists():
+        os.rename(new, final)
+        _fsync_directory(final.parent)
+        return
+    if not final.is_dir() or final.is_symlink():
+        raise TransformError(f"cannot save to {final}: it exists and is not a directory")
+    if _renameat2_exchange(new, final):
+        # `new` now holds the previous save: mark it, so that a kill during its removal
+        # leaves something the next save cleans up.
+        with contextlib.suppress(OSError):
+            (new / _TMP_MARKER).write_text(f"{os.getpid()} {_boot_id()}\n")
+        shutil.rmtree(new, ignore_errors=True)
+        _fsync_directory(final.parent)
+        return
+    # No atomic exchange on this platform: move the old copy aside first, so that at
+    # every moment one complete save exists (at `final` or at `old`).
+    old = final.with_name(f".{final.name}.old-{os.getpid()}")
+    os.rename(final, old)
+    try:
+        os.rename(new, final)
+    except BaseException:
+        os.rename(old, final)  # put the previous save back where it was
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    _fsync_directory(final.parent)
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make a rename durable; best effort once the new save is in place (it is, either way)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _renameat2_exchange(a: Path, b: Path) -> bool:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd = -100
+    result = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE)
+    return result == 0
+
+
+# =========================================================================== load

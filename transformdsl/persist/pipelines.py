@@ -1,0 +1,224 @@
+"""Pipelines: saved in the layout diffusers uses (``model_index.json`` and one folder per
+component); transformed components use the transformdsl format, the others their library's own.
+
+A pipeline is assembled on load by calling its class with an explicit mapping of its declared
+components; diffusers' own loading (custom pipelines, remote code) is never entered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import stat
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import guard
+from ..errors import LoadError, TransformError
+from ..executor import history_of
+from ..savedir import SaveDir
+from .checks import _check_config, _read_json, read_metadata
+from .format import FORMAT, META_FILE, _clip, _versions, _write_json
+from .read import _module_budget, _module_limit, _TensorFiles, load_module
+from .write import save_module
+
+
+def _save_pipeline(pipe: Any, directory: Path, max_shard_size: int, save_id: str, format: str = FORMAT) -> None:
+    if format in ("transformers", "compressed-tensors"):
+        raise TransformError(f"format={format!r} saves a transformers model; a pipeline is saved with "
+                             "format='diffusers' (its transformers components in their own layout)")
+    pipe.save_config(str(directory))
+    components = {}
+    for name, component in pipe.components.items():
+        if component is None:
+            continue
+        target = directory / name
+        target.mkdir()
+        if isinstance(component, nn.Module) and history_of(component) is not None:
+            if format == FORMAT:
+                save_module(component, target, max_shard_size, save_id)
+            else:
+                from ..interop.export import library_of, save_library_module
+
+                save_library_module(component, target, library_of(component) or format, max_shard_size)
+            components[name] = "transformdsl"
+        elif hasattr(component, "save_pretrained"):
+            kwargs = {"safe_serialization": True} if isinstance(component, nn.Module) else {}
+            component.save_pretrained(str(target), **kwargs)
+            components[name] = "library"
+        else:
+            raise TransformError(f"cannot save pipeline component '{name}' ({type(component).__name__})")
+    _write_json(directory / META_FILE, {
+        "format": FORMAT, "format_version": 1, "kind": "pipeline",  # its components say what they need
+        "pipeline_class": type(pipe).__name__, "components": components, "versions": _versions(),
+        "save_id": save_id,
+    })
+
+
+
+def _load_pipeline(folder: SaveDir, meta: dict, device: torch.device, mmap: bool) -> Any:
+    """A saved pipeline, assembled by calling its class with an explicit mapping of the
+    components its signature declares: no name from a file becomes a keyword argument,
+    and diffusers' own loading (custom pipelines, remote code) is never entered."""
+    import diffusers
+
+    path = folder.path / META_FILE
+    name = meta["pipeline_class"]  # read_metadata checked the types
+    try:
+        cls = getattr(diffusers, name) if name.isidentifier() else None
+    except Exception:  # diffusers' lazy module raises for pipelines whose backend is missing
+        cls = None
+    if not (isinstance(cls, type) and issubclass(cls, diffusers.DiffusionPipeline)):
+        raise LoadError(f"{path}: {_clip(name)} is not a diffusers pipeline class")
+    guard.offline_constants()
+    expected, optional = cls._get_signature_keys(cls)
+    components_meta: dict[str, str] = meta["components"]
+    index_path = folder.path / "model_index.json"
+    if not folder.exists("model_index.json"):
+        raise LoadError(f"{index_path}: cannot read the pipeline index: missing")
+    index = _read_json(folder, "model_index.json", "pipeline index")
+    _check_pipeline_index(index_path, index, name, components_meta, set(expected), set(optional))
+    loaded: dict[str, Any] = {}
+    for comp in sorted(expected):
+        how = components_meta.get(comp)
+        if how is None:
+            loaded[comp] = None  # an absent optional component ([null, null] in the index)
+            continue
+        sub = folder.subdir(comp)
+        if how == "transformdsl":
+            loaded[comp] = load_module(sub, read_metadata(sub), None, device, mmap)
+        else:
+            library, class_name = index[comp]
+            loaded[comp] = _load_library_component(library, class_name, sub, index_path)
+    arguments = {key: index[key] for key in sorted(optional) if key in index
+                 and (index[key] is None or isinstance(index[key], (bool, int, float, str)))}
+    try:
+        pipe = cls(**loaded, **arguments)
+    except Exception as exc:
+        raise LoadError(f"{folder.path}: cannot assemble the {name}: {type(exc).__name__}: {exc}") from None
+    for component in loaded.values():
+        if isinstance(component, nn.Module):
+            component.eval()
+    return pipe
+
+
+def _check_pipeline_index(index_path: Path, index: Any, name: str, components: dict[str, str],
+                          expected: set[str], optional: set[str]) -> None:
+    """``model_index.json`` and the metadata's components against the pipeline class: every
+    component is one the class declares, every declared one is saved or explicitly absent."""
+    if not isinstance(index, dict):
+        raise LoadError(f"{index_path}: cannot read the pipeline index: not a JSON object")
+    if index.get("_class_name") != name:
+        # A [file, class] pair here is custom pipeline code diffusers would run.
+        raise LoadError(f"{index_path}: model_index.json names {_clip(index.get('_class_name'))}, "
+                        f"the metadata '{name}'")
+    declared = ", ".join(sorted(expected))
+    for comp in components:
+        if comp not in expected:
+            raise LoadError(f"{index_path.parent / META_FILE}: {_clip(comp)} is not a component of {name} "
+                            f"(its components: {declared}); refusing to pass it on")
+    for key, entry in index.items():
+        if key.startswith("_"):
+            continue  # diffusers' own keys
+        if key not in expected and key not in optional:
+            raise LoadError(f"{index_path}: {_clip(key)} is neither a component nor an argument of {name}")
+        if key in expected and key not in components and entry not in ([None, None], [None], None):
+            raise LoadError(f"{index_path}: component '{key}' of model_index.json is not in the metadata's "
+                            "components; refusing to let diffusers load it")
+    for comp in expected:
+        if comp not in components and comp in index and index[comp] not in ([None, None], [None], None):
+            raise LoadError(f"{index_path}: component '{comp}' is missing from the save")
+    for comp, how in components.items():
+        entry = index.get(comp)
+        if how == "library" and not (isinstance(entry, list) and len(entry) == 2
+                                     and all(isinstance(e, str) for e in entry)):
+            raise LoadError(f"{index_path}: component '{comp}' has no [library, class] entry")
+
+
+def _component_bases() -> tuple[type, ...]:
+    """What a pipeline component stored by its library may be: models, schedulers,
+    tokenizers and processors.  Not pipelines (which load further components and custom
+    code) and not Auto classes (which pick a class from the files)."""
+    import diffusers
+    import transformers
+
+    names = ("PreTrainedModel", "PreTrainedTokenizerBase", "FeatureExtractionMixin", "ImageProcessingMixin",
+             "ProcessorMixin")
+    return (diffusers.ModelMixin, diffusers.SchedulerMixin,
+            *(getattr(transformers, n) for n in names if isinstance(getattr(transformers, n, None), type)))
+
+
+def _load_library_component(library: str, name: str, folder: SaveDir, index_path: Path) -> Any:
+    """An untransformed pipeline component, loaded by its library from the opened folder.
+
+    Before the library sees the folder: no entry is a symbolic link or anything but a
+    regular file or folder; no JSON file in it names code, a hub repository or a kernel
+    (:func:`_check_config`), or a weights file outside the folder (shard indexes).  The
+    library gets the folder as ``/proc/self/fd/N`` (the folder checked, not its name),
+    ``local_files_only``, ``use_safetensors`` and ``trust_remote_code=False``.
+    """
+    if library not in ("diffusers", "transformers") or not name.isidentifier():
+        raise LoadError(f"{index_path}: component class {_clip(library)[1:-1]}.{_clip(name)[1:-1]} is not allowed "
+                        "(only diffusers and transformers classes are loaded)")
+    import diffusers
+    import transformers
+
+    guard.offline_constants()
+    module = diffusers if library == "diffusers" else transformers
+    try:
+        cls = getattr(module, name)
+    except Exception:
+        cls = None
+    if not (isinstance(cls, type) and issubclass(cls, _component_bases())):
+        raise LoadError(f"{index_path}: {library}.{name} is not a loadable component class "
+                        "(a diffusers or transformers model, scheduler, tokenizer or processor)")
+    entries = folder.walk()
+    files = {rel for rel, info in entries if stat.S_ISREG(info.st_mode)}
+    for rel, info in entries:
+        if not (stat.S_ISREG(info.st_mode) or stat.S_ISDIR(info.st_mode)):
+            kind = "a symbolic link" if stat.S_ISLNK(info.st_mode) else "not a regular file"
+            raise LoadError(f"{folder.path / rel}: is {kind}; refusing to read it")
+    scheduler = issubclass(cls, diffusers.SchedulerMixin)
+    for rel in sorted(files):
+        if not rel.endswith(".json"):
+            continue
+        holder, name = folder.descend(rel)
+        content = _read_json(holder, name, "component file")
+        _check_config(folder.path / rel, content, scheduler=scheduler)
+        if rel.endswith(".index.json"):
+            _check_shard_index(folder.path / rel, content, files)
+    kwargs: dict[str, Any] = {"local_files_only": True}
+    if library == "transformers":
+        kwargs["trust_remote_code"] = False
+    limit = contextlib.nullcontext()
+    if issubclass(cls, nn.Module):
+        kwargs["use_safetensors"] = True
+        weights = _TensorFiles(folder, sorted(r for r in files if "/" not in r and r.endswith(".safetensors")))
+        try:
+            saved = sum(weights.count_tensors())
+        finally:
+            weights.close()
+        limit = _module_limit(_module_budget(saved), folder.path)
+    try:
+        with limit:
+            return cls.from_pretrained(folder.fd_path(), **kwargs)
+    except LoadError:
+        raise
+    except Exception as exc:
+        raise LoadError(f"{folder.path}: cannot load {library}.{name}: {type(exc).__name__}: {exc}") from None
+
+
+def _check_shard_index(path: Path, index: Any, files: set[str]) -> None:
+    """A library's shard index may name only weights files of its own folder."""
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise LoadError(f"{path}: a shard index without a weight_map")
+    for target in set(weight_map.values()):
+        if not isinstance(target, str) or target not in files or "/" in target:
+            raise LoadError(f"{path}: the shard index names {_clip(target)}, which is not a file of this folder; "
+                            "refusing to read weights from elsewhere")
+
+
+# =========================================================================== inspect

@@ -1,0 +1,443 @@
+"""Loading a saved module: the one reader of saved tensors.
+
+Loading never unpickles or evaluates anything: metadata is JSON checked field by field
+(:mod:`.checks`), classes are looked up by name among diffusers' and transformers' model
+classes only, tensors come from safetensors files opened through the save's folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import guard, plain_tensors, registry
+from ..errors import LoadError
+from ..executor import AppliedStep, History, set_history
+from ..safetensors_io import is_padding
+from ..savedir import SaveDir, Vanished
+from .checks import _check_record, _rebuild_options, _sanitized, read_metadata
+from .format import META_FILE, _clip
+
+
+def load(directory: str | os.PathLike, model: nn.Module | Callable[[], nn.Module] | None = None, *,
+         device: str | torch.device | None = None, mmap: bool = True, device_map: str | dict | None = None,
+         max_memory: dict | None = None, offload_folder: str | os.PathLike | None = None) -> Any:
+    """Load a model saved by :func:`save`; returns a new module (or pipeline).
+
+    The architecture is rebuilt from the saved configuration (diffusers and transformers
+    models), or from ``model``: a module used as a template (it is not modified: its
+    structure is copied onto the meta device) or a factory called with no arguments.
+    Each transform's structure is replayed without recomputation and the saved tensors
+    are loaded as they are.  Any problem raises :class:`LoadError` saying what is wrong.
+
+    The directory is opened once and every file is read through that descriptor (see
+    :mod:`.savedir`), so a load sees one save, never a mix of two; if a concurrent
+    :func:`save` replaces it while it is read, the load starts over on the new one.
+    Library calls run with the hub offline and standard input closed (:mod:`.guard`);
+    nothing from the directory is imported or executed.
+
+    With ``mmap=True`` (the default) tensors on the CPU are memory-mapped from the saved
+    files (copy on write): do not truncate or rewrite those files in place while the model
+    is in use (:func:`save` never does; it writes a new directory and swaps it in).
+
+    ``device_map`` (instead of ``device``) spreads the model over devices, CPU and disk the way
+    ``from_pretrained(device_map=...)`` does: ``"auto"`` (accelerate computes the map from
+    ``max_memory``, never splitting a transformed layer or a module of ``_no_split_modules``) or a
+    dict ``{module path: device | "cpu" | "disk" | "meta"}``; ``"disk"`` modules are kept in
+    ``offload_folder`` and read from there at each call.  Quantized layers stay quantized where
+    they land.  See :mod:`.placement` and spec.md "Placing a model over devices".
+    """
+    directory = Path(directory)
+    if device_map is None:
+        if max_memory is not None or offload_folder is not None:
+            raise LoadError("load(max_memory=..., offload_folder=...): these place a model with device_map=; "
+                            "add device_map='auto'")
+        return _load(directory, model, _check_device(device or "cpu"), mmap)
+    if device is not None:
+        raise LoadError("load(device=..., device_map=...): give one of device= and device_map= "
+                        "(device_map={'': 'cuda:0'} is device='cuda:0')")
+    loaded = _load(directory, model, torch.device("cpu"), mmap)
+    if not isinstance(loaded, nn.Module):
+        raise LoadError(f"{directory}: device_map= places one model; this is a pipeline: load it, then place "
+                        "its components with transformdsl.persist.placement.place(component, device_map, ...)")
+    from .placement import place
+
+    return place(loaded, device_map, max_memory=max_memory, offload_folder=offload_folder)
+
+
+def _load(directory: Path, model: Any, device: torch.device, mmap: bool) -> Any:
+    """:func:`load` on one device."""
+    for attempt in range(_LOAD_ATTEMPTS):
+        try:
+            with guard.loading(), SaveDir.open(directory) as folder:
+                if not folder.exists(META_FILE) and folder.exists("config.json"):
+                    from ..interop.imports import load_library_directory
+
+                    return load_library_directory(folder, model, device, mmap)
+                meta = read_metadata(folder)
+                if meta["kind"] == "pipeline":
+                    if model is not None:
+                        raise LoadError(f"{directory}: a saved pipeline is loaded from its files alone; drop model=")
+                    from .pipelines import _load_pipeline
+
+                    return _load_pipeline(folder, meta, device, mmap)
+                return load_module(folder, meta, model, device, mmap)
+        except Vanished:
+            if attempt == _LOAD_ATTEMPTS - 1:
+                raise
+        except OSError as exc:  # anything the checks above did not name
+            raise LoadError(f"{directory}: cannot read the save: {exc.strerror or exc}") from None
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+#: A load restarts when a concurrent save replaces the directory under it; this often.
+_LOAD_ATTEMPTS = 5
+
+
+def _check_device(device: str | torch.device) -> torch.device:
+    """``device`` as a torch.device that exists on this machine, else a LoadError naming it."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise LoadError(f"load(device={device!r}): not a device: {exc}") from None
+    kind, index = parsed.type, parsed.index
+    if kind == "cpu":
+        if index not in (None, 0):
+            raise LoadError(f"load(device={device!r}): this machine has one CPU device, 'cpu'")
+        return parsed
+    if kind == "meta":
+        raise LoadError(f"load(device={device!r}): the meta device holds no data; load to 'cpu' or an accelerator")
+    backend = getattr(torch, kind, None)
+    available = getattr(backend, "is_available", None)
+    count = getattr(backend, "device_count", None)
+    if not (callable(available) and available()):
+        raise LoadError(f"load(device={device!r}): no {kind} device on this machine; use device='cpu'")
+    if index is not None and callable(count) and index >= count():
+        raise LoadError(f"load(device={device!r}): this machine has {count()} {kind} device(s) "
+                        f"({kind}:0 to {kind}:{count() - 1})")
+    return parsed
+
+
+
+@contextlib.contextmanager
+def _step_errors(meta_path: Path, raw: dict, what: str, where: str = ""):
+    """Turn a transform's failure while loading into a LoadError naming the step."""
+    try:
+        yield
+    except LoadError:
+        raise
+    except Exception as exc:
+        place = f" {where}" if where else ""
+        raise LoadError(f"{meta_path}: {what} '{raw['key']}' (line {raw.get('line')}){place}: "
+                        f"{type(exc).__name__}: {exc}") from None
+
+
+def load_module(folder: SaveDir, meta: dict, model: Any, device: torch.device, mmap: bool = True) -> nn.Module:
+    """Rebuild one saved module from an opened save folder and its checked metadata."""
+    meta_path = folder.path / META_FILE
+    # Every tensor file is opened (and checked on its descriptor) first; headers next: a
+    # corrupt file is reported before anything is built, and the number of saved tensors
+    # bounds the size of the model the metadata may describe.
+    files = _TensorFiles(folder, meta["tensors"]["files"])
+    try:
+        saved = sum(files.count_tensors())
+        aliases = meta["tensors"].get("aliases", {})
+        if len(aliases) > _module_budget(saved):
+            raise LoadError(f"{meta_path}: {len(aliases)} tensor aliases for {saved} saved tensors; refusing")
+        skeleton = _skeleton(meta, model, meta_path, max_modules=_module_budget(saved))
+        steps = []
+        for raw in meta["steps"]:
+            cls = registry.get(raw["key"])
+            options = _rebuild_options(cls, raw["options"], meta_path, raw["key"])
+            _rebuild_options(cls, raw["common"], meta_path, raw["key"], common=True)
+            _check_record(cls, raw, options, meta_path)
+            with _step_errors(meta_path, raw, "cannot replay", "on this architecture"):
+                cls.rebuild(skeleton, raw["record"], options)
+            steps.append((cls, raw, options))
+        tensors = files.read(device, mmap and device.type == "cpu")
+    finally:
+        files.close()
+    attributes = meta["tensors"].get("attributes", {})
+    attribute_tensors = plain_tensors.take(tensors, attributes, folder.path)
+    if meta["tensors"].get("layout"):
+        from ..interop import layout
+
+        tensors = layout.to_own(tensors, meta["tensors"]["layout"], folder.path)
+    _assign(skeleton, tensors, meta, folder.path)
+    plain_tensors.restore(skeleton, attributes, attribute_tensors, folder.path)
+    for cls, raw, options in steps:
+        with _step_errors(meta_path, raw, "cannot finish"):
+            cls.finalize(skeleton, raw["record"], options)
+    left = [n for n, t in list(skeleton.named_parameters()) + list(skeleton.named_buffers()) if t.is_meta]
+    if left:
+        raise LoadError(f"{folder.path}: the saved tensors do not cover {len(left)} tensor(s) of the model: "
+                        + ", ".join(left[:5]))
+    skeleton.eval()
+    set_history(skeleton, History(list(meta["scripts"]),
+                                  [AppliedStep(**{k: raw.get(k) for k in AppliedStep.__dataclass_fields__})
+                                   for raw in meta["steps"]]))
+    return skeleton
+
+
+def _skeleton(meta: dict, model: Any, meta_path: Path, max_modules: int) -> nn.Module:
+    description = meta["model"]
+    if isinstance(model, nn.Module):
+        return meta_copy(model)
+    if callable(model):
+        with torch.device("meta"):
+            built = model()
+        if not isinstance(built, nn.Module):
+            raise LoadError(f"model= factory returned {type(built).__name__}, not an nn.Module")
+        return built
+    if model is not None:
+        raise LoadError(f"model= takes an nn.Module or a factory, not {type(model).__name__}")
+    library, name, config = description.get("library"), description["class"], description.get("config")
+    if isinstance(config, dict):
+        config = _sanitized(config)
+    if library is None or not isinstance(config, dict):
+        raise LoadError(f"{meta_path}: the saved model ({name}) has no configuration to rebuild it from; "
+                        "pass model= (a module of the same architecture, or a factory)")
+    cls = _model_class(library, name, meta_path)
+    try:
+        with torch.device("meta"), _module_limit(max_modules, meta_path):
+            if library == "diffusers":
+                return cls.from_config(config)
+            config_cls = cls.config_class
+            return cls(config_cls.from_dict(config))
+    except LoadError:
+        raise
+    except Exception as exc:
+        raise LoadError(f"{meta_path}: cannot build {name} from the saved configuration: "
+                        f"{type(exc).__name__}: {exc}") from None
+
+
+def _module_budget(tensors: int) -> int:
+    """How many submodules a model rebuilt from a saved configuration may have.
+
+    Every module with weights holds at least one saved tensor, and weightless modules
+    (activations, dropout, containers) are a few per weighted one in real architectures;
+    a configuration asking for far more (``n_layer: 1000000`` next to the tensors of two
+    layers) would take hours and gigabytes to build, even on the meta device.
+    """
+    return 4 * tensors + 256
+
+
+class _TooManyModules(LoadError):
+    pass
+
+
+@contextlib.contextmanager
+def _module_limit(limit: int, where: Path):
+    """Stop building a model (in this thread) once it registers more than ``limit`` submodules."""
+    from torch.nn.modules.module import register_module_module_registration_hook
+
+    thread = threading.get_ident()
+    count = 0
+
+    def hook(module, name, submodule):
+        nonlocal count
+        if threading.get_ident() == thread:
+            count += 1
+            if count > limit:
+                raise _TooManyModules(f"{where}: the saved configuration describes far more modules than the saved "
+                                      f"tensors can fill (over {limit}); refusing to build it")
+
+    handle = register_module_module_registration_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _model_class(library: str, name: str, meta_path: Path) -> type:
+    """A model class by name, only among diffusers' or transformers' exported model classes."""
+    if not name.isidentifier():
+        raise LoadError(f"{meta_path}: invalid class name {_clip(name)}")
+    if library == "diffusers":
+        import diffusers
+
+        base = diffusers.ModelMixin
+        module = diffusers
+    else:
+        import transformers
+
+        base = transformers.PreTrainedModel
+        module = transformers
+    try:
+        cls = getattr(module, name)
+    except Exception:  # lazy modules raise ImportError, RuntimeError... for unavailable backends
+        cls = None
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise LoadError(f"{meta_path}: {name!r} is not a {library} model class")
+    return cls
+
+
+def meta_copy(module: nn.Module) -> nn.Module:
+    """A structural copy of ``module`` whose parameters and buffers are on the meta device.
+
+    No weight is copied; the original is not modified.
+    """
+    import copy
+
+    memo: dict[int, Any] = {}
+    for tensor in list(module.parameters()) + list(module.buffers()):
+        if id(tensor) in memo:
+            continue
+        empty = torch.empty_like(tensor, device="meta")
+        if isinstance(tensor, nn.Parameter):
+            empty = nn.Parameter(empty, requires_grad=tensor.requires_grad)
+        memo[id(tensor)] = empty
+    copied = copy.deepcopy(module, memo)
+    copied.__dict__.pop("_transformdsl_history", None)
+    return copied
+
+
+class _TensorFiles:
+    """The safetensors files of one saved module, opened through the save's folder.
+
+    Each is opened once, by name relative to the folder, not following links, and
+    checked on its descriptor (a regular file); safetensors then reads it through
+    ``/proc/self/fd/N`` (:meth:`SaveDir.fd_path`), so what is checked is what is read.
+    """
+
+    def __init__(self, folder: SaveDir, names: list[str]):
+        self.folder = folder
+        self.opened: list[tuple[str, int, str]] = []  # (name, descriptor, path to hand to safetensors)
+        try:
+            for name in names:
+                fd = folder.open_file(name, what="tensor file")
+                self.opened.append((name, fd, folder.fd_path(fd, name)))
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for _, fd, _ in self.opened:
+            os.close(fd)
+        self.opened = []
+
+    def count_tensors(self) -> list[int]:
+        """Per file, how many non-empty tensors its header lists (safetensors checks the
+        header's size, JSON, dtypes, shapes and offsets against the file before mapping
+        anything)."""
+        from safetensors import safe_open
+
+        counts = []
+        for name, _, source in self.opened:
+            path = self.folder.path / name
+            try:
+                with safe_open(source, framework="pt") as f:
+                    count = 0
+                    for key in f.keys():
+                        if not is_padding(key) and math.prod(f.get_slice(key).get_shape()) > 0:
+                            count += 1
+            except Exception as exc:
+                raise LoadError(f"{path}: corrupt or truncated safetensors file: {exc}") from None
+            counts.append(count)
+        return counts
+
+    def read(self, device: torch.device, mmap: bool) -> dict[str, torch.Tensor]:
+        """Every saved tensor, by name.
+
+        With ``mmap`` (the default) tensors are views of the memory-mapped files (copy on
+        write): loading costs what mapping the files costs, and pages are read when first
+        used.  Files are written with 64-byte aligned tensors (:mod:`.safetensors_io`), so
+        mapped tensors compute exactly as freshly allocated ones.  Without ``mmap`` the
+        bytes are copied into fresh memory.
+        """
+        from safetensors.torch import load_file
+
+        tensors: dict[str, torch.Tensor] = {}
+        for name, _, source in self.opened:
+            path = self.folder.path / name
+            try:
+                part = load_file(source, device=str(device))
+            except Exception as exc:  # SafetensorError, OSError, and torch's errors for odd dtypes
+                raise LoadError(f"{path}: cannot read the tensors to {device}: {type(exc).__name__}: {exc}") from None
+            for key, tensor in part.items():
+                if is_padding(key):
+                    continue
+                if key in tensors:
+                    raise LoadError(f"{path}: tensor '{key}' is stored twice")
+                aligned = tensor.numel() == 0 or tensor.data_ptr() % 64 == 0
+                # Misaligned data (a file not written by transformdsl) is copied: see above.
+                tensors[key] = tensor if (mmap and aligned) else tensor.clone()
+        return tensors
+
+
+def _assign(skeleton: nn.Module, tensors: dict[str, torch.Tensor], meta: dict, directory: Path) -> None:
+    layout = meta["tensors"]
+    aliases: dict[str, str] = layout.get("aliases", {})
+    nonpersistent = set(layout.get("nonpersistent", []))
+    expected = dict(skeleton.state_dict(keep_vars=True))
+    buffers = dict(skeleton.named_buffers(remove_duplicate=False))
+    for name in nonpersistent:
+        if name not in buffers:
+            raise LoadError(f"{directory}: saved buffer '{name}' does not exist in this architecture")
+        expected[name] = buffers[name]
+    for key, target in aliases.items():
+        if target not in tensors:
+            raise LoadError(f"{directory}: alias '{key}' points to missing tensor '{target}'")
+        if key in tensors:
+            raise LoadError(f"{directory}: alias '{key}' would replace the stored tensor of that name")
+        want, source = expected.get(key), expected.get(target)
+        if isinstance(want, nn.Parameter) and isinstance(source, nn.Parameter) and want is not source:
+            raise LoadError(f"{directory}: alias '{key}' -> '{target}' would tie two parameters that this "
+                            "architecture keeps apart")
+    for key, target in aliases.items():
+        tensors[key] = tensors[target]
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} tensor(s): {', '.join(missing[:5])}")
+        if unexpected:
+            parts.append(f"unexpected {len(unexpected)} tensor(s): {', '.join(unexpected[:5])}")
+        raise LoadError(f"{directory}: the saved tensors do not match the architecture "
+                        f"({'; '.join(parts)}); was it saved from another model?")
+    for key, want in expected.items():
+        got = tensors[key]
+        if want is None or not isinstance(want, torch.Tensor):
+            continue
+        # A model cast to another float precision (bfloat16, float16) is the same model;
+        # any other dtype difference (int8, float8, packed data) is not.
+        same_kind = got.dtype == want.dtype or (got.dtype in _PRECISIONS and want.dtype in _PRECISIONS)
+        if tuple(got.shape) != tuple(want.shape) or not same_kind:
+            raise LoadError(f"{directory}: tensor '{key}' is {_describe(got)} in the file but the model expects "
+                            f"{_describe(want)}; was it saved from another model?")
+    state = {k: v for k, v in tensors.items() if k not in nonpersistent}
+    try:
+        skeleton.load_state_dict(state, strict=True, assign=True)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise LoadError(f"{directory}: cannot load the saved tensors: {exc}") from None
+    for name in nonpersistent:
+        owner, attr = _owner(skeleton, name)
+        owner._buffers[attr] = tensors[name]
+    # Tied weights (saved once; the architecture ties them, checked above) are one
+    # Parameter again, as they were.
+    for key, target in aliases.items():
+        (owner, attr), (source, source_attr) = _owner(skeleton, key), _owner(skeleton, target)
+        if attr in owner._parameters and source_attr in source._parameters:
+            owner._parameters[attr] = source._parameters[source_attr]
+
+
+def _owner(root: nn.Module, name: str) -> tuple[nn.Module, str]:
+    path, _, attr = name.rpartition(".")
+    return (root.get_submodule(path) if path else root), attr
+
+
+_PRECISIONS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _describe(tensor: torch.Tensor) -> str:
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    return f"{dtype}{list(tensor.shape)}"
