@@ -375,6 +375,38 @@ def gpu_section() -> str:
             "`make bench` puts here.\n")
 
 
+def planning_section() -> str:
+    """Planning time per model and kind of statement, from ``results/plan.json`` (benchmarks/bench_plan.py)."""
+    import json
+
+    path = HERE / "results" / "plan.json"
+    if not path.exists():
+        return "\nNot measured by this run: `python benchmarks/bench_plan.py` writes `results/plan.json`.\n"
+    data = json.loads(path.read_text())
+    budget = data["budget_ms"]
+    plans = [r for r in data["rows"] if r["what"].startswith("`") and not r["what"].startswith(("`named", "`declared"))]
+    rows = []
+    for model, modules in data["models"]:
+        mine = [r for r in plans if r["model"] == model]
+        worst = max(mine, key=lambda r: r["CPU ms"])
+        over = [r["what"] for r in mine if r["CPU ms"] >= budget]
+        declared = next((r for r in data["rows"] if r["model"] == model and r["what"].startswith("`declared")), None)
+        wall = max(mine, key=lambda r: r["median ms"])
+        rows.append({"model": model, "modules": modules, "statements planned": len(mine),
+                     "slowest (CPU ms)": f"{worst['CPU ms']:.1f} ({worst['what']})",
+                     "slowest wall ms": f"{wall['median ms']:.1f}",
+                     "`declared_exclusions` CPU ms": f"{declared['CPU ms']:.1f}" if declared else "",
+                     f"over {budget:.0f} ms": ", ".join(over) or "none"})
+    when = header("x", data.get("measured_at"), data.get("threads")).split("\n", 2)[2].split("\n", 1)[0]
+    return ("\nMedian CPU time of `transformdsl.plan` for one statement of every kind (and the brief's script on "
+            f"Flux.1 depth), {data['repeats']} runs each; target < {budget:.0f} ms on 1,000 modules.  {when}  "
+            "Details: [results/plan.md](results/plan.md).\n\n"
+            + f"Wall times on that run, at a load average of {data.get('load', float('nan')):.1f}, are in the "
+            "table too (they grow with the machine's load).\n\n"
+            + table(rows, ["model", "modules", "statements planned", "slowest (CPU ms)", "slowest wall ms",
+                           "`declared_exclusions` CPU ms", f"over {budget:.0f} ms"]) + "\n")
+
+
 def undo_section() -> str:
     """The undo log's memory (``benchmarks/bench_undo.py`` writes ``results/undo.md``)."""
     page = HERE / "results" / "undo.md"
@@ -553,6 +585,7 @@ def write_report(rows: list[dict], scaling: list[dict], meta: dict, out: Path) -
     text += "\n## Cost against model size\n" + scaling_section(points)
     if "scaling" in figures:
         text += f"\n![scaling]({figures['scaling']})\n"
+    text += "\n## Planning\n" + planning_section()
     text += "\n## The undo log's memory (fp8 storage against layerwise casting)\n" + undo_section()
     text += "\n## GPU\n" + gpu_section()
     text += "\n## Not measured\n\n" + NOT_MEASURED

@@ -12,6 +12,7 @@ Hypothesis profiles (select with ``HYPOTHESIS_PROFILE``):
 """
 
 import os
+import shutil
 from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -25,6 +26,7 @@ os.environ.setdefault(
 # OMP_NUM_THREADS=N.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
@@ -35,3 +37,14 @@ settings.register_profile("ci", max_examples=100, deadline=None, derandomize=Tru
 settings.register_profile("dev", max_examples=5000, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture
+def copy_of(tmp_path):
+    """``copy_of(directory)``: a fresh copy of a pristine save directory (a module-scoped fixture's)
+    under this test's ``tmp_path``, with the same name, for the test to damage."""
+
+    def copy(directory: Path) -> Path:
+        return Path(shutil.copytree(directory, tmp_path / directory.name))
+
+    return copy

@@ -238,6 +238,7 @@ def test_quantize_honours_keep_in_fp32_modules_of_t5():
 
 
 def test_verify_refuses_t5_with_its_fp32_modules_quantized_past_the_bound():
+    # T5 casts wo's input to wo.weight.dtype: packed uint8 for a 4-bit layer (relative error ~3).
     model, inputs = build(t5)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(TransformError, match="more than the script's bound 0.4"):
@@ -273,3 +274,65 @@ def test_declarations_doctest():
     from transformdsl import declarations
 
     assert doctest.testmod(declarations).failed == 0
+
+
+# --------------------------------------------------------------------------- .weight of the bitsandbytes layers
+
+
+def _bitsandbytes_layers(model: nn.Module) -> dict[str, nn.Module]:
+    return {path: m for path, m in model.named_modules()
+            if type(m._parameters.get("weight")).__name__ in ("Int8Params", "Params4bit")}
+
+
+@pytest.mark.parametrize("mode", ["int8", "nf4"])
+def test_bitsandbytes_layers_are_what_transformers_bitsandbytes_models_hold(tmp_path, mode):
+    """`.weight` of Int8Linear/FourBitLinear is bitsandbytes' own parameter (spec: quantize, Drop-ins): on
+    T5, the same layers, attributes and output as transformers quantizing with bitsandbytes (on CPU)."""
+    from transformers import BitsAndBytesConfig, T5EncoderModel
+
+    model, inputs = build(t5)
+    model.save_pretrained(tmp_path)
+    config = BitsAndBytesConfig(load_in_8bit=True) if mode == "int8" else BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")
+    stock = T5EncoderModel.from_pretrained(tmp_path, quantization_config=config, device_map="cpu").eval()
+    transformdsl.transform(model, f"quantize {mode}")
+    ours, theirs = _bitsandbytes_layers(model), _bitsandbytes_layers(stock)
+    assert sorted(ours) == sorted(theirs) and not any(p.endswith(".wo") for p in ours)  # wo: _keep_in_fp32_modules
+    for path, layer in ours.items():
+        other = theirs[path]
+        assert type(layer.weight) is type(other.weight)
+        assert (layer.weight.dtype, layer.weight.shape) == (other.weight.dtype, other.weight.shape)
+        assert (layer.in_features, layer.out_features) == (other.in_features, other.out_features)
+        assert torch.equal(layer.weight.data, other.weight.data)
+        if mode == "nf4":
+            assert layer.weight.quant_state.shape == other.weight.quant_state.shape == (layer.out_features,
+                                                                                        layer.in_features)
+    assert torch.equal(output(model, inputs), output(stock, inputs))
+
+
+def umt5():
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    model = UMT5EncoderModel(UMT5Config(vocab_size=99, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                        relative_attention_num_buckets=8))
+    return model, dict(input_ids=torch.randint(0, 99, (2, 7)))
+
+
+def wan():
+    from diffusers import WanTransformer3DModel
+
+    model = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4,
+                                  out_channels=4, text_dim=16, freq_dim=256, ffn_dim=32, num_layers=2,
+                                  cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
+    return model, dict(hidden_states=torch.randn(1, 4, 2, 8, 8), timestep=torch.tensor([10]),
+                       encoder_hidden_states=torch.randn(1, 12, 16))
+
+
+@pytest.mark.parametrize("factory, reads", [(t5, "encoder.block.0.layer.1.DenseReluDense.wo"),
+                                            (umt5, "encoder.block.0.layer.1.DenseReluDense.wo"),
+                                            (wan, "condition_embedder.time_embedder.linear_1")])
+def test_model_code_reading_an_int8_weight_dtype_runs_with_those_layers_quantized(factory, reads):
+    # T5/UMT5 cast wo's input to wo.weight.dtype unless it is int8; Wan casts the timestep to its
+    # time_embedder's parameter dtype unless it is int8: with default_except=false they are quantized.
+    model, inputs, ref = transformed(factory, "quantize int8 default_except=false")
+    assert model.get_submodule(reads).weight.dtype == torch.int8
+    assert relative_error(ref, output(model, inputs)) < 0.05

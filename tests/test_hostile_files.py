@@ -110,14 +110,14 @@ def pristine(tmp_path_factory, tag_transform):
 
 
 @pytest.fixture
-def saved(pristine, tmp_path) -> Path:
+def saved(pristine, copy_of) -> Path:
     """A fresh copy of the saved module, to damage."""
-    return Path(shutil.copytree(pristine / "module", tmp_path / "module"))
+    return copy_of(pristine / "module")
 
 
 @pytest.fixture
-def saved_pipeline(pristine, tmp_path) -> Path:
-    return Path(shutil.copytree(pristine / "pipeline", tmp_path / "pipeline"))
+def saved_pipeline(pristine, copy_of) -> Path:
+    return copy_of(pristine / "pipeline")
 
 
 @pytest.fixture(scope="module")

@@ -44,13 +44,13 @@ def saves(tmp_path_factory):
 
 
 @pytest.fixture
-def module_save(saves, tmp_path) -> Path:
-    return Path(shutil.copytree(saves / "module", tmp_path / "module"))
+def module_save(saves, copy_of) -> Path:
+    return copy_of(saves / "module")
 
 
 @pytest.fixture
-def pipeline_save(saves, tmp_path) -> Path:
-    return Path(shutil.copytree(saves / "pipeline", tmp_path / "pipeline"))
+def pipeline_save(saves, copy_of) -> Path:
+    return copy_of(saves / "pipeline")
 
 
 @pytest.fixture

@@ -351,3 +351,19 @@ def test_compressed_tensors_fp8_loads_bit_identically(tmp_path):
     transformdsl.transform(other, "quantize int8")
     with pytest.raises(TransformError, match="format='compressed-tensors' carries fp8 layers"):
         transformdsl.save(other, tmp_path / "bad", format="compressed-tensors")
+
+
+def test_transformers_format_refuses_quantized_linear_subclasses(tmp_path):
+    """transformers' bitsandbytes loader converts `type(module) is nn.Linear` (and Conv1D) only: Falcon's
+    FalconLinear layers, quantized, would load as float layers holding int8 bytes (the zoo's format column
+    found it: "expected m1 and m2 to have the same dtype")."""
+    from tests.zoo import corpus
+
+    model, _ = corpus.build(corpus.entry("transformers/Falcon"))
+    transformdsl.transform(model, "quantize int8")
+    with pytest.raises(TransformError, match=r"format='transformers' cannot carry line 1: 'quantize int8': "
+                                             r"transformers' bitsandbytes loader quantizes nn.Linear and Conv1D "
+                                             r"layers only, not FalconLinear \(.*\); exclude them \('except "
+                                             r"FalconLinear'\)"):
+        transformdsl.save(model, tmp_path / "stock", format="transformers")
+    assert not (tmp_path / "stock").exists()

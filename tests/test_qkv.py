@@ -575,3 +575,53 @@ def test_corpus_denoisers_fuse_every_attention(model_id, tmp_path):
     assert not any(f"{path}.{n}.weight" in state for path in owners for n in ("to_k", "to_v", "add_k_proj", "add_v_proj"))
     transformdsl.save(model, tmp_path / "saved")
     assert torch.equal(corpus.run(transformdsl.load(tmp_path / "saved"), inputs), after)
+
+
+# --------------------------------------------------------------------------- near misses that fuse now, or say why not
+
+
+def test_whisper_k_proj_without_bias_fuses_with_a_zero_bias_segment(tmp_path):
+    """Whisper's k_proj has no bias (q_proj, v_proj have): the fused bias holds zeros in its rows,
+    adding 0 changes nothing, so the fusion is exact; the stock loader reads the unfused save."""
+    from transformers import WhisperModel
+
+    from tests.zoo import corpus
+
+    model, inputs = corpus.build(corpus.entry("transformers/Whisper"))
+    owners = projection_owners(model)
+    before, bytes_before = corpus.run(model, inputs), parameter_bytes(model)
+    step, record = fuse(model)
+    assert step.targets == owners and len(owners) == 6 and not step.skipped
+    assert {tuple(g.get("zero_bias", ())) for m in record["modules"] for g in m["groups"]} == {("k_proj",)}
+    after = corpus.run(model, inputs)
+    assert max_diff(after, before) <= 1e-6 * before.abs().max().item()
+    attention = model.encoder.layers[0].self_attn
+    assert attention.k_proj.bias is None and attention.q_proj.bias.shape == (32,)
+    assert torch.count_nonzero(attention.qkv_proj.bias[32:64]) == 0
+    assert parameter_bytes(model) == bytes_before + 6 * 32 * 4  # the zero rows: 32 floats per attention
+    transformdsl.save(model, tmp_path / "saved")
+    assert torch.equal(corpus.run(transformdsl.load(tmp_path / "saved"), inputs), after)
+    # format="transformers": written unfused, k_proj without a bias; transformdsl restores the zeros.
+    transformdsl.save(model, tmp_path / "stock", format="transformers")
+    stock = WhisperModel.from_pretrained(tmp_path / "stock").eval()
+    assert stock.encoder.layers[0].self_attn.k_proj.bias is None
+    torch.testing.assert_close(corpus.run(stock, inputs), after, rtol=0, atol=1e-5)
+    assert torch.equal(corpus.run(transformdsl.load(tmp_path / "stock"), inputs), after)
+
+
+def test_attention_pool_reading_its_projection_weights_is_named_in_the_plan():
+    """HunyuanDiT's AttentionPool is not an `*Attention` and passes q/k/v `.weight` to
+    F.multi_head_attention_forward itself: the plan says so; named, it is a near miss."""
+    from tests.zoo import corpus
+
+    model, _ = corpus.build(corpus.entry("diffusers/HunyuanDiT2DModel"))
+    step = plan(model, "fuse qkv").steps[0]
+    assert "time_extra_emb.pooler" not in step.targets
+    reason = ("HunyuanDiTAttentionPool.forward reads k_proj.weight, q_proj.weight, v_proj.weight itself and never "
+              "calls the projections (F.multi_head_attention_forward): a fused projection would never run")
+    assert any(note.startswith("not selected (not named *Attention), though it has separate q/k/v projections: "
+                               f"time_extra_emb.pooler (HunyuanDiTAttentionPool: {reason})") for note in step.notes)
+    named = plan(model, "fuse qkv HunyuanDiTAttentionPool").steps[0]
+    assert dict(named.skipped) == {"time_extra_emb.pooler": reason}
+    assert not any(n.startswith("not selected") for n in named.notes)  # the user named the targets
+    assert not any(n.startswith("not selected") for n in plan(model, "fuse qkv in blocks").steps[0].notes)

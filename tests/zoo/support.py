@@ -38,9 +38,9 @@ relative error `max|after - before| / max|before|` on the model's test input · 
 
 | status | meaning |
 |---|---|
-| ok | ran with `verify=True`, error within the script's declared bound (also on a held-out input), saved, reloaded with `load(dir)` alone, bit-identical output |
+| ok | ran with `verify=True` on the test input and two more samples, error within the script's declared bound (also on a held-out input verify never saw), saved, reloaded with `load(dir)` alone, bit-identical output |
 | – | not applicable: no statement selected a module it can change (nothing to do) |
-| refused | `verify=True` refused the result: the output moved past the script's declared bound (the model was left unchanged) |
+| refused | `verify=True` refused the result: on one of its samples the output moved past the script's declared bound (the model was left unchanged) |
 | PAST BOUND | verify accepted, but on a held-out input the error is past the declared bound |
 | CRASH | the transformed model's own forward raised (verify rolled the change back) |
 | FAILS / plan fails | the statement failed while applying / planning (the model was left unchanged) |
@@ -69,6 +69,38 @@ def cell_text(cell: dict) -> str:
     if cell.get("reload") == "bit-identical" and cell["status"] != "not applicable":
         parts.append("=")
     return " · ".join(parts)
+
+
+#: Short names of the ``save(format=...)`` targets (tests/zoo/matrix.py ``FORMATS``).
+FORMAT_SHORT = {"transformers": "tf", "diffusers": "df", "compressed-tensors": "ct"}
+
+FORMAT_LEGEND = """\
+Which `save(model, dir, format=...)` targets carry each transformed model (spec.md, "Interchange"): **tf**
+`format="transformers"`, **df** `format="diffusers"`, **ct** `format="compressed-tensors"`.  A name alone: the
+directory was written and the library's stock `from_pretrained` (without transformdsl) loaded it here, its output
+within the script's bound of the untransformed model's.  `name*`: written, but the stock loader does not run on
+this machine (diffusers' bitsandbytes loader needs a GPU; the compressed-tensors package is not installed), so
+only the writing is checked.  A format not listed was refused before anything was written (the reasons are
+below); **bold** marks a failure (`save fails`, `stock load fails`, `stock past bound`).  `save(format=
+"transformdsl")`, the default, carries every cell marked ok above.
+"""
+
+
+def format_text(cell: dict) -> str:
+    """The save-format cell: working targets, ``*`` where only the writing is checked, failures bold."""
+    formats = cell.get("formats")
+    if not formats:
+        return "–" if cell["status"] == "not applicable" else ""
+    parts = []
+    for fmt, result in formats.items():
+        short = FORMAT_SHORT.get(fmt, fmt)
+        if result["status"] == "ok":
+            parts.append(short)
+        elif result["status"] == "written":
+            parts.append(short + "\\*")
+        elif result["status"] != "refused":
+            parts.append(f"**{short} {result['status']}**")
+    return " ".join(parts) if parts else "none"
 
 
 def qkv_coverage(report: dict) -> dict:
@@ -105,6 +137,28 @@ def _causes(cells: list[dict]) -> list[tuple[str, str, str, list[str]]]:
              for (s, sc, _), members in groups.items()]
     return sorted(found,
                   key=lambda g: (STATUSES.index(g[0]) if g[0] in STATUSES else 99, g[1], -len(g[3])))
+
+
+def _not_fused(report: dict) -> list[str]:
+    """``Model: path (reason)`` for every q/k/v module ``fuse qkv`` left alone, where the cell says why."""
+    out = []
+    for cell in report["cells"]:
+        if cell["script"] == "fuse qkv" and cell.get("not_fused"):
+            name = cell["model"].split("/", 1)[1]
+            out += [f"{name}: {path} ({reason})".replace("|", "\\|") for path, reason in cell["not_fused"].items()]
+    return out
+
+
+def _format_refusals(cells: list[dict]) -> list[tuple[str, str, str, int]]:
+    """(format, script, first error, count) for each refused format, grouped by cause."""
+    groups: dict = defaultdict(list)
+    for cell in cells:
+        for fmt, result in (cell.get("formats") or {}).items():
+            if result["status"] == "refused":
+                groups[(fmt, cell["script"], cause(result["detail"] or ""))].append(result["detail"] or "")
+    found = [(fmt, script, details[0][:200].replace("|", "\\|"), len(details))
+             for (fmt, script, _), details in groups.items()]
+    return sorted(found, key=lambda g: (g[0], g[1], -g[3]))
 
 
 def render(report: dict) -> str:
@@ -159,6 +213,9 @@ def render(report: dict) -> str:
             lines.append("Not fused: " + ", ".join(m.split("/", 1)[1] for m in coverage["none"]) + ".")
         if coverage["some"]:
             lines.append("Partly fused: " + ", ".join(m.split("/", 1)[1] for m in coverage["some"]) + ".")
+        reasons = _not_fused(report)
+        if reasons:
+            lines.append("Not fused, with the plan's reason: " + "; ".join(reasons) + ".")
     lines += ["", LEGEND]
     for library in ("diffusers", "transformers"):
         models = [m for m in report["models"] if m["library"] == library]
@@ -175,6 +232,26 @@ def render(report: dict) -> str:
         if skipped:
             lines.append(f"Not in the corpus ({library}):")
             lines += [f"- {s['class']}: {s['reason']}" for s in skipped]
+            lines.append("")
+    if any(cell.get("formats") for cell in report["cells"]):
+        lines += ["## Save formats", "", FORMAT_LEGEND]
+        for library in ("diffusers", "transformers"):
+            models = [m for m in report["models"] if m["library"] == library]
+            if not models:
+                continue
+            lines += [f"### {library}", "", "| model | " + " | ".join(columns) + " |",
+                      "|---|" + "---|" * len(columns)]
+            for model in models:
+                cells = by_model[model["id"]]
+                row = [format_text(cells[c]) if c in cells else "" for c in columns]
+                lines.append(f"| {model['id'].split('/', 1)[1]} | " + " | ".join(row) + " |")
+            lines.append("")
+        refusals = _format_refusals(report["cells"])
+        if refusals:
+            lines += ["Refused formats, by cause:", "", "| format | script | cells | first line of the error |",
+                      "|---|---|---|---|"]
+            for fmt, script, detail, count in refusals:
+                lines.append(f"| {fmt} | {script} | {count} | {detail} |")
             lines.append("")
     causes = _causes(report["cells"])
     if causes:

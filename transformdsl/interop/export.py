@@ -110,6 +110,15 @@ def export(module: nn.Module, fmt: str) -> Exported:
         if step.key in BNB:
             bnb[(step.key, tuple(sorted(step.options.items())))] = step
             quantized.update(layer["path"] for layer in step.record["layers"])
+            # transformers' loader converts `type(module) is nn.Linear` and Conv1D only (diffusers':
+            # any nn.Linear): a quantized subclass (Falcon's FalconLinear) would load as float.
+            other = sorted({layer.get("source") for layer in step.record["layers"]} - {"Linear", "Conv1D", None})
+            if other and library == "transformers":
+                paths = [layer["path"] for layer in step.record["layers"] if layer.get("source") in other]
+                raise TransformError(f"format='transformers' cannot carry {where}: transformers' bitsandbytes loader "
+                                     f"quantizes nn.Linear and Conv1D layers only, not {', '.join(other)} "
+                                     f"({', '.join(paths[:3])}{', ...' if len(paths) > 3 else ''}); exclude them "
+                                     f"('except {other[0]}'), or save with format='transformdsl'")
         elif step.key in FP8:
             if library != "transformers":
                 raise TransformError(f"format='diffusers' cannot carry {where}: diffusers has no loader for "
@@ -294,9 +303,21 @@ def _unfuse(out: Exported, record: dict, where: str) -> dict[str, list[str]]:
                                          "split by output rows (bitsandbytes 4-bit blocks straddle the projections); "
                                          "drop 'fuse qkv' (diffusers' fuse_qkv_projections() can fuse after loading),"
                                          " or save with format='transformdsl'")
+                entry = {"key": key, "from": names, "op": op}
+                if suffix == "bias" and group.get("zero_bias"):
+                    # The rows of a projection that has no bias (Whisper's k_proj) are not written.
+                    zeros = [[i, int(parts[i].shape[0])] for i, s in enumerate(group["sources"])
+                             if s in group["zero_bias"]]
+                    for i, _ in zeros:
+                        if torch.count_nonzero(parts[i]):
+                            raise TransformError(f"{where}: '{sources[i]}' has no bias in the library's model, but "
+                                                 f"its rows of '{key}' are no longer zero (trained?)")
+                    keep = [i for i in range(len(parts)) if i not in {z[0] for z in zeros}]
+                    names, parts = [names[i] for i in keep], [parts[i] for i in keep]
+                    entry = {"key": key, "from": names, "op": op, "zeros": zeros}
                 for name, part in zip(names, parts):
                     out.tensors[name] = part.contiguous()
-                out.layout.append({"key": key, "from": names, "op": op})
+                out.layout.append(entry)
             renames[fused] = sources
     return renames
 

@@ -7,7 +7,9 @@ stored otherwise, how to get it back:
 - ``{"key": ours, "from": [saved], "op": "rename", "shape": [...]}``: the same values under another
   name and shape (fp8 ``weight_scale`` is stored as transformers' ``weight_scale_inv``);
 - ``{"key": ours, "from": [saved, ...], "op": "cat"}``: the concatenation along dimension 0
-  (a fused ``qkv_proj`` stored as its ``q_proj``/``k_proj``/``v_proj``);
+  (a fused ``qkv_proj`` stored as its ``q_proj``/``k_proj``/``v_proj``); with ``"zeros": [[position,
+  rows], ...]``, zero rows inserted at those positions of the concatenation (the fused bias of a
+  projection that has none, Whisper's ``k_proj``);
 - ``{"key": ours, "from": [saved, ...], "op": "same"}``: equal copies, one kept (a per-tensor
   scale or format tag stored once per unfused projection).
 
@@ -33,6 +35,11 @@ def check(path: Path, layout: object) -> list[dict]:
         ok = (isinstance(entry, dict) and isinstance(entry.get("key"), str) and entry.get("op") in OPS
               and isinstance(entry.get("from"), list) and entry["from"]
               and all(isinstance(k, str) for k in entry["from"]))
+        if ok and "zeros" in entry:
+            zeros = entry["zeros"]
+            ok = entry["op"] == "cat" and isinstance(zeros, list) and all(
+                isinstance(z, list) and len(z) == 2 and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                                                            for v in z) for z in zeros)
         if ok and entry["op"] == "rename":
             shape = entry.get("shape")
             ok = len(entry["from"]) == 1 and isinstance(shape, list) and all(
@@ -62,6 +69,10 @@ def to_own(tensors: dict[str, torch.Tensor], layout: list[dict], directory: Path
         elif op == "cat":
             if len({(p.dtype, p.shape[1:]) for p in parts}) != 1 or any(p.dim() == 0 for p in parts):
                 raise LoadError(f"{directory}: tensors {sources} cannot be concatenated into '{key}'")
+            for position, rows in sorted(entry.get("zeros", ())):
+                if position > len(parts):
+                    raise LoadError(f"{directory}: malformed 'tensors.layout' entry for '{key}': zeros at {position}")
+                parts.insert(position, parts[0].new_zeros((rows, *parts[0].shape[1:])))
             tensors[key] = torch.cat(parts, dim=0)
         else:
             if any(not torch.equal(parts[0], p) for p in parts[1:]):

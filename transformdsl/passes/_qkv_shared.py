@@ -21,6 +21,8 @@ What users may rely on:
   afterwards (``quantize int8``, ``fp8 storage``: the ONE fused layer is quantized).
 - ``.weight`` / ``.bias`` are views of the fused layer's rows (no copy) while it is an
   ``nn.Linear``; ``in_features`` and ``out_features`` are those of the replaced projection.
+  A slice of a projection that had no bias (its rows of the fused bias are zeros) has
+  ``.bias`` None, as the projection had.
 """
 
 from __future__ import annotations
@@ -64,8 +66,10 @@ class SharedOutput:
 class ProjectionSlice(nn.Module):
     """Rows ``start:stop`` of the fused projection ``owner.<name>``; holds no tensor."""
 
-    def __init__(self, shared: SharedOutput, index: int, start: int, stop: int, in_features: int):
+    def __init__(self, shared: SharedOutput, index: int, start: int, stop: int, in_features: int,
+                 has_bias: bool = True):
         super().__init__()
+        self.has_bias = has_bias
         self.shared = shared
         self.index = index
         self.start = start
@@ -105,7 +109,7 @@ class ProjectionSlice(nn.Module):
 
     @property
     def bias(self) -> torch.Tensor | None:
-        return self._rows("bias")
+        return self._rows("bias") if self.has_bias else None
 
     def extra_repr(self) -> str:
         return (f"{self.shared.name}[{self.start}:{self.stop}], in_features={self.in_features}, "
@@ -113,13 +117,15 @@ class ProjectionSlice(nn.Module):
 
 
 def install(edit, module: nn.Module, name: str, sources: tuple[str, ...], splits: tuple[int, ...],
-            fused: nn.Linear) -> None:
-    """Put ``fused`` at ``module.<name>`` and a :class:`ProjectionSlice` at each of ``sources``."""
+            fused: nn.Linear, zero_bias: tuple[str, ...] = ()) -> None:
+    """Put ``fused`` at ``module.<name>`` and a :class:`ProjectionSlice` at each of ``sources``
+    (``zero_bias``: sources that had no bias, whose rows of the fused bias are zeros)."""
     shared = SharedOutput(module, name, len(sources))
     start = 0
     slices = []
-    for index, size in enumerate(splits):
-        slices.append(ProjectionSlice(shared, index, start, start + size, fused.in_features))
+    for index, (source, size) in enumerate(zip(sources, splits)):
+        slices.append(ProjectionSlice(shared, index, start, start + size, fused.in_features,
+                                      has_bias=source not in zero_bias))
         start += size
     for source, view in zip(sources, slices):
         edit.setattr(module, source, view)    # same place among the children; the Linear goes away

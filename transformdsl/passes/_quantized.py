@@ -87,7 +87,8 @@ class Int8Linear(bnb.nn.Linear8bitLt):
     """bitsandbytes LLM.int8 linear layer: int8 weight rows with one fp32 scale each (``SCB``).
 
     state_dict: ``weight`` (int8, out x in), ``bias``, ``SCB`` (fp32, out), ``weight_format``
-    (uint8 0 = row-major), as bitsandbytes writes it.
+    (uint8 0 = row-major), as bitsandbytes writes it.  ``.weight`` is bitsandbytes' ``Int8Params``,
+    as in transformers' bitsandbytes models (model code allows for int8: spec, quantize, Drop-ins).
     """
 
     @classmethod
@@ -152,7 +153,8 @@ class FourBitLinear(bnb.nn.Linear4bit):
     state_dict: ``weight`` (uint8, packed), ``bias`` and the quant state as bitsandbytes writes
     it: ``weight.absmax``, ``weight.quant_map``, ``weight.quant_state.bitsandbytes__<type>``
     (JSON in a uint8 tensor) and, with double quantization, ``weight.nested_absmax`` and
-    ``weight.nested_quant_map``.
+    ``weight.nested_quant_map``.  ``.weight`` is bitsandbytes' ``Params4bit`` (packed; the layer's
+    shape is ``.weight.quant_state.shape``), as in transformers' bitsandbytes models.
     """
 
     STATS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map",

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import inspect
 import json
 import os
@@ -600,9 +601,11 @@ def is_fused(cls: type) -> bool:
 _ADD_LINE = re.compile(r"^\s*(\w+)\s*=\s*([\w.]+)\s*\+\s*([\w.]+)\s*(?:#.*)?$")
 
 
+@functools.lru_cache(maxsize=256)
 def residual_line(cls: type) -> str | None:
     """The first residual add written in ``cls.forward`` (quoted in near misses): ``x = y + x``,
-    ``x = x + y`` or an addition of something named ``residual``."""
+    ``x = x + y`` or an addition of something named ``residual``.  Read once per class (reading
+    source takes milliseconds; a model repeats one class per layer)."""
     try:
         source = inspect.getsource(cls.forward)
     except (OSError, TypeError):

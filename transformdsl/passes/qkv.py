@@ -41,8 +41,10 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 
 import torch
 from torch import nn
@@ -51,7 +53,8 @@ from ..edit import Edit
 from ..errors import LoadError, TransformError
 from ..options import option
 from ..registry import register
-from ..tree import ModuleInfo, ModuleTree
+from ..selectors import select, topmost
+from ..tree import ModuleInfo, ModuleTree, below_any
 from . import _qkv_shared
 from .base import ApplyContext, Transform
 
@@ -150,6 +153,9 @@ class Group:
     splits: tuple[int, ...]
     in_features: int
     bias: bool
+    #: sources without a bias of their own in a group with a bias (Whisper's ``k_proj``): their
+    #: rows of the fused bias are zeros (adding 0 changes nothing: the fusion stays exact).
+    zero_bias: tuple[str, ...] = ()
 
     @property
     def out_features(self) -> int:
@@ -194,7 +200,8 @@ class Fusion:
         return {
             "kind": self.kind,
             "groups": [{"name": g.name, "sources": list(g.sources), "splits": list(g.splits),
-                        "in_features": g.in_features, "bias": g.bias} for g in self.groups],
+                        "in_features": g.in_features, "bias": g.bias,
+                        **({"zero_bias": list(g.zero_bias)} if g.zero_bias else {})} for g in self.groups],
             "processor": self.processor,
             "fused_projections": self.fused_projections,
             "forward": self.forward,
@@ -204,11 +211,13 @@ class Fusion:
     def from_json(cls, data: dict) -> Fusion:
         """The record written by :meth:`to_json`, checked: only what this pass can produce."""
         groups = tuple(Group(g["name"], tuple(g["sources"]), tuple(int(s) for s in g["splits"]),
-                             int(g["in_features"]), bool(g["bias"])) for g in data["groups"])
+                             int(g["in_features"]), bool(g["bias"]), tuple(g.get("zero_bias", ())))
+                       for g in data["groups"])
         fusion = cls(data["kind"], groups, data.get("processor"), bool(data.get("fused_projections")),
                      data.get("forward"))
         if (fusion.kind not in ("self", "cross", "joint") or not groups
                 or any((g.name, g.sources) not in GROUP_ALTERNATIVES or len(g.splits) != len(g.sources)
+                       or not set(g.zero_bias) < set(g.sources) or (g.zero_bias and not g.bias)
                        for g in groups)
                 or fusion.processor not in (None, *FUSED_PROCESSORS.values())
                 or fusion.forward not in (None, "llama", "shared")):
@@ -228,6 +237,10 @@ def analyse(module: nn.Module, options: QKVOptions, path: str = "") -> Fusion | 
     if fused is not None:
         kind = type(module._modules[fused]).__name__ if fused in module._modules else "parameter"
         return f"already fused: {fused} ({kind}) projects q, k and v together"
+    reads = _reads_weights_itself(type(module))
+    if reads:
+        return (f"{type(module).__name__}.forward reads {reads} itself and never calls the projections "
+                "(F.multi_head_attention_forward): a fused projection would never run")
     for base, layout in LAYOUTS:
         klass = _base_class(module, base)
         if klass is None:
@@ -268,6 +281,27 @@ def _shared(module: nn.Module, options: QKVOptions, path: str) -> Fusion | str:
         return _no_projections(module)
     kind = "cross" if cross else ("joint" if len(groups) > 1 else "self")
     return Fusion(kind, tuple(groups), forward="shared")
+
+
+_PROJECTION_NAMES = sorted({name for row in PROJECTIONS for name in row.names}, key=len, reverse=True)
+_WEIGHT_READ = re.compile(r"self\.(" + "|".join(map(re.escape, _PROJECTION_NAMES)) + r")\.weight\b")
+
+
+@functools.lru_cache(maxsize=256)
+def _reads_weights_itself(cls: type) -> str | None:
+    """``k_proj.weight`` (say) when ``cls.forward`` passes its projections' weights to a function
+    itself (HunyuanDiT's ``AttentionPool``: ``F.multi_head_attention_forward(q_proj_weight=...)``)
+    instead of calling them.  Read once per class; library attention modules call their
+    projections (diffusers' through the processor), so this costs one source read per class."""
+    forward = cls.forward
+    if forward is nn.Module.forward or getattr(forward, "__module__", "").startswith("torch."):
+        return None
+    try:
+        source = inspect.getsource(forward)
+    except (OSError, TypeError):
+        return None
+    found = sorted(set(_WEIGHT_READ.findall(source)))
+    return ", ".join(f"{name}.weight" for name in found) or None
 
 
 def _no_projections(module: nn.Module) -> str:
@@ -334,15 +368,15 @@ def _group(module: nn.Module, name: str, equal: bool, sources: tuple[str, ...] |
         if linear.in_features != first.in_features:
             return (f"projections read different inputs: {source} has in_features {linear.in_features}, "
                     f"{sources[0]} {first.in_features}")
-        if (linear.bias is None) != (first.bias is None):
-            return f"{source} and {sources[0]} differ in having a bias"
         if linear.weight.dtype != first.weight.dtype or linear.weight.device != first.weight.device:
             return f"{source} and {sources[0]} differ in dtype or device"
     splits = tuple(linear.out_features for linear in linears)
     if equal and len(set(splits)) > 1:
         return (f"{'/'.join(sources)} have different widths {splits} and the fused processor splits "
                 "its output into equal parts")
-    return Group(name, sources, splits, first.in_features, first.bias is not None)
+    biased = [linear.bias is not None for linear in linears]
+    zero_bias = tuple(source for source, has in zip(sources, biased) if not has) if any(biased) else ()
+    return Group(name, sources, splits, first.in_features, any(biased), zero_bias)
 
 
 def _groups(module: nn.Module, names: list[str], equal: bool = True) -> tuple[Group, ...] | str:
@@ -476,7 +510,8 @@ def _concatenated(sources: list[nn.Linear], group: Group) -> nn.Linear:
     """The fused Linear of ``sources`` (new tensors: the sources are left untouched)."""
     with torch.no_grad():
         weight = torch.cat([s.weight for s in sources])
-        bias = torch.cat([s.bias for s in sources]) if group.bias else None
+        bias = torch.cat([s.bias if s.bias is not None else s.weight.new_zeros(s.out_features)
+                          for s in sources]) if group.bias else None
     return _linear(weight, bias, sources[0])
 
 
@@ -495,7 +530,8 @@ def _install(edit: Edit, module: nn.Module, fusion: Fusion,
     fused = {g.name: make([module._modules[s] for s in g.sources], g) for g in fusion.groups}
     if fusion.forward == "shared":
         for group in fusion.groups:
-            _qkv_shared.install(edit, module, group.name, group.sources, group.splits, fused[group.name])
+            _qkv_shared.install(edit, module, group.name, group.sources, group.splits, fused[group.name],
+                                group.zero_bias)
         return
     for group in fusion.groups:
         for source in group.sources:
@@ -622,10 +658,35 @@ class QKVFusion(Transform):
         for path in targets:
             fusion = self._planned(path, tree[path].module)
             kinds[fusion.kind] = kinds.get(fusion.kind, 0) + 1
-        if not kinds.get("cross"):
+        notes = []
+        if kinds.get("cross"):
+            notes.append(f"{kinds['cross']} cross-attention module(s): k/v fused (to_kv, kv_proj, ...), q kept apart "
+                         "(cross=kv)")
+        if not self.statement.target:
+            notes.extend(self._unselected(tree))
+        return notes
+
+    def _unselected(self, tree: ModuleTree) -> list[str]:
+        """Modules in scope with separate q/k/v projections that the default target (``*Attention``)
+        does not name (HunyuanDiT's ``HunyuanDiTAttentionPool``), each with what fusing it would do."""
+        scope = self.statement.scope
+        roots = frozenset(topmost([p for selector in scope for p in select(selector, tree, None)]) if scope else [""])
+        found = []
+        for info in tree:
+            module = info.module
+            if module is None or not below_any(info.path, roots) or not any(
+                    isinstance(module._modules.get(row.k), nn.Linear)
+                    and isinstance(module._modules.get(row.v), nn.Linear) for row in PROJECTIONS):
+                continue
+            if any(fnmatchcase(name, pattern) for name in info.class_names for pattern in self.default_target):
+                continue
+            fusion = analyse(module, self.options, info.path)
+            why = fusion if isinstance(fusion, str) else f"it would fuse: name it (fuse qkv in {info.path})"
+            found.append(f"{info.path or '<root>'} ({info.cls.__name__}: {why})")
+        if not found:
             return []
-        return [f"{kinds['cross']} cross-attention module(s): k/v fused (to_kv, kv_proj, ...), q kept apart "
-                "(cross=kv)"]
+        return [f"not selected (not named {', '.join(self.default_target)}), though it has separate q/k/v "
+                "projections: " + "; ".join(found[:3]) + (f" (+{len(found) - 3})" if len(found) > 3 else "")]
 
     def plan_effect(self, tree: ModuleTree, targets: list[str]) -> None:
         for path in targets:

@@ -138,7 +138,8 @@ class _Quantize(Transform):
     default_target = LINEAR_TARGETS
     default_except = DEFAULT_EXCEPT
     #: The modules transformers and diffusers keep in float32, as their own bitsandbytes
-    #: integrations leave them unquantized (T5's ``wo``: relative error > 1 in nf4 otherwise).
+    #: integrations leave them unquantized (T5 casts ``wo``'s input to ``wo.weight.dtype``, packed
+    #: uint8 for a 4-bit layer: relative error > 1 in nf4 otherwise).
     honoured_declarations = ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict")
     runs_after = ("fuse *",)
     exclusive = "weights"
