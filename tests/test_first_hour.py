@@ -57,18 +57,66 @@ sys.exit(status)
 """
 
 
-@pytest.mark.parametrize("argv", [
-    ["check", *sorted(str(p) for p in EXAMPLES.glob("*.tfm"))],
-    ["fmt", "--check", *sorted(str(p) for p in EXAMPLES.glob("*.tfm"))],
-    ["--help"],
-    ["--version"],
-    ["check", "--help"],
-], ids=["check", "fmt", "help", "version", "check-help"])
-def test_light_commands_import_no_model_library(argv):
+@pytest.mark.parametrize("argv, status", [
+    (["check", *sorted(str(p) for p in EXAMPLES.glob("*.tfm"))], 0),
+    (["fmt", "--check", *sorted(str(p) for p in EXAMPLES.glob("*.tfm"))], 0),
+    (["--help"], 0),
+    (["--version"], 0),
+    (["check", "--help"], 0),
+    (["check", "TYPO"], 1),  # the error path too: near-miss suggestions come from the catalog
+    (["fmt", "-"], 0),
+], ids=["check", "fmt", "help", "version", "check-help", "check-typo", "fmt-stdin"])
+def test_light_commands_import_no_model_library(argv, status, tmp_path):
+    typo = tmp_path / "typo.tfm"
+    typo.write_text("fuse qkv in *Attention\nquantise int8 except norm\n")
+    argv = [str(typo) if a == "TYPO" else a for a in argv]
     done = subprocess.run([sys.executable, "-c", _PROBE, *argv], capture_output=True, text=True, env=ENV,
-                          cwd=ROOT, timeout=120)
-    assert done.returncode == 0, done.stderr
+                          cwd=ROOT, timeout=120, input="quantize   int8\n")
+    assert done.returncode == status, done.stderr
     assert done.stderr.strip().splitlines()[-1] == "IMPORTED", done.stderr
+    if status:
+        assert "did you mean 'quantize'" in done.stderr, done.stderr
+
+
+#: Plans each script on a plain torch model in a fresh interpreter, then reports the backends imported.
+_PLAN_PROBE = """
+import sys, torch, transformdsl
+model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 16))
+for text in sys.argv[2:]:
+    str(transformdsl.plan(model, text))
+transformdsl.transform(model, "quantize int8 weight_only=true")  # plain torch, saved and loaded
+transformdsl.save(model, sys.argv[1])
+transformdsl.load(sys.argv[1], model=torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16),
+                                                         torch.nn.Linear(16, 16)))
+backends = ("bitsandbytes", "hqq", "torch._dynamo", "torch._inductor", "diffusers", "transformers", "torchao")
+print("IMPORTED", ",".join(m for m in backends if m in sys.modules))
+"""
+
+
+def test_planning_imports_no_backend(tmp_path):
+    """``explain`` (planning) imports a backend only where the model's own library does: planning
+    every transform on a plain torch model imports no quantization library, no dynamo, no inductor;
+    nor do applying, saving and loading a transform that needs none."""
+    scripts = ["fuse qkv", "quantize int8 threshold=6", "quantize nf4 double_quant=true", "quantize hqq bits=4",
+               "quantize int8 weight_only=true", "fp8 storage", "fp8 native", "compile fullgraph=true",
+               "compile regional in Linear", "fuse bias_dropout_residual"]
+    done = subprocess.run([sys.executable, "-c", _PLAN_PROBE, str(tmp_path / "saved"), *scripts], capture_output=True, text=True, env=ENV,
+                          cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "IMPORTED", done.stdout
+
+
+def test_fp8_marks_its_capability_check_constant_as_torch_does():
+    """fp8.py marks ``_cuda_has_fp8_matmul`` for dynamo without importing it; the marker must stay
+    the one ``torch.compiler.assume_constant_result`` sets, or compile would trace the check."""
+    import torch
+
+    from transformdsl.passes import fp8
+
+    marked = torch.compiler.assume_constant_result(lambda: None)
+    attributes = {name for name in vars(marked) if name.startswith("_dynamo")}
+    assert attributes == {"_dynamo_marked_constant"}
+    assert fp8._cuda_has_fp8_matmul._dynamo_marked_constant is True
 
 
 def test_import_transformdsl_imports_no_torch():
@@ -91,6 +139,18 @@ def test_public_functions_show_their_real_signatures_and_docs():
         assert "kwargs" not in str(inspect.signature(function)), name
         assert len(inspect.getdoc(function)) > 80, name
     assert set(transformdsl.__all__) <= set(dir(transformdsl))
+
+
+def test_spec_names_every_command():
+    """spec.md's command list (issue 14: it left out ``fmt``) is the command line's own list."""
+    import argparse
+    import re
+
+    from transformdsl.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    listed = re.search(r"Command line: `transformdsl ([a-z|]+)` and `--version`", (ROOT / "spec.md").read_text())
+    assert listed and listed.group(1).split("|") == list(sub.choices)
 
 
 def test_version(capsys):
@@ -415,6 +475,24 @@ def test_demo_leaves_no_temporary_folder_and_states_compile_cold_start_apart(tmp
     assert "steady state: median of 9 calls after 2 warm-up calls" in latency
     assert any(line.strip().startswith("first call:") and "compiling (not counted in the latency above)" in line
                for line in out.splitlines())
+
+
+@pytest.mark.parametrize("text, reason", [
+    ("quantize int8", "LLM.int8 layers multiply in int8 (torch._int_mm)"),
+    ("quantize int8 weight_only=true", "turn their weights back into floats on every call"),
+    ("quantize nf4", "turn their weights back into floats on every call"),
+    ("fp8 storage", "turn their weights back into floats on every call"),
+    ("compile", "compile speeds up the arithmetic"),
+])
+def test_demo_says_why_the_script_it_ran_is_slower_on_a_cpu(text, reason):
+    """LLM.int8 does not dequantize: it multiplies in int8, slow on CPUs without VNNI/AMX (spec.md)."""
+    from torch import nn
+
+    from transformdsl.demo import _slower_because
+
+    because = _slower_because(transformdsl.plan(nn.Sequential(nn.Linear(16, 16)), text), "CPU")
+    assert reason in because
+    assert ("torch._int_mm" in because) == (text == "quantize int8")
 
 
 def test_cli_errors_speak_cli(tmp_path, monkeypatch, capsys):

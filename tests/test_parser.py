@@ -9,6 +9,7 @@ message exactly, and the rendered caret where it matters.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -18,6 +19,8 @@ from transformdsl import parse
 from transformdsl.errors import ScriptError
 from transformdsl.ir import Span, source_lines
 from transformdsl.parser import MAX_SCRIPT_CHARS
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 def shape(statement) -> dict:
@@ -337,3 +340,63 @@ def test_carets_land_on_the_line_the_parser_counted(text, line, rendered):
         parse(text)
     assert info.value.line == line
     assert str(info.value).splitlines()[1] == rendered
+
+
+# --------------------------------------------------------------------------- the shipped LALR tables
+
+
+def test_shipped_parser_tables_are_current_and_used(monkeypatch):
+    """``check`` starts from the tables generated from this grammar, not from building the parser."""
+    from lark import Lark
+    from lark.exceptions import UnexpectedInput
+
+    from transformdsl import parser
+
+    assert parser.tables_are_current(), "run `python -m transformdsl.parser --write`"
+
+    class Counting(Lark):
+        built = 0
+
+        def __init__(self, *args, **kwargs):
+            Counting.built += 1
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(parser, "Lark", Counting)
+    parser._parser.cache_clear()
+    try:
+        loaded = parser._parser()
+        assert Counting.built == 0
+        built = Lark(parser._grammar_text(), **parser._LARK_OPTIONS)
+        texts = [p.read_text() for p in sorted(EXAMPLES.glob("*.tfm"))]
+        texts += ["quantize int8 in re:\"blocks\\.[0-9]+\" except norm a='x;y'", ";;\n# only a comment\n"]
+        for text in texts:
+            assert loaded.parse(text) == built.parse(text)
+        for bad in ["quantize int8 except", "fuse qkv in a,,b", "quantize x=", "fp8 'x'", "a\n= b"]:
+            problems = []
+            for one in (loaded, built):
+                with pytest.raises(UnexpectedInput) as error:
+                    one.parse(bad)
+                problem = parser._syntax_problem(error.value, bad, None)  # lark's own text lists a set: any order
+                problems.append((problem.message, problem.spans, set(getattr(error.value, "expected", ()))))
+            assert problems[0] == problems[1]
+    finally:
+        parser._parser.cache_clear()
+
+
+def test_a_changed_grammar_is_never_served_stale_tables(monkeypatch):
+    """The tables are keyed by the grammar's hash: edit the grammar and the parser is built from it."""
+    from transformdsl import parser
+
+    original = parser._grammar_text()
+    monkeypatch.setattr(parser, "_grammar_text", lambda: original.replace('"except" selectors', '"besides" selectors'))
+    parser._parser.cache_clear()
+    try:
+        assert not parser.tables_are_current()
+        assert [s.text for s in parse("quantize int8 besides norm").statements[0].exclude] == ["norm"]
+        with pytest.raises(ScriptError):
+            parse("quantize int8 except norm")
+    finally:
+        parser._parser.cache_clear()
+    monkeypatch.undo()
+    assert parser.tables_are_current()
+    assert [s.text for s in parse("quantize int8 except norm").statements[0].exclude] == ["norm"]

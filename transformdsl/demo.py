@@ -98,9 +98,17 @@ def run_demo(model_name: str | None = None, script_path: str | None = None, out:
 
 def _slower_because(the_plan, device: str) -> str:
     """Why the transformed model is slower per call, from what the script does."""
-    verbs = {step.transform.key() for step in the_plan.steps if step.targets}
+    steps = [step for step in the_plan.steps if step.targets]
+    verbs = {step.transform.key() for step in steps}
+    int8_matmul = any(step.transform.key() == "quantize int8" and not step.transform.options.weight_only
+                      for step in steps)
     reasons = []
-    if any(k.startswith(("quantize", "fp8")) for k in verbs):
+    if int8_matmul and device == "CPU":
+        # spec.md (quantize, weight_only): on CPUs without VNNI/AMX the int8 matmul is ~35x slower than float32.
+        reasons.append("LLM.int8 layers multiply in int8 (torch._int_mm), which a CPU without int8 matrix "
+                       "instructions (VNNI, AMX) runs far slower than a float matmul; `quantize int8 "
+                       "weight_only=true` keeps int8 weights and multiplies in float")
+    if any(k.startswith(("quantize", "fp8")) for k in verbs) and not (int8_matmul and len(verbs) == 1):
         reasons.append("quantized and fp8 layers turn their weights back into floats on every call: they save "
                        "memory, not time" if device == "CPU" else "the layers trade time for memory")
     if any(k.startswith("compile") for k in verbs):

@@ -53,9 +53,58 @@ def _grammar_text() -> str:
     return resources.files(__package__).joinpath("transformdsl.lark").read_text()
 
 
+#: How the parser is built from the grammar (the shipped tables record the same options).
+_LARK_OPTIONS = dict(parser="lalr", propagate_positions=True, maybe_placeholders=False)
+#: The generated module holding the parser's LALR tables, beside this one.
+TABLES_PATH = Path(__file__).with_name("parser_tables.py")
+
+
 @functools.lru_cache(maxsize=1)
 def _parser() -> Lark:
-    return Lark(_grammar_text(), parser="lalr", propagate_positions=True, maybe_placeholders=False)
+    """The LALR parser: from the shipped tables when they were generated from this very grammar
+    by this version of lark, else built from the grammar (a third of ``check``'s own time).
+
+    Why shipped tables and not lark's ``cache=True``: lark's cache is a pickle in the shared
+    temporary directory, unpickled on the next run, so any user of the machine who plants that
+    file runs code in ours.  The tables are instead generated at development time
+    (``python -m transformdsl.parser --write``) as a module of plain literals inside the package,
+    trusted exactly as its code is, and used only when their recorded grammar hash and lark
+    version match: an edited grammar or another lark never gets a stale parser, only a slower start.
+    """
+    if tables_are_current():
+        from . import parser_tables as tables
+
+        return Lark.load({"data": tables.DATA, "memo": tables.MEMO})
+    return Lark(_grammar_text(), **_LARK_OPTIONS)
+
+
+def _grammar_digest(grammar: str) -> str:
+    import hashlib
+
+    options = ",".join(f"{k}={v}" for k, v in sorted(_LARK_OPTIONS.items()))
+    return hashlib.sha256(f"{options}\n{grammar}".encode()).hexdigest()
+
+
+def tables_source() -> str:
+    """The text of ``parser_tables.py`` for the current grammar and lark (see :func:`_parser`)."""
+    import pprint
+
+    grammar = _grammar_text()
+    data, memo = Lark(grammar, **_LARK_OPTIONS).memo_serialize([lark.lexer.TerminalDef, lark.grammar.Rule])
+    return "\n".join([
+        '"""The LALR tables of the script grammar, serialized by lark: generated, do not edit.',
+        "",
+        "    python -m transformdsl.parser --write      # after changing grammar/transformdsl.lark",
+        "",
+        "Used by :func:`transformdsl.parser._parser` only while ``GRAMMAR_SHA256`` and ``LARK_VERSION``",
+        'match the grammar and the lark installed; plain literals, nothing here runs code."""',
+        "",
+        f"GRAMMAR_SHA256 = {_grammar_digest(grammar)!r}",
+        f"LARK_VERSION = {lark.__version__!r}",
+        f"DATA = {pprint.pformat(data, width=120, sort_dicts=False)}",
+        f"MEMO = {pprint.pformat(memo, width=120, sort_dicts=False)}",
+        "",
+    ])
 
 
 def parse(text: str, filename: str | None = None) -> Script:
@@ -416,3 +465,38 @@ def _clip(text: str, limit: int = 60) -> str:
 def _unquote(text: str) -> str:
     quote, body = text[0], text[1:-1]
     return re.sub(r"\\(.)", r"\1", body) if "\\" in body else body if quote else text
+
+
+def tables_are_current() -> bool:
+    """Whether the shipped ``parser_tables.py`` was generated from this grammar by this lark.
+
+    (Its text is not compared: lark numbers the LALR states in set order, which varies between runs.)
+    """
+    try:
+        from . import parser_tables as tables
+    except ImportError:
+        return False
+    return tables.GRAMMAR_SHA256 == _grammar_digest(_grammar_text()) and tables.LARK_VERSION == lark.__version__
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m transformdsl.parser --write``: regenerate ``parser_tables.py``; ``--check``: exit 1 if stale."""
+    import argparse
+
+    cli = argparse.ArgumentParser(prog="python -m transformdsl.parser", description=main.__doc__)
+    action = cli.add_mutually_exclusive_group(required=True)
+    action.add_argument("--write", action="store_true")
+    action.add_argument("--check", action="store_true")
+    args = cli.parse_args(argv)
+    if args.check:
+        if not tables_are_current():
+            print(f"{TABLES_PATH} is out of date: run `python -m transformdsl.parser --write`")
+            return 1
+        return 0
+    TABLES_PATH.write_text(tables_source(), encoding="utf-8")
+    print(f"wrote {TABLES_PATH}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

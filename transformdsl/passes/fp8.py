@@ -310,7 +310,15 @@ def _fuses_bias(compute: torch.dtype) -> bool:
 # --------------------------------------------------------------------------- devices
 
 
-@torch.compiler.assume_constant_result
+def _constant_under_compile(fn):
+    """``torch.compiler.assume_constant_result`` without importing ``torch._dynamo`` (seconds) when
+    this module is imported: that decorator only sets this marker, which dynamo reads when it traces
+    a call (tests/test_first_hour.py checks that torch's decorator still sets the same one)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_constant_under_compile
 def _cuda_has_fp8_matmul(index: int) -> bool:
     """fp8 tensor cores: compute capability 8.9 (Ada) or 9.0+ (Hopper, Blackwell).  ROCm's
     MI300 multiplies the *fnuz* fp8 variants instead, which these modules do not store."""
