@@ -178,6 +178,17 @@ def fp8_skip(path: str) -> bool:
     return any(re.search(pattern, path) for pattern in FP8_SKIP)
 
 
+#: How the untransformed model is labelled as a "baseline" (report.py keeps it out of the by-hand tables).
+UNCHANGED_LABEL = "the model unchanged (same process)"
+
+
+def unchanged(model: nn.Module) -> nn.Module:
+    """No transform: the model as read (float32; bfloat16 for the fp8 comparisons).  As a
+    "baseline" its job times our model and the untransformed one in turn in one process, which
+    is the robust way to measure ours ÷ the original on a busy machine."""
+    return model
+
+
 def chain(*steps: Callable[[nn.Module], nn.Module]) -> Callable[[nn.Module], nn.Module]:
     """Several by-hand steps one after the other (e.g. fuse, then quantize)."""
 

@@ -319,12 +319,27 @@ def _measure(job: Job) -> dict:
     if job.best_of > 1:  # the scaling series: the fastest of a few fresh transforms
         facts["transform_s"] = min([transform_s] + [_transform(job, comparison, _read(job, comparison)[0])[1]
                                                     for _ in range(job.best_of - 1)])
+    if job.side == OURS:
+        facts["covered"] = covered_bytes(model)
     if job.side == OURS and job.reload and comparison and comparison.reload:
         facts["reload"] = _reload(model, output, inputs, saved_dir(job))
     if duel:
         facts["duel"] = _duel(job, model, inputs)
         facts["latency_s"] = facts["duel"]["hand_s"]
     return facts
+
+
+def covered_bytes(model) -> list[int] | None:
+    """[before, after]: the bytes of the layers our script replaced, as its records give them
+    (quantize writes ``bytes_before``/``bytes_after``); None when no statement records them."""
+    from transformdsl.executor import history_of
+
+    history = history_of(model)
+    records = [step.record for step in (history.steps if history else ())
+               if isinstance(step.record, dict) and "bytes_before" in step.record]
+    if not records:
+        return None
+    return [sum(r["bytes_before"] for r in records), sum(r["bytes_after"] for r in records)]
 
 
 def _duel(job: Job, hand_model, inputs) -> dict:

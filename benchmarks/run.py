@@ -30,6 +30,8 @@ from comparisons import COMPARISONS, Comparison  # noqa: E402
 from measure import ORIGINAL, OURS, Isolated, Job, measure  # noqa: E402
 from workloads import Workload  # noqa: E402
 
+from transformdsl.capabilities import describe_cpu  # noqa: E402
+
 #: The main comparison: every built-in architecture tiny, then Flux at width 768 and at FLUX.1's 3072.
 FULL = [workloads.tiny("flux"), workloads.tiny("sd3"), workloads.tiny("unet"), workloads.tiny("llama"),
         workloads.flux("medium", heads=6), workloads.flux("large", heads=24)]
@@ -60,6 +62,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--in-process", action="store_true",
                         help="run jobs in this process (for the smoke test; peak RSS then means little)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds one job may take")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the rows of results/run.json that this run does not measure again (a row "
+                             "is a workload x comparison x side): regenerate only the sections you ran")
     parser.add_argument("--report-only", action="store_true",
                         help="measure nothing: write RESULTS.md and the charts again from results/run.json")
     return parser.parse_args(argv)
@@ -162,6 +167,34 @@ def execute(jobs: list[Job], runner, label: str) -> list[dict]:
     return rows
 
 
+def merged(old: dict, rows: list[dict], scaling: list[dict], meta: dict) -> tuple[list[dict], list[dict], dict]:
+    """This run's rows in place of the same (workload, comparison, side) of an earlier run, the
+    earlier run's other rows kept (tagged with the run that measured them); ``meta["runs"]``
+    lists every run whose rows remain, newest first."""
+    earlier = [{"command": old["meta"]["command"], "measured_at": old["meta"]["measured_at"],
+                "seconds": old["meta"]["seconds"]}, *old["meta"].get("runs", [])[1:]]
+
+    def keep(old_rows: list[dict], new_rows: list[dict], key) -> list[dict]:
+        fresh = {key(r) for r in new_rows}
+        kept = []
+        for row in old_rows:
+            row.setdefault("run", old["meta"]["measured_at"])
+            if key(row) not in fresh:
+                kept.append(row)
+        return kept + new_rows
+
+    # An original row stays as long as rows of its run on its workload do: their ratios use it.
+    rows = keep(old["rows"], rows, lambda r: (r["workload"], r["comparison"], r["side"],
+                                              r.get("run") if r["side"] == "original" else None))
+    used = {(r["workload"], r["run"]) for r in rows if r["side"] != "original"}
+    rows = [r for r in rows if r["side"] != "original" or (r["workload"], r["run"]) in used]
+    scaling = keep(old["scaling"], scaling, lambda r: r["workload"]) if scaling else old["scaling"]
+    runs_left = {r.get("run") for r in rows + scaling}
+    this = {"command": meta["command"], "measured_at": meta["measured_at"], "seconds": meta["seconds"]}
+    meta = {**meta, "runs": [this, *(r for r in earlier if r["measured_at"] in runs_left)]}
+    return rows, scaling, meta
+
+
 def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
     out = args.out or (HERE / "_work" / "quick" if args.quick else HERE)
@@ -191,9 +224,13 @@ def main(argv: list[str] | None = None) -> Path:
             "quick": args.quick, "seconds": time.time() - started, "threads": args.threads,
             "load_before": load_before, "load_after": os.getloadavg(), "in_process": args.in_process,
             "torchao": "torchao" in needed_backends(jobs) and workloads.TORCHAO_SITE.is_dir(),
-            "torchao_version": torchao_version()}
+            "torchao_version": torchao_version(), "cpu": describe_cpu()}
     raw = out / "results" / "run.json"
     raw.parent.mkdir(parents=True, exist_ok=True)
+    for row in rows + scaling_rows:
+        row["run"] = meta["measured_at"]  # ratios to the original model use the original of the same run
+    if args.merge and raw.exists():
+        rows, scaling_rows, meta = merged(json.loads(raw.read_text()), rows, scaling_rows, meta)
     raw.write_text(json.dumps({"meta": meta, "rows": rows, "scaling": scaling_rows}, indent=1, default=str))
     from report import write_report
 

@@ -36,7 +36,8 @@ def test_smallest_configuration_runs(harness, tmp_path):
 
     data = json.loads((out / "results" / "run.json").read_text())
     rows = {row["side"]: row for row in data["rows"]}
-    assert set(rows) == {"original", "transformdsl", "bitsandbytes Linear8bitLt by hand"}
+    assert set(rows) == {"original", "transformdsl", "bitsandbytes Linear8bitLt by hand",
+                         "the model unchanged (same process)"}  # ours ÷ original, calls in turn
     for row in rows.values():
         assert row["status"] == "ok" or row["status"].startswith("not available yet"), row.get("traceback")
     ours, by_hand = rows["transformdsl"], rows["bitsandbytes Linear8bitLt by hand"]
@@ -59,3 +60,26 @@ def test_gpu_script_skips_without_cuda(harness, tmp_path, capsys):
     assert gpu.main(["--out", str(tmp_path)]) is None
     assert "skipped" in capsys.readouterr().out
     assert not list(tmp_path.iterdir())
+
+
+def test_merge_regenerates_only_the_sections_it_ran(harness, tmp_path):
+    """``--merge`` keeps the rows of the earlier run that this one did not measure again; ratios
+    to the original model use the original measured by the same run."""
+    out = tmp_path / "out"
+    common = ["--quick", "--in-process", "--repeats", "1", "--out", str(out)]
+    harness.main([*common, "--only", "quantize int8 weight_only"])
+    first = json.loads((out / "results" / "run.json").read_text())["meta"]["measured_at"]
+    page = harness.main([*common, "--only", "quantize hqq", "--merge"])
+
+    data = json.loads((out / "results" / "run.json").read_text())
+    kept = {(r["comparison"], r["side"]): r.get("run") for r in data["rows"]}
+    assert kept[("quantize int8 weight_only", "transformdsl")] == first
+    assert kept[("quantize hqq", "transformdsl")] == data["meta"]["measured_at"] != first
+    assert sorted(r["run"] for r in data["rows"] if r["side"] == "original") == sorted(
+        [first, data["meta"]["measured_at"]])  # each run's anchor stays beside its rows
+    assert [r["measured_at"] for r in data["meta"]["runs"]] == [data["meta"]["measured_at"], first]
+    text = page.read_text()
+    assert "## Issue 15's targets" in text
+    assert "| flux-tiny | int8 weight-only: latency ÷ fp32 |" in text
+    assert "| flux-tiny | hqq reload ÷ floor (reading the bytes)" in text
+    assert "Rows from an earlier run" in text

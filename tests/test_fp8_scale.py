@@ -85,3 +85,21 @@ def test_blocked_scales_equal_the_one_piece_computation(monkeypatch, dims, dtype
     assert torch.equal(weight, before)
     assert torch.equal(values.view(torch.uint8), whole_values.view(torch.uint8))
     assert torch.equal(scale, whole_scale) and scale.shape == whole_scale.shape
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_row_magnitudes_from_the_bits_equal_amax_of_abs(dtype):
+    """The per-row maximum magnitude read from the bits with the sign cleared (one integer
+    reduction) is exactly ``abs().amax()``, infinities included; NaN stays NaN."""
+    from transformdsl.passes.fp8 import _amax_rows
+
+    torch.manual_seed(0)
+    rows = (torch.randn(64, 300) * torch.logspace(-30, 4, 64)[:, None]).to(dtype)
+    rows[3] = 0
+    rows[5, 7] = -float("inf")
+    rows[9, 2] = -rows[9].abs().max() * 2  # the largest magnitude is negative
+    rows[11, 4] = float("nan")
+    got, want = _amax_rows(rows), rows.abs().amax(dim=1, keepdim=True)
+    assert got.dtype == dtype and got.shape == (64, 1)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())

@@ -62,7 +62,11 @@ def test_drop_in_for_linear():
     torch.manual_seed(0)
     linear = nn.Linear(48, 24)
     layer = Int8WeightOnlyLinear.build(linear.weight.detach(), linear.bias.detach())
-    assert layer.weight.dtype == torch.int8 and tuple(layer.weight.shape) == (24, 48)
+    assert layer.int8_weight.dtype == torch.int8 and tuple(layer.int8_weight.shape) == (24, 48)
+    # Model code reading .weight (dtype, shape, device) sees the effective float weight.
+    assert layer.weight.dtype == torch.float32 and tuple(layer.weight.shape) == (24, 48)
+    torch.testing.assert_close(layer.weight, linear.weight.detach(), rtol=0, atol=float(layer.weight_scale.max()))
+    assert "weight" in layer.state_dict() and layer.state_dict()["weight"].dtype == torch.int8
     assert (layer.in_features, layer.out_features) == (48, 24)
     for shape in [(48,), (5, 48), (2, 3, 48), (2, 3, 4, 48)]:
         x = torch.randn(shape)
@@ -96,6 +100,17 @@ def test_chunked_quantization_matches_one_pass(monkeypatch):
     monkeypatch.setattr(wo, "_CHUNK_ELEMENTS", 64 * 7)  # 7 rows at a time, last chunk partial
     chunked = quantize_rows(weight)
     assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])
+
+
+def test_model_to_dtype_keeps_int8_values_and_float32_scales():
+    model = nn.Sequential(nn.Linear(16, 8))
+    transformdsl.transform(model, SCRIPT)
+    layer = model[0]
+    values, scale = layer.int8_weight.clone(), layer.weight_scale.clone()
+    model.to(torch.bfloat16)
+    assert torch.equal(layer.int8_weight, values) and torch.equal(layer.weight_scale, scale)
+    assert layer.weight.dtype == torch.bfloat16 and layer.bias.dtype == torch.bfloat16
+    assert layer(torch.randn(2, 16, dtype=torch.bfloat16)).dtype == torch.bfloat16
 
 
 def test_bytes_are_a_quarter_of_float32():

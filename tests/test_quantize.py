@@ -439,3 +439,23 @@ def test_pipeline_denoiser_and_text_encoder(tmp_path):
     out = models.run(pipe)
     assert rel_error(out, reference) < 0.1
     assert torch.equal(models.run(save_and_load(pipe, tmp_path)), out)
+
+
+@pytest.mark.parametrize("bits,axis", [(8, 1), (4, 1), (4, 0), (3, 1), (3, 0), (2, 1), (1, 1)])
+def test_hqq_structure_on_meta_is_what_hqq_builds(bits, axis):
+    """Reloading builds the empty layer from the shapes alone: the same tensors, dtypes and
+    meta data (values aside) that hqq's own quantizer gives for a real weight."""
+    from transformdsl.passes import _quantized
+
+    torch.manual_seed(0)
+    weight = torch.randn(48, 80)
+    real = _quantized.HQQLayer.build(weight, torch.zeros(48), bits, 16, axis, torch.float32)
+    empty = _quantized.HQQLayer.build(weight.to("meta"), torch.zeros(48, device="meta"), bits, 16, axis,
+                                      torch.float32)
+    shapes = {k: (tuple(v.shape), v.dtype) for k, v in real.state_dict().items()}
+    assert {k: (tuple(v.shape), v.dtype) for k, v in empty.state_dict().items()} == shapes
+    assert all(v.is_meta for v in empty.state_dict().values())
+    assert empty.meta == real.meta
+    empty.load_state_dict(real.state_dict(), assign=True)
+    x = torch.randn(3, 80)
+    assert torch.equal(empty(x), real(x))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import sys
 import time
 import warnings
@@ -32,6 +33,7 @@ from .validate import ValidatedScript
 
 #: Attribute (in the module's ``__dict__``) holding what was applied to a component.
 HISTORY_ATTR = "_transformdsl_history"
+logger = logging.getLogger("transformdsl")
 
 
 @dataclass
@@ -99,6 +101,26 @@ def idle_statements(the_plan: Plan) -> list[str]:
     return out
 
 
+#: Device notes already logged by this process (each is logged once, not at every transform()).
+_LOGGED_DEVICE_NOTES: set[str] = set()
+
+
+def _log_device_notes(the_plan: Plan, log: Callable[[str], None] | None) -> None:
+    """Each statement's note that its backend has no fast kernel on this device: to ``log`` when
+    given (at every call, with the other summary lines), else to the ``transformdsl`` logger at
+    WARNING, once per process."""
+    for step in the_plan.steps:
+        note = step.device_note
+        if not note:
+            continue
+        line = f"line {step.statement.line}: {step.statement.key}: device: {note}"
+        if log is not None:
+            log(line)
+        elif note not in _LOGGED_DEVICE_NOTES:
+            _LOGGED_DEVICE_NOTES.add(note)
+            logger.warning(line)
+
+
 def transform(model: Any, script: str | Path | Script | ValidatedScript | Plan, *, progress: bool = False,
               log: Callable[[str], None] | None = None, verify: bool = False,
               verify_inputs: tuple[tuple, dict] | list[tuple[tuple, dict]] | None = None, strict: bool = False,
@@ -141,6 +163,7 @@ def transform(model: Any, script: str | Path | Script | ValidatedScript | Plan, 
         raise TransformError("; ".join(idle) + " (strict: nothing was changed)")
     for line in idle:
         warnings.warn(line, NothingToDoWarning, stacklevel=2)
+    _log_device_notes(the_plan, log)
     verify = verify or verify_inputs is not None
     samples = verify_inputs if isinstance(verify_inputs, list) else [verify_inputs]
     if not samples:

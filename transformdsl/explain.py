@@ -54,4 +54,6 @@ def render_plan(plan: Plan) -> str:
                 lines.append(f"     {shown}: {reason}")
         for note in step.notes:
             lines.append(f"   note: {note}")
+        if step.device_note:
+            lines.append(f"   device: {step.device_note}")
     return "\n".join(lines)

@@ -89,6 +89,9 @@ class Step:
     overridden: list[tuple[str, int]] = field(default_factory=list)
     bytes: int = 0
     notes: list[str] = field(default_factory=list)
+    #: Why the chosen backend is slow on the device the targets are on (no fast kernel there),
+    #: what that costs as measured, and the faster alternative; None when it is fast there.
+    device_note: str | None = None
 
     @property
     def statement(self):
@@ -116,6 +119,7 @@ class Step:
             "excluded": dict(self.excluded),
             "bytes": self.bytes,
             "notes": list(self.notes),
+            "device_note": self.device_note,
         }
 
 
@@ -336,6 +340,7 @@ class Planner:
         self._claim(step)
         step.bytes = _bytes(tree, step.targets)
         step.notes.extend(transform.notes(tree, step.targets))
+        step.device_note = transform.device_note(tree, step.targets) if step.targets else None
         if not step.targets:
             step.notes.append("selects no module: this statement does nothing on this model")
         transform.plan_effect(tree, list(step.targets))

@@ -13,8 +13,8 @@ row) and the matmul is the float one: no int8 GEMM, which CPUs without VNNI/AMX 
 than fp32 (bitsandbytes' ``quantize int8``).
 
 >>> layer = Int8WeightOnlyLinear.build(torch.eye(4) * 2.0, None)
->>> layer.weight.dtype, layer.weight_scale.shape
-(torch.int8, torch.Size([4]))
+>>> layer.int8_weight.dtype, layer.weight_scale.shape, layer.weight.dtype
+(torch.int8, torch.Size([4]), torch.float32)
 >>> layer(torch.ones(2, 4)).tolist()
 [[2.0, 2.0, 2.0, 2.0], [2.0, 2.0, 2.0, 2.0]]
 """
@@ -65,36 +65,69 @@ class Int8WeightOnlyLinear(nn.Module):
     State dict: ``weight`` (int8, out x in), ``weight_scale`` (float32, one per output row),
     ``bias`` (the original, unchanged).  ``forward`` takes any leading dimensions and returns
     the input's dtype; the weight is dequantized into that dtype at every call.
+
+    Model code that reads ``layer.weight`` (its dtype to cast inputs, its shape or device)
+    gets the effective weight, dequantized on each read into :attr:`weight_dtype` (the dtype of
+    the weight it replaced, following ``model.to(dtype)``); the stored int8 tensor is
+    :attr:`int8_weight`.
     """
 
-    weight: torch.Tensor
     weight_scale: torch.Tensor
 
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                 weight_dtype: torch.dtype = torch.float32):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.register_buffer("weight", weight)
+        self.register_buffer("weight", weight)  # the int8 values, saved under the key "weight"
         self.register_buffer("weight_scale", scale)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.weight_dtype = weight_dtype
 
     @classmethod
     def build(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> Int8WeightOnlyLinear:
         """Quantize an ``(out, in)`` float weight (left untouched); on meta, the empty structure."""
         values, scale = quantize_rows(weight)
-        return cls(values, scale, bias)
+        return cls(values, scale, bias, weight.dtype)
+
+    @property
+    def int8_weight(self) -> torch.Tensor:
+        """The stored int8 weight (saved as ``weight``)."""
+        try:
+            return self._buffers["weight"]
+        except KeyError:  # before __init__ registered it: an AttributeError, as for any attribute
+            raise AttributeError("int8_weight") from None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The effective weight in :attr:`weight_dtype` (a new tensor, computed on each read)."""
+        return self.dequantize().to(self.weight_dtype)
+
+    def _apply(self, fn, recurse: bool = True):
+        """``.to(device)`` moves the int8 weight and its scales; ``.to(dtype)`` changes what
+        :attr:`weight` reads as and the bias, never the stored values or the float32 scales."""
+        scale = self._buffers["weight_scale"]
+        super()._apply(fn, recurse)
+        after = self._buffers["weight_scale"]
+        if after is not None and after.dtype != scale.dtype:
+            self._buffers["weight_scale"] = scale.to(after.device)
+        probe = fn(torch.empty(0, dtype=self.weight_dtype, device=self._buffers["weight"].device))
+        if probe.is_floating_point():
+            self.weight_dtype = probe.dtype
+        return self
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002  (nn.Linear.forward's name)
+        x = input
         scale = self.weight_scale
-        if scale.dtype != input.dtype:
-            scale = scale.to(input.dtype)  # out-features values only
-        out = F.linear(input, self.weight.to(input.dtype))
+        if scale.dtype != x.dtype:
+            scale = scale.to(x.dtype)  # out-features values only
+        out = F.linear(x, self.int8_weight.to(x.dtype))
         if self.bias is None:
             return out * scale
-        return torch.addcmul(self.bias.to(input.dtype), out, scale)
+        return torch.addcmul(self.bias.to(x.dtype), out, scale)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight this layer multiplies by (for inspection and error checks)."""
-        return self.weight.float() * self.weight_scale.float()[:, None]
+        return self.int8_weight.float() * self.weight_scale.float()[:, None]
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -240,9 +240,14 @@ class HQQLayer(HQQLinear):
         if weight.is_meta:
             params["optimize"] = False  # the optimizer needs values; shapes and dtypes do not depend on it
         layer = cls(None, config, compute_dtype=compute, device=weight.device, initialize=False)
-        # Quantizer.quantize reads the weight (as float32, no copy when it is float32) and
-        # returns new tensors; hqq's optimizer runs in inference mode, hence the clones below.
-        packed, meta = Quantizer.quantize(weight.detach(), device=weight.device, compute_dtype=compute, **params)
+        if weight.is_meta and params.get("channel_wise", True) and not params.get("view_as_float"):
+            # loading: the saved tensors hold the values; only the shapes are needed
+            packed, meta = _hqq_structure(weight.shape, params)
+        else:
+            # Quantizer.quantize reads the weight (as float32, no copy when it is float32) and
+            # returns new tensors; hqq's optimizer runs in inference mode, hence the clones below.
+            packed, meta = Quantizer.quantize(weight.detach(), device=weight.device, compute_dtype=compute,
+                                              **params)
         scale, zero = meta.pop("scale"), meta.pop("zero")
         meta.update(quant_scale=False, quant_zero=False, compute_dtype=compute)
         layer.meta = meta
@@ -289,6 +294,27 @@ class HQQLayer(HQQLinear):
     float = nn.Module.float
     bfloat16 = nn.Module.bfloat16
     double = nn.Module.double
+
+
+def _hqq_structure(shape: torch.Size, params: dict) -> tuple[torch.Tensor, dict]:
+    """What ``Quantizer.quantize(params)`` returns for a weight of ``shape``, on the meta device,
+    computed from the shape alone (running it on meta tensors costs ~30 ms a layer in torch's
+    Python meta kernels: most of a reload).  ``tests/test_quantize.py`` checks it against hqq's."""
+    bits, size, axis = params["nbits"], params["group_size"], params["axis"]
+    numel = shape[0] * shape[1]
+    grouped = (numel // size, size) if axis == 1 else (size, numel // size)
+    packing = Quantizer.bit_to_packing[bits]
+    rows = grouped[0]
+    if packing == "3bit_32":
+        packed = (-(-rows // 10), grouped[1])
+    else:
+        packed = (rows // {"8bit_u8": 1, "4bit_u8": 2, "2bit_u8": 4, "1bit_u8": 8}[packing], grouped[1])
+    stats = (grouped[0], 1) if axis == 1 else (1, grouped[1])
+    meta = {"nbits": bits, "group_size": size, "shape": torch.Size(shape), "axis": axis, "packing": packing,
+            "unpack_view_dtype": Quantizer.unpack_view_dtype[packing], "view_as_float": False,
+            "scale": torch.empty(stats, device="meta"), "zero": torch.empty(stats, device="meta")}
+    dtype = torch.int32 if packing == "3bit_32" else torch.uint8
+    return torch.empty(packed, dtype=dtype, device="meta"), meta
 
 
 def _normal(tensor: torch.Tensor) -> torch.Tensor:

@@ -113,6 +113,12 @@ class Transform:
         """Extra lines for the plan (e.g. a hardware fallback), after targets are known."""
         return []
 
+    def device_note(self, tree: ModuleTree, targets: list[str]) -> str | None:
+        """One line when the backend this statement uses has no fast kernel on the device the
+        targets are on (detected by :mod:`transformdsl.capabilities`): shown by the plan and logged
+        once by ``transform()``."""
+        return None
+
     # ------------------------------------------------------------------ execution
 
     def apply(self, ctx: ApplyContext, targets: list[str]) -> dict:

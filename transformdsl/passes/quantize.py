@@ -110,6 +110,16 @@ def _read_by_parent(info: ModuleInfo, tree: ModuleTree) -> bool:
     return parent is not None and issubclass(parent.cls, nn.MultiheadAttention)
 
 
+def targets_device_type(tree: ModuleTree, targets: list[str]) -> str | None:
+    """The device type (``cpu``, ``cuda``...) of the first target's weight; None when unknown."""
+    for path in targets:
+        module = tree[path].module
+        weight = None if module is None else module._parameters.get("weight")
+        if weight is not None:
+            return weight.device.type
+    return None
+
+
 def _put(root: nn.Module, path: str, module: nn.Module) -> None:
     """Place ``module`` at ``path`` of a skeleton being rebuilt (no undo needed there)."""
     parent_path, _, name = path.rpartition(".")
@@ -299,6 +309,14 @@ class Int8Quantization(_Quantize):
         # case); weight-only rounds the weights alone: measured at most 0.008.
         return 0.03 if self.options.weight_only else 0.05
 
+    def device_note(self, tree: ModuleTree, targets: list[str]) -> str | None:
+        if self.options.weight_only:  # the float matmul: fast wherever float is
+            return None
+        from ..capabilities import int8_note
+
+        device = targets_device_type(tree, targets)
+        return int8_note(device) if device else None
+
     @classmethod
     def backend(cls, options):
         if options.weight_only:  # plain torch: no bitsandbytes import
@@ -424,6 +442,12 @@ class HQQQuantization(_Quantize):
             raise LoadError(f"'{cls.key()}': the record of '{layer.get('path')}' has an invalid group size "
                             f"{str(size)[:40]}")
         return backend.HQQLayer.build(weight, bias, options.bits, size, options.axis, DTYPES[options.compute])
+
+    def device_note(self, tree: ModuleTree, targets: list[str]) -> str | None:
+        from ..capabilities import hqq_note
+
+        device = targets_device_type(tree, targets)
+        return hqq_note(device) if device else None
 
     def describe(self, path, old, weight, bias, new):
         entry = super().describe(path, old, weight, bias, new)

@@ -1,0 +1,196 @@
+"""What the hardware a model sits on can run fast, detected, never guessed from a device's name.
+
+The plan uses it to say, in one note per statement, when the backend a statement chooses has
+no fast kernel on the model's device, what that costs (a figure measured by the benchmarks,
+with the row it comes from) and what runs faster:
+
+- **bitsandbytes int8** (``quantize int8``) multiplies int8 by int8.  On a CPU, bitsandbytes
+  calls ``torch._int_mm`` when torch reports AVX-512, and that is fast only with int8 dot
+  product instructions (``avx512_vnni``, ``avx_vnni``, ``amx_int8`` in ``/proc/cpuinfo``);
+  without AVX-512 it multiplies in float32 after converting both sides.
+- **fp8 native** needs fp8 tensor cores: CUDA compute capability 8.9+ (and not ROCm, whose
+  fp8 formats differ).  Elsewhere its layers upcast their weights at each call.
+- **hqq**'s compiled dequantize kernel is the ``hqq_aten`` extension (CUDA only); without it
+  each layer dequantizes its whole weight in PyTorch at every call.
+
+Detection reads ``/proc/cpuinfo``, ``torch.backends.cpu.get_cpu_capability()``,
+``torch.cuda.get_device_capability()`` and whether ``hqq_aten`` can be imported (found, not
+imported).  Importing this module imports no torch; the functions that need it import it.
+
+The figures come from ``measured.json`` beside this file, which ``benchmarks/report.py`` writes
+from the rows of its run (``benchmarks/RESULTS.md``, "Every configuration"): nothing here is
+typed by hand.
+
+>>> flags = cpu_flags()
+>>> isinstance(flags, frozenset)
+True
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+#: ``/proc/cpuinfo`` flags of int8 dot-product instructions (x86): what makes ``torch._int_mm`` fast.
+INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
+#: Where the benchmark figures the notes quote are kept (written by benchmarks/report.py).
+MEASURED = Path(__file__).with_name("measured.json")
+#: The RESULTS.md rows (workload, comparison) the notes quote; report.py copies exactly these.
+CITED = (("flux-medium", "quantize int8"), ("flux-medium", "quantize int8 weight_only"),
+         ("flux-medium", "quantize hqq"), ("flux-medium", "fp8 native"))
+
+
+# --------------------------------------------------------------------------- detection
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (``flags`` on x86, ``Features`` on Arm); empty when unknown."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+@functools.cache
+def cpu_capability() -> str:
+    """The vector instruction set torch's CPU kernels were dispatched to (e.g. ``AVX2``, ``AVX512``)."""
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def cpu_int8_matmul() -> str:
+    """How bitsandbytes multiplies int8 on this CPU: ``"int8 dot product"`` (fast),
+    ``"int_mm without int8 dot product"`` (AVX-512 without VNNI/AMX: slow) or
+    ``"float32"`` (it converts both sides and multiplies in float32)."""
+    if cpu_capability() != "AVX512":  # what bitsandbytes itself tests before it picks torch._int_mm
+        return "float32"
+    if cpu_flags().intersection(INT8_DOT_FLAGS):
+        return "int8 dot product"
+    return "int_mm without int8 dot product"
+
+
+def cuda_fp8_matmul(index: int = 0) -> bool:
+    """Whether CUDA device ``index`` has fp8 tensor cores (compute capability 8.9+, not ROCm)."""
+    import torch
+
+    if torch.version.hip is not None:
+        return False
+    return torch.cuda.get_device_capability(index) >= (8, 9)
+
+
+@functools.cache
+def hqq_compiled_backend() -> bool:
+    """Whether hqq's compiled kernels (the ``hqq_aten`` extension) are installed."""
+    return importlib.util.find_spec("hqq_aten") is not None
+
+
+def describe_cpu() -> dict[str, Any]:
+    """This CPU, as the benchmark pages record it (what the figures were measured on)."""
+    flags = cpu_flags()
+    return {"capability": cpu_capability(), "int8_dot": sorted(flags.intersection(INT8_DOT_FLAGS)),
+            "int8_matmul": cpu_int8_matmul()}
+
+
+# --------------------------------------------------------------------------- measured figures
+
+
+@functools.cache
+def measured() -> dict[str, Any]:
+    """The benchmark figures the notes quote (``{}`` when the file is missing or unreadable)."""
+    try:
+        data = json.loads(MEASURED.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _figure(workload: str, comparison: str, name: str) -> float | None:
+    row = measured().get("rows", {}).get(f"{workload} | {comparison}", {})
+    value = row.get(name) if isinstance(row, dict) else None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def source() -> str:
+    """Where the quoted figures come from, and the CPU they were measured on."""
+    cpu = measured().get("cpu") or {}
+    dot = ", ".join(cpu.get("int8_dot") or []) or "no VNNI/AMX"
+    return f"benchmarks/RESULTS.md, measured on an {cpu.get('capability', '?')} CPU ({dot})"
+
+
+def _latency(workload: str, comparison: str) -> str | None:
+    value = _figure(workload, comparison, "latency_vs_original")
+    if value is None:
+        return None
+    return f"{value:.2f}× fp32 latency ({workload}, '{comparison}' row)"
+
+
+def _cited(text: str, *figures: str | None) -> str:
+    """``text``, with the source of its figures when it quotes any."""
+    return f"{text} [{source()}]" if any(figures) else text
+
+
+# --------------------------------------------------------------------------- notes
+
+
+def int8_note(device_type: str) -> str | None:
+    """Why ``quantize int8`` (bitsandbytes' LLM.int8) is slow on ``device_type``, or None."""
+    if device_type != "cpu":
+        return None
+    kind = cpu_int8_matmul()
+    if kind == "int8 dot product":
+        return None
+    alternative = _latency("flux-medium", "quantize int8 weight_only")
+    faster = ("'quantize int8 weight_only=true' saves the same memory"
+              + (f" at {alternative}" if alternative else " with a float matmul"))
+    if kind == "float32":
+        cost = _latency("flux-medium", "quantize int8")
+        text = (f"this CPU ({cpu_capability()}) has no int8 matmul kernel: bitsandbytes converts both sides and "
+                f"multiplies in float32 at every call" + (f", measured {cost}" if cost else "") + f"; {faster}")
+        return _cited(text, cost, alternative)
+    # AVX-512 without VNNI/AMX: torch._int_mm runs without int8 dot products.  Not measured by this
+    # project's benchmark machine (AVX2); the figure is issue 15's, measured with the same model.
+    return _cited("this CPU has AVX-512 without int8 dot products (no avx512_vnni/avx_vnni/amx_int8): "
+                  "bitsandbytes' int8 matmul (torch._int_mm) ran ~36× slower than fp32 on such a CPU (medium "
+                  f"Flux: 10.8 s against 0.30 s, issue 15); {faster}", alternative)
+
+
+def fp8_cost() -> str | None:
+    """What upcasting fp8 layers costs on a CPU, as measured, with its source (for the fp8 native
+    fallback note); None when not measured."""
+    cost = _latency("flux-medium", "fp8 native")
+    return _cited(cost, cost) if cost else None
+
+
+def hqq_note(device_type: str) -> str | None:
+    """That ``quantize hqq`` layers dequantize in PyTorch on ``device_type``, and what it costs."""
+    if device_type == "cpu":
+        where = "hqq's compiled kernel (hqq_aten) runs on CUDA only"
+    elif device_type != "cuda":
+        return None
+    elif not hqq_compiled_backend():
+        where = "hqq's compiled kernel (hqq_aten) is not installed"
+    else:
+        where = "these layers use hqq's portable PyTorch path, not hqq_aten"
+    note = f"{where}: each layer dequantizes its whole weight at every call"
+    if device_type == "cpu":  # the figures were measured on a CPU
+        cost = _latency("flux-medium", "quantize hqq")
+        alternative = _latency("flux-medium", "quantize int8 weight_only")
+        note += f", measured {cost}" if cost else ""
+        note += (f"; 'quantize int8 weight_only=true' (twice the bytes of 4-bit) runs at {alternative}"
+                 if alternative else "")
+        note = _cited(note, cost, alternative)
+    return note
+
+
+__all__ = ["cpu_flags", "cpu_capability", "cpu_int8_matmul", "cuda_fp8_matmul", "hqq_compiled_backend",
+           "describe_cpu", "measured", "int8_note", "hqq_note", "fp8_cost", "CITED", "INT8_DOT_FLAGS"]
