@@ -102,6 +102,19 @@ class Int8WeightOnlyLinear(nn.Module):
         """The effective weight in :attr:`weight_dtype` (a new tensor, computed on each read)."""
         return self.dequantize().to(self.weight_dtype)
 
+    def register_buffer(self, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None:
+        # nn.Module.register_buffer (which load_state_dict(assign=True) reaches through setattr)
+        # first asks hasattr(self, name): for "weight" that would run the property above, a full
+        # dequantize per layer on every load (and, on meta tensors, an import of torch._dynamo).
+        if name == "weight" and "weight" in self._buffers and (tensor is None or isinstance(tensor, torch.Tensor)):
+            self._buffers["weight"] = tensor
+            if persistent:
+                self._non_persistent_buffers_set.discard(name)
+            else:
+                self._non_persistent_buffers_set.add(name)
+            return
+        super().register_buffer(name, tensor, persistent)
+
     def _apply(self, fn, recurse: bool = True):
         """``.to(device)`` moves the int8 weight and its scales; ``.to(dtype)`` changes what
         :attr:`weight` reads as and the bias, never the stored values or the float32 scales."""
