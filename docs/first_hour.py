@@ -52,6 +52,8 @@ _VOLATILE = [
     (re.compile(r"\d+ threads"), "… threads"),
     # The metadata records where the script and save came from: its size follows the checkout's path.
     (re.compile(r"(saved to <temporary directory>: \d+ files), \d+(\.\d+)? KiB"), "\\1, … KiB"),
+    # How LLM.int8 multiplies follows this CPU's instructions (demo._int8_cpu_reason).
+    (re.compile(r"LLM\.int8 layers [^;]*;"), "LLM.int8 layers … (how, depends on this CPU's instructions);"),
 ]
 
 

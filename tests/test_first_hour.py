@@ -478,21 +478,26 @@ def test_demo_leaves_no_temporary_folder_and_states_compile_cold_start_apart(tmp
 
 
 @pytest.mark.parametrize("text, reason", [
-    ("quantize int8", "LLM.int8 layers multiply in int8 (torch._int_mm)"),
+    ("quantize int8", "LLM.int8 layers"),
     ("quantize int8 weight_only=true", "turn their weights back into floats on every call"),
     ("quantize nf4", "turn their weights back into floats on every call"),
     ("fp8 storage", "turn their weights back into floats on every call"),
     ("compile", "compile speeds up the arithmetic"),
 ])
 def test_demo_says_why_the_script_it_ran_is_slower_on_a_cpu(text, reason):
-    """LLM.int8 does not dequantize: it multiplies in int8, slow on CPUs without VNNI/AMX (spec.md)."""
+    """LLM.int8's reason follows how bitsandbytes multiplies on this CPU, as detected: in int8
+    (torch._int_mm) with AVX-512, slow without VNNI/AMX; in float32 after converting, below AVX-512."""
     from torch import nn
 
+    from transformdsl.capabilities import cpu_int8_matmul
     from transformdsl.demo import _slower_because
 
     because = _slower_because(transformdsl.plan(nn.Sequential(nn.Linear(16, 16)), text), "CPU")
     assert reason in because
-    assert ("torch._int_mm" in because) == (text == "quantize int8")
+    int_mm = text == "quantize int8" and cpu_int8_matmul() != "float32"
+    assert ("torch._int_mm" in because) == int_mm
+    assert ("convert activations and weights to float32" in because) == (
+        text == "quantize int8" and cpu_int8_matmul() == "float32")
 
 
 def test_cli_errors_speak_cli(tmp_path, monkeypatch, capsys):

@@ -104,16 +104,30 @@ def _slower_because(the_plan, device: str) -> str:
                       for step in steps)
     reasons = []
     if int8_matmul and device == "CPU":
-        # spec.md (quantize, weight_only): on CPUs without VNNI/AMX the int8 matmul is ~35x slower than float32.
-        reasons.append("LLM.int8 layers multiply in int8 (torch._int_mm), which a CPU without int8 matrix "
-                       "instructions (VNNI, AMX) runs far slower than a float matmul; `quantize int8 "
-                       "weight_only=true` keeps int8 weights and multiplies in float")
+        reasons.append(_int8_cpu_reason())
     if any(k.startswith(("quantize", "fp8")) for k in verbs) and not (int8_matmul and len(verbs) == 1):
         reasons.append("quantized and fp8 layers turn their weights back into floats on every call: they save "
                        "memory, not time" if device == "CPU" else "the layers trade time for memory")
     if any(k.startswith("compile") for k in verbs):
         reasons.append("compile speeds up the arithmetic, a small share of each call of a model this tiny")
     return "; ".join(reasons) or "the transformed layers do more work per call than the original ones"
+
+
+def _int8_cpu_reason() -> str:
+    """How LLM.int8 multiplies on this CPU, detected as bitsandbytes decides it (capabilities.py)."""
+    from .capabilities import cpu_int8_matmul
+
+    alternative = "`quantize int8 weight_only=true` keeps int8 weights and multiplies in float"
+    how = cpu_int8_matmul()
+    if how == "float32":
+        return ("LLM.int8 layers on this CPU (no AVX-512) convert activations and weights to float32 and "
+                "rescale on every call, extra work around the same float matmul; " + alternative)
+    if how == "int_mm without int8 dot product":
+        # spec.md (quantize, weight_only): on CPUs without VNNI/AMX the int8 matmul is ~35x slower than float32.
+        return ("LLM.int8 layers multiply in int8 (torch._int_mm), which a CPU without int8 matrix "
+                "instructions (VNNI, AMX) runs far slower than a float matmul; " + alternative)
+    return ("LLM.int8 layers quantize their activations on every call, a fixed cost a model this tiny "
+            "does not earn back; " + alternative)
 
 
 def _save_and_reload(model, output, directory: Path, kept: bool) -> int:
