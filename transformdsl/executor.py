@@ -180,15 +180,7 @@ def transform(model: Any, script: str | Path | Script | ValidatedScript | Plan, 
             before = parameter_bytes(root)
             started = time.perf_counter()
             ctx = ApplyContext(root, edit, make_progress)
-            try:
-                record = step.transform.apply(ctx, list(step.targets))
-                record = _json_checked(record, step)
-            except TransformError as exc:
-                raise TransformError(f"line {step.statement.line}: '{step.statement.key}' failed: {exc}; "
-                                     "the model was left unchanged") from exc
-            except Exception as exc:
-                raise TransformError(f"line {step.statement.line}: '{step.statement.key}' failed: "
-                                     f"{type(exc).__name__}: {exc}; the model was left unchanged") from exc
+            record = apply_step(step, ctx, list(step.targets), "the model was left unchanged")
             if edit.store is not None:
                 edit.store.settle()
             if log is not None:
@@ -251,6 +243,19 @@ def _append_history(module: nn.Module, source: str, steps: list[AppliedStep]) ->
     set_history(module, history)
 
 
+def apply_step(step, ctx, targets: list[str], consequence: str) -> dict:
+    """Run one statement's pass on ``targets``; any failure becomes a TransformError naming the
+    line and statement, followed by ``consequence`` (what the caller guarantees was kept)."""
+    try:
+        return _json_checked(step.transform.apply(ctx, targets), step)
+    except TransformError as exc:
+        raise TransformError(f"line {step.statement.line}: '{step.statement.key}' failed: {exc}; "
+                             f"{consequence}") from exc
+    except Exception as exc:
+        raise TransformError(f"line {step.statement.line}: '{step.statement.key}' failed: "
+                             f"{type(exc).__name__}: {exc}; {consequence}") from exc
+
+
 def _json_checked(record: Any, step) -> dict:
     if record is None:
         return {}
@@ -259,8 +264,6 @@ def _json_checked(record: Any, step) -> dict:
     except (TypeError, ValueError) as exc:  # a bug in a pass, not a user error
         raise TransformError(f"'{step.statement.key}' returned a record that is not JSON: {exc}") from None
     return record
-
-
 
 
 # --------------------------------------------------------------------------- verification

@@ -221,13 +221,7 @@ def render(report: dict) -> str:
         models = [m for m in report["models"] if m["library"] == library]
         if not models:
             continue
-        lines += [f"## {library}", "", "| model | " + " | ".join(columns) + " |",
-                  "|---|" + "---|" * len(columns)]
-        for model in models:
-            cells = by_model[model["id"]]
-            row = [cell_text(cells[c]) if c in cells else "" for c in columns]
-            lines.append(f"| {model['id'].split('/', 1)[1]} | " + " | ".join(row) + " |")
-        lines.append("")
+        lines += _model_table(f"## {library}", models, by_model, columns, cell_text)
         skipped = report.get("skipped", {}).get(library) or []
         if skipped:
             lines.append(f"Not in the corpus ({library}):")
@@ -239,13 +233,7 @@ def render(report: dict) -> str:
             models = [m for m in report["models"] if m["library"] == library]
             if not models:
                 continue
-            lines += [f"### {library}", "", "| model | " + " | ".join(columns) + " |",
-                      "|---|" + "---|" * len(columns)]
-            for model in models:
-                cells = by_model[model["id"]]
-                row = [format_text(cells[c]) if c in cells else "" for c in columns]
-                lines.append(f"| {model['id'].split('/', 1)[1]} | " + " | ".join(row) + " |")
-            lines.append("")
+            lines += _model_table(f"### {library}", models, by_model, columns, format_text)
         refusals = _format_refusals(report["cells"])
         if refusals:
             lines += ["Refused formats, by cause:", "", "| format | script | cells | first line of the error |",
@@ -271,3 +259,13 @@ def write_page(report: dict, path: Path) -> None:
 
 if __name__ == "__main__":
     write_page(json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2]))
+
+
+def _model_table(heading: str, models: list[dict], by_model: dict, columns: list[str], render) -> list[str]:
+    """One row per model, one column per script, each cell written by ``render``."""
+    lines = [heading, "", "| model | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
+    for model in models:
+        cells = by_model[model["id"]]
+        row = [render(cells[c]) if c in cells else "" for c in columns]
+        lines.append(f"| {model['id'].split('/', 1)[1]} | " + " | ".join(row) + " |")
+    return lines + [""]

@@ -42,7 +42,7 @@ from ..executor import (
     AppliedStep,
     NothingToDoWarning,
     _append_history,
-    _json_checked,
+    apply_step,
     idle_statements,
     set_history,
 )
@@ -375,14 +375,7 @@ class _Stream:
         return self._apply(step, ctx, [])
 
     def _apply(self, step, ctx: ApplyContext, targets: list[str]) -> dict:
-        try:
-            return _json_checked(step.transform.apply(ctx, targets), step)
-        except TransformError as exc:
-            raise TransformError(f"line {step.statement.line}: '{step.statement.key}' failed: {exc}; "
-                                 "nothing was written") from exc
-        except Exception as exc:
-            raise TransformError(f"line {step.statement.line}: '{step.statement.key}' failed: "
-                                 f"{type(exc).__name__}: {exc}; nothing was written") from exc
+        return apply_step(step, ctx, targets, "nothing was written")
 
     def _bar(self):
         if not self.progress:
