@@ -48,3 +48,16 @@ def copy_of(tmp_path):
         return Path(shutil.copytree(directory, tmp_path / directory.name))
 
     return copy
+
+
+def stock_runs_portable_4bit(model):
+    """A model quantized by stock transformers/bitsandbytes, set to run the 4-bit kernels every CPU
+    runs (returned for chaining).  On CPUs with AVX512-BF16, bitsandbytes 0.50's ``Linear4bit``
+    repacks its weight in place at the first eval call and then computes in bfloat16 whatever
+    the compute dtype; ``support_avx512bf16_for_cpu`` is bitsandbytes' own per-layer switch for
+    that path (our layers keep it off: spec.md, quantize).  Comparing outputs bit for bit with
+    ours is only meaningful on the same kernels."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+    return model

@@ -29,6 +29,8 @@ from transformdsl.errors import TransformError
 from transformdsl.executor import history_of
 from transformdsl.models import BUILTIN, run, sample_inputs
 
+from conftest import stock_runs_portable_4bit
+
 ROOT = Path(__file__).resolve().parent.parent
 
 #: (case id, built-in model, script, tolerance against our output: 0 = bit-identical).
@@ -181,7 +183,8 @@ def stock_saves(tmp_path_factory):
     for name in ("llama", "gpt2"):
         BUILTIN[name]().save_pretrained(tmp / name)
         for mode, config in configs.items():
-            model = AutoModelForCausalLM.from_pretrained(tmp / name, quantization_config=config, device_map="cpu")
+            model = stock_runs_portable_4bit(
+                AutoModelForCausalLM.from_pretrained(tmp / name, quantization_config=config, device_map="cpu"))
             model.save_pretrained(tmp / f"{name}-{mode}")
             saves[f"{name}-{mode}"] = (tmp / f"{name}-{mode}", model)
     return saves
@@ -321,7 +324,8 @@ def test_sharded_saves_both_ways(stock_saves, tmp_path):
     transformdsl.save(model, tmp_path / "ours", format="transformers", max_shard_size=40_000)
     index = json.loads((tmp_path / "ours" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
-    stock = AutoModelForCausalLM.from_pretrained(tmp_path / "ours", device_map="cpu", local_files_only=True)
+    stock = stock_runs_portable_4bit(
+        AutoModelForCausalLM.from_pretrained(tmp_path / "ours", device_map="cpu", local_files_only=True))
     assert torch.equal(run(stock), run(model))
     # (transformers 5.24 cannot save a model it loaded 4-bit pre-quantized: Bnb4bitDeserialize has no
     # reverse; so the stock sharded save is quantized from float weights.)

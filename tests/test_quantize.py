@@ -113,6 +113,33 @@ def test_quantized_outputs_and_bit_exact_reload(name, script, bound, tmp_path):
     assert all(saved[k].dtype == again[k].dtype and torch.equal(saved[k], again[k]) for k in saved)
 
 
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+@pytest.mark.parametrize("double_quant", [False, True])
+@pytest.mark.parametrize("in_features", [16, 32, 96, 64])
+def test_four_bit_layer_computes_blocks_that_cross_rows_exactly(quant_type, double_quant, in_features):
+    """A block of 64 weights continues on the next row when a row holds 16, 32 or 96: the layer's
+    output is the float matmul with the weight dequantized the plain way (code[index] * absmax, in
+    file order), on every CPU (bitsandbytes' native CPU kernel misreads such rows on some)."""
+    from transformdsl.passes._quantized import FourBitLinear
+
+    torch.manual_seed(0)
+    weight, bias, x = torch.randn(48, in_features) * 0.05, torch.randn(48), torch.randn(5, in_features)
+    layer = FourBitLinear.build(weight, bias, quant_type, 64, double_quant, torch.float32).eval()
+    state = layer.weight.quant_state
+    packed = layer.weight.data.view(torch.uint8).reshape(-1)
+    index = torch.stack([packed >> 4, packed & 0xF], 1).reshape(-1).long()
+    absmax = state.absmax.float()
+    if state.nested:
+        import bitsandbytes as bnb
+
+        absmax = bnb.functional.dequantize_blockwise(state.absmax, state.state2) + state.offset
+    values = state.code[index] * absmax.repeat_interleave(64)[: index.numel()]
+    expected = torch.nn.functional.linear(x, values.reshape(48, in_features), bias)
+    with torch.no_grad():
+        assert torch.equal(layer(x), expected)
+    assert rel_error(layer(x), torch.nn.functional.linear(x, weight, bias)) < 0.2
+
+
 def test_gpt2_conv1d_is_quantized_transposed():
     model = models.tiny_gpt2()
     steps, records = apply_script(model, "quantize int8")

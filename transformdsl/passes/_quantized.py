@@ -15,14 +15,17 @@ What the subclasses change, and why:
   would otherwise replace bitsandbytes' ``Int8Params``/``Params4bit`` with plain Parameters,
   and which bitsandbytes refuses for int8 unless the layer was quantized first).
 - ``forward`` never changes the layer: bitsandbytes casts the bias *in place* to the input
-  dtype (``bias.data = ...``), which would change what a later save writes.
+  dtype (``bias.data = ...``), which would change what a later save writes, and on CPUs with
+  AVX512-BF16 repacks a 4-bit weight in place at the first eval call (turned off per layer).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 #: Log lines bitsandbytes writes that say nothing actionable to our users (narrowly matched).
@@ -147,6 +150,35 @@ class Int8Linear(bnb.nn.Linear8bitLt):
 # =========================================================================== nf4 / fp4
 
 
+def dequantize_4bit_portable(data: torch.Tensor, state: QuantState) -> torch.Tensor:
+    """A 4-bit weight in ``state.dtype``, computed with bitsandbytes' own portable implementation
+    (its default backend, which its CPU kernel also falls back to for odd shapes)."""
+    from bitsandbytes.backends.default.ops import _dequantize_4bit_compute
+
+    absmax = state.absmax
+    if state.nested:
+        absmax = bnb.functional.dequantize_blockwise(state.absmax, state.state2) + state.offset
+    return _dequantize_4bit_compute(data.view(torch.uint8).reshape(-1), absmax.float(), state.code.to(data.device),
+                                    state.blocksize, tuple(state.shape), state.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_kernel_misreads_crossing_blocks() -> bool:
+    """Whether bitsandbytes' native CPU 4-bit dequantization is wrong for a weight whose rows are
+    not a whole number of blocks (a block then continues on the next row).
+
+    bitsandbytes 0.50.2's kernel computes such weights row by row on some CPUs (seen on an AMD EPYC
+    with AVX512-BF16: a relative weight error of 0.2-0.4 instead of 0.09 for 32-wide layers with
+    blocks of 64) and correctly on others, so it is probed once, on a small weight, against the
+    portable implementation.  Layers whose rows are whole blocks (every layer of real models with
+    widths that are multiples of 64) always take the native kernel.
+    """
+    weight = torch.linspace(-1.0, 1.0, 4 * 96).reshape(4, 96)
+    data, state = bnb.functional.quantize_4bit(weight, blocksize=64, quant_type="nf4", quant_storage=torch.uint8)
+    native = bnb.functional.dequantize_4bit(data, state)
+    return not torch.equal(native, dequantize_4bit_portable(data, state))
+
+
 class FourBitLinear(bnb.nn.Linear4bit):
     """bitsandbytes 4-bit linear layer (nf4 or fp4): two weights per byte, one absmax per block.
 
@@ -181,13 +213,32 @@ class FourBitLinear(bnb.nn.Linear4bit):
         return layer
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002  (nn.Linear.forward's name)
+        if self.portable_dequantize and input.device.type == "cpu":
+            return self._portable_forward(input)
         return super().forward(input)
+
+    def _portable_forward(self, input: torch.Tensor) -> torch.Tensor:
+        """bitsandbytes' forward (no outlier handling in 4-bit: cast to the compute dtype, the
+        dequantized weight, bias, back to the input's dtype) with its portable dequantization."""
+        x = input.to(self.compute_dtype) if self.compute_dtype is not None else input
+        weight = dequantize_4bit_portable(self.weight.data, self.weight.quant_state).to(x.dtype)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, weight, bias).to(input.dtype)
 
     def _set_quantized(self, data: torch.Tensor, state: QuantState) -> None:
         self.weight = bnb.nn.Params4bit(data, requires_grad=False, quant_state=state, blocksize=state.blocksize,
                                         compress_statistics=state.nested, quant_type=state.quant_type,
                                         quant_storage=data.dtype, module=self, bnb_quantized=True)
         self.quant_state = state
+        # On CPUs with AVX512-BF16, bitsandbytes' first eval forward repacks the weight in place
+        # into a CPU layout (and its quant state: absmax to bfloat16) and then computes in
+        # bfloat16 whatever the compute dtype: a layer whose out_features is not a multiple of 32
+        # fails there, a save after a forward would write the repacked tensors, and results
+        # would differ by CPU.  The portable path keeps the layer as quantized, on every CPU.
+        self.support_avx512bf16_for_cpu = False
+        #: Dequantize with bitsandbytes' portable code on CPU (a plain attribute: compile guards on it).
+        self.portable_dequantize = (state.shape[-1] % state.blocksize != 0
+                                    and cpu_kernel_misreads_crossing_blocks())
 
     @property
     def nested_offset(self) -> float | None:
