@@ -32,11 +32,29 @@ _depth = 0
 _saved: dict = {}
 
 
+#: The module object last looked at under each name, and those that hold a copy of the
+#: setting: each load looks again only at modules imported (or re-imported) since the last one
+#: (asking every library module for the attribute cost ~2 ms per load, twice: the largest fixed
+#: cost of loading a small model).
+_seen: dict[str, object] = {}
+_holders: dict[str, object] = {}
+
+
 def _set_constants(value: bool) -> None:
     """Set every imported copy of ``HF_HUB_OFFLINE`` in the libraries to ``value``."""
     for name, module in list(sys.modules.items()):
-        if module is not None and name.startswith(_LIBRARIES) and isinstance(
-                getattr(module, "HF_HUB_OFFLINE", None), bool):
+        if _seen.get(name) is module:
+            continue
+        if module is not None and name.startswith(_LIBRARIES):
+            if getattr(getattr(module, "__spec__", None), "_initializing", False):
+                continue  # still importing: it may define the setting later; looked at next time
+            if isinstance(getattr(module, "HF_HUB_OFFLINE", None), bool):
+                _holders[name] = module
+            else:
+                _holders.pop(name, None)
+        _seen[name] = module
+    for name, module in _holders.items():
+        if sys.modules.get(name) is module:
             module.HF_HUB_OFFLINE = value
 
 

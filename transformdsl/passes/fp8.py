@@ -121,15 +121,16 @@ def quantize(tensor: torch.Tensor, dtype: torch.dtype, dims: tuple[int, ...] | N
         for start, end in blocks:
             block = rows[start:end]
             block_scale = _amax_rows(block).float().clamp_(min=_TINY).div_(limit)
-            # One pass: read the block, divide in float32 (the scale's dtype), then the cast.
+            # One pass: read the block, divide in float32 (the scale's dtype) and cast straight into
+            # the output (``out=``: no float32 temporary is allocated, faulted in and copied).
             # |block / scale| <= limit up to rounding, which the cast rounds onto the limit: no clamp.
-            values[start:end] = torch.div(block, block_scale)
+            torch.div(block, block_scale, out=values[start:end])
             scale[start:end] = block_scale
     else:
         amax = torch.stack([_amax_rows(rows[start:end]).max() for start, end in blocks]).float()
         scale = amax.max().reshape(1, 1).clamp_(min=_TINY).div_(limit)
         for start, end in blocks:
-            values[start:end] = torch.div(rows[start:end], scale)
+            torch.div(rows[start:end], scale, out=values[start:end])
     keep = [source.shape[0]] + [1] * (source.dim() - 1) if per_channel else [1] * source.dim()
     return values.reshape(source.shape), scale.reshape(keep)
 

@@ -246,7 +246,7 @@ def _skeleton(meta: dict, model: Any, meta_path: Path, max_modules: int) -> nn.M
                         "pass model= (a module of the same architecture, or a factory)")
     cls = _model_class(library, name, meta_path)
     try:
-        with torch.device("meta"), _module_limit(max_modules, meta_path):
+        with torch.device("meta"), _module_limit(max_modules, meta_path), _no_weight_init():
             if library == "diffusers":
                 return cls.from_config(config)
             config_cls = cls.config_class
@@ -294,6 +294,54 @@ def _module_limit(limit: int, where: Path):
         yield
     finally:
         handle.remove()
+
+
+#: ``torch.nn.init`` functions skipped while a skeleton is built: on the meta device they compute
+#: nothing, but each still runs through the device mode's dispatch (half the build time of a
+#: small model).  transformers' ``no_init_weights`` keeps the same list.
+_INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "xavier_uniform_", "xavier_normal_",
+                   "kaiming_uniform_", "kaiming_normal_", "uniform", "normal", "xavier_uniform", "xavier_normal",
+                   "kaiming_uniform", "kaiming_normal", "orthogonal_", "sparse_", "zeros_", "ones_", "eye_",
+                   "dirac_")
+_init_lock = threading.Lock()
+_init_threads: dict[int, int] = {}  # thread -> depth (pipelines load their components inside a load)
+_init_saved: dict[str, Callable] = {}
+
+
+def _skipping(name: str, original: Callable) -> Callable:
+    def init(tensor, *args, **kwargs):
+        if threading.get_ident() in _init_threads:
+            return tensor
+        return original(tensor, *args, **kwargs)  # another thread building a real model
+
+    init.__wrapped__ = original
+    return init
+
+
+@contextlib.contextmanager
+def _no_weight_init():
+    """In this thread, ``torch.nn.init`` initialisers return their tensor untouched (meta skeletons
+    only: another thread's calls run the real functions)."""
+    thread = threading.get_ident()
+    with _init_lock:
+        if not _init_threads:
+            for name in _INIT_FUNCTIONS:
+                original = getattr(nn.init, name, None)
+                if original is not None:
+                    _init_saved[name] = original
+                    setattr(nn.init, name, _skipping(name, original))
+        _init_threads[thread] = _init_threads.get(thread, 0) + 1
+    try:
+        yield
+    finally:
+        with _init_lock:
+            _init_threads[thread] -= 1
+            if not _init_threads[thread]:
+                del _init_threads[thread]
+            if not _init_threads:
+                for name, original in _init_saved.items():
+                    setattr(nn.init, name, original)
+                _init_saved.clear()
 
 
 def _model_class(library: str, name: str, meta_path: Path) -> type:
