@@ -38,24 +38,42 @@ _saved: dict = {}
 #: cost of loading a small model).
 _seen: dict[str, object] = {}
 _holders: dict[str, object] = {}
+#: (number of modules, the last imported, its id) at the last complete scan.
+_fingerprint: tuple = ()
 
 
 def _set_constants(value: bool) -> None:
     """Set every imported copy of ``HF_HUB_OFFLINE`` in the libraries to ``value``."""
+    global _fingerprint
+    modules = sys.modules
+    # Unchanged since the last look: the same number of modules and the same one imported last
+    # (an import, or a re-import after a deletion, appends to sys.modules).
+    last = next(reversed(modules), None)
+    fingerprint = (len(modules), last, id(modules.get(last)))
+    if fingerprint != _fingerprint:
+        _fingerprint = fingerprint if _scan() else ()
+    for name, module in _holders.items():
+        if modules.get(name) is module:
+            module.HF_HUB_OFFLINE = value
+
+
+def _scan() -> bool:
+    """Look at the modules imported, or imported again, since the last scan; False if one was
+    still being imported (it is looked at again next time)."""
+    complete = True
     for name, module in list(sys.modules.items()):
         if _seen.get(name) is module:
             continue
         if module is not None and name.startswith(_LIBRARIES):
             if getattr(getattr(module, "__spec__", None), "_initializing", False):
-                continue  # still importing: it may define the setting later; looked at next time
+                complete = False  # still importing: it may define the setting later
+                continue
             if isinstance(getattr(module, "HF_HUB_OFFLINE", None), bool):
                 _holders[name] = module
             else:
                 _holders.pop(name, None)
         _seen[name] = module
-    for name, module in _holders.items():
-        if sys.modules.get(name) is module:
-            module.HF_HUB_OFFLINE = value
+    return complete
 
 
 @contextlib.contextmanager
