@@ -115,7 +115,9 @@ def compared_section(rows: list[dict]) -> str:
     for name in names:
         c = BY_NAME[name]
         hands = "; ".join(f"{b.label} (`{b.fn.__name__}`)" for b in by_hand(c)) or f"none: {c.no_baseline}"
-        lines.append(f"- **{name}**: `{script_text(c)}` — by hand: {hands}")
+        kwargs = "".join(f", {k}={v!r}" for k, v in c.transform_kwargs)
+        call = f"`transform(model, {script_text(c)!r}{kwargs})`" if kwargs else f"`{script_text(c)}`"
+        lines.append(f"- **{name}**: {call} — by hand: {hands}")
     return "\n" + "\n".join(lines) + "\n"
 
 
@@ -199,16 +201,26 @@ def torchao_line(meta: dict) -> str:
             "and torch._dynamo with it, on every import).")
 
 
+def _on_cpu(cpu: dict | None) -> str:
+    """", on an AVX512 CPU (avx512_vnni)": which CPU a run's rows were measured on (CPUs differ by
+    far more than noise: bitsandbytes' int8 is 0.56x fp32 latency with VNNI, ~36x without)."""
+    if not cpu:
+        return ""
+    dot = ", ".join(cpu.get("int8_dot") or []) or "no VNNI/AMX"
+    return f", on an {cpu.get('capability', '?')} CPU ({dot})"
+
+
 def method(meta: dict) -> str:
     load = "/".join(f"{x:.1f}" for x in meta["load_before"])
     load_after = "/".join(f"{x:.1f}" for x in meta["load_after"])
     where = "in this process (smoke run)" if meta["in_process"] else "each in a fresh process"
     runs = meta.get("runs", [])[1:]
     earlier = "".join(f"\nRows from an earlier run (`--merge` kept those this one did not measure again): "
-                      f"`{r['command'].strip()}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(r['measured_at']))}."
+                      f"`{r['command'].strip()}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(r['measured_at']))}"
+                      f"{_on_cpu(r.get('cpu'))}."
                       for r in runs)
     return earlier + f"""
-Command: `{meta['command'].strip()}`{' (`make bench`)' if meta['command'].strip().endswith('run.py') else ''} — this run took {meta['seconds']:.0f} s; torch threads: {meta['threads']};
+Command: `{meta['command'].strip()}`{' (`make bench`)' if meta['command'].strip().endswith('run.py') else ''} — this run took {meta['seconds']:.0f} s{_on_cpu(meta.get('cpu'))}; torch threads: {meta['threads']};
 load average (1/5/15 min) {load} before, {load_after} after (other work on the machine inflates
 times; ratios compare runs made one right after the other).  {torchao_line(meta)}
 
@@ -456,7 +468,8 @@ def status_section(rows: list[dict]) -> str:
 # ---------------------------------------------------------------------- issue 15's targets
 
 #: (comparison, measure, target as text, the limit): the performance targets of issue 15.
-FP8_SCALES = (("fp8 storage", "row"), ("fp8 storage scale=tensor", "tensor"), ("fp8 storage scale=none", "none"))
+FP8_SCALES = (("fp8 storage", "row"), ("fp8 storage scale=tensor", "tensor"), ("fp8 storage scale=none", "none"),
+              ("fp8 storage undo=memory", "row, undo=memory"))
 
 
 def same_run_original(rows: list[dict], row: dict) -> dict | None:
@@ -535,31 +548,48 @@ def targets_section(rows: list[dict]) -> str:
             "Apply time includes planning, and reload the fixed cost of building the skeleton: on the tiny "
             "models those fixed costs dominate (compare the other scripts' reload on the same model).  The bytes "
             "of the covered layers include one float32 scale per row and the unchanged bias: 0.25× plus "
-            "1/in_features, so tiny layers (16 wide) sit above 0.25×.\n\n"
+            "1/in_features, so tiny layers (16 wide) sit above 0.25×.  fp8 storage keeps what it replaces "
+            "until the script has run (a failure puts it back): the new fp8 weights need memory of their own, "
+            "where diffusers' in-place cast reuses the freed bf16 pages (at width 768: ~5,400 more page faults in a "
+            "fresh process), and past the undo budget (`undo=\"auto\"`: 5% of the model, at least 64 MiB) the "
+            "originals are written to a temporary file (at width 3072: 1 GB, most of the apply time).  "
+            "`undo=\"memory\"` keeps them in memory instead (peak RSS: see \"The undo log's memory\").\n\n"
             + table(lines, ["model", "measure", "ours ÷ anchor", "target", "met", "anchor, same run"]) + "\n")
 
 
 def write_measured(rows: list[dict], meta: dict, path: Path) -> None:
     """The figures the plan's device notes quote (:data:`transformdsl.capabilities.CITED`), copied
-    from this page's rows into the package (``transformdsl/measured.json``)."""
+    from this page's rows into the package (``transformdsl/measured.json``), by the kind of CPU
+    their run was measured on; the figures of other kinds of CPU already in the file are kept."""
     from transformdsl.capabilities import CITED
 
-    cited = {}
+    cpus = {r["measured_at"]: r.get("cpu") for r in meta.get("runs", [])}
+    cpus.setdefault(meta.get("measured_at"), meta.get("cpu"))
+    cited: dict[str, dict] = {}
     for workload, comparison in CITED:
         ours = next((r for r in rows if (r["workload"], r["comparison"], r["side"]) == (workload, comparison, OURS)
                      and ok(r)), None)
         value, how = vs_original(rows, ours) if ours else (None, "")
-        if value is None:
+        cpu = cpus.get(ours.get("run", meta.get("measured_at"))) if ours else None
+        if value is None or not cpu:  # a row from a run that did not record its CPU is not quoted
             continue
         entry = {"latency_vs_original": round(value, 3), "anchor": how,
                  "measured_at": ours.get("run", meta.get("measured_at"))}
         if ours.get("covered"):
             entry["bytes_vs_original"] = round(ours["covered"][1] / ours["covered"][0], 3)
-        cited[f"{workload} | {comparison}"] = entry
+        kind = cited.setdefault(cpu["int8_matmul"], {"cpu": cpu, "rows": {}})
+        kind["rows"][f"{workload} | {comparison}"] = entry
     if not cited:
         return
+    try:
+        from transformdsl import capabilities
+
+        capabilities.measured.cache_clear()
+        kept = {k: v for k, v in capabilities.measured().items() if k not in cited}
+    except Exception:  # an unreadable file is replaced
+        kept = {}
     data = {"source": "benchmarks/RESULTS.md (written by benchmarks/report.py; do not edit)",
-            "cpu": meta.get("cpu"), "rows": cited}
+            "by_cpu": {**kept, **cited}}
     path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
 
 

@@ -172,7 +172,7 @@ def merged(old: dict, rows: list[dict], scaling: list[dict], meta: dict) -> tupl
     earlier run's other rows kept (tagged with the run that measured them); ``meta["runs"]``
     lists every run whose rows remain, newest first."""
     earlier = [{"command": old["meta"]["command"], "measured_at": old["meta"]["measured_at"],
-                "seconds": old["meta"]["seconds"]}, *old["meta"].get("runs", [])[1:]]
+                "seconds": old["meta"]["seconds"], "cpu": old["meta"].get("cpu")}, *old["meta"].get("runs", [])[1:]]
 
     def keep(old_rows: list[dict], new_rows: list[dict], key) -> list[dict]:
         fresh = {key(r) for r in new_rows}
@@ -190,7 +190,8 @@ def merged(old: dict, rows: list[dict], scaling: list[dict], meta: dict) -> tupl
     rows = [r for r in rows if r["side"] != "original" or (r["workload"], r["run"]) in used]
     scaling = keep(old["scaling"], scaling, lambda r: r["workload"]) if scaling else old["scaling"]
     runs_left = {r.get("run") for r in rows + scaling}
-    this = {"command": meta["command"], "measured_at": meta["measured_at"], "seconds": meta["seconds"]}
+    this = {"command": meta["command"], "measured_at": meta["measured_at"], "seconds": meta["seconds"],
+            "cpu": meta.get("cpu")}
     meta = {**meta, "runs": [this, *(r for r in earlier if r["measured_at"] in runs_left)]}
     return rows, scaling, meta
 

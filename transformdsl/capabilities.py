@@ -106,37 +106,62 @@ def describe_cpu() -> dict[str, Any]:
 
 @functools.cache
 def measured() -> dict[str, Any]:
-    """The benchmark figures the notes quote (``{}`` when the file is missing or unreadable)."""
+    """The benchmark figures the notes quote, by the kind of CPU they were measured on:
+    ``{int8 matmul kind: {"cpu": describe_cpu(), "rows": {...}}}`` (``{}`` when the file is
+    missing or unreadable).  A figure measured on one kind of CPU says little about another
+    (bitsandbytes' int8 runs at 0.56x fp32 latency with VNNI and ~36x without)."""
     try:
         data = json.loads(MEASURED.read_text())
     except (OSError, ValueError):
         return {}
-    return data if isinstance(data, dict) else {}
+    if not isinstance(data, dict):
+        return {}
+    if isinstance(data.get("cpu"), dict) and isinstance(data.get("rows"), dict):  # one CPU (older files)
+        return {str(data["cpu"].get("int8_matmul")): {"cpu": data["cpu"], "rows": data["rows"]}}
+    by_cpu = data.get("by_cpu")
+    return {k: v for k, v in by_cpu.items() if isinstance(v, dict)} if isinstance(by_cpu, dict) else {}
 
 
-def _figure(workload: str, comparison: str, name: str) -> float | None:
-    row = measured().get("rows", {}).get(f"{workload} | {comparison}", {})
-    value = row.get(name) if isinstance(row, dict) else None
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+class _Quote(str):
+    """A quoted figure's text, with the CPU it was measured on."""
+
+    cpu: dict
 
 
-def source() -> str:
+def _figure(workload: str, comparison: str, name: str, same_cpu: bool = False) -> tuple[float, dict] | None:
+    """``(value, cpu)`` of a measured figure: from this kind of CPU when measured there, else (unless
+    ``same_cpu``) from another kind."""
+    kinds = measured()
+    here = cpu_int8_matmul() if kinds else None
+    order = [here] + ([] if same_cpu else [k for k in kinds if k != here])
+    for kind in order:
+        entry = kinds.get(kind) or {}
+        row = (entry.get("rows") or {}).get(f"{workload} | {comparison}", {})
+        value = row.get(name) if isinstance(row, dict) else None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value), entry.get("cpu") or {}
+    return None
+
+
+def source(cpu: dict) -> str:
     """Where the quoted figures come from, and the CPU they were measured on."""
-    cpu = measured().get("cpu") or {}
     dot = ", ".join(cpu.get("int8_dot") or []) or "no VNNI/AMX"
     return f"benchmarks/RESULTS.md, measured on an {cpu.get('capability', '?')} CPU ({dot})"
 
 
-def _latency(workload: str, comparison: str) -> str | None:
-    value = _figure(workload, comparison, "latency_vs_original")
-    if value is None:
+def _latency(workload: str, comparison: str, same_cpu: bool = False) -> _Quote | None:
+    found = _figure(workload, comparison, "latency_vs_original", same_cpu)
+    if found is None:
         return None
-    return f"{value:.2f}× fp32 latency ({workload}, '{comparison}' row)"
+    quote = _Quote(f"{found[0]:.2f}× fp32 latency ({workload}, '{comparison}' row)")
+    quote.cpu = found[1]
+    return quote
 
 
-def _cited(text: str, *figures: str | None) -> str:
-    """``text``, with the source of its figures when it quotes any."""
-    return f"{text} [{source()}]" if any(figures) else text
+def _cited(text: str, *figures: _Quote | None) -> str:
+    """``text``, with the source of its figures when it quotes any (the CPU of the first)."""
+    quoted = [f for f in figures if f]
+    return f"{text} [{source(quoted[0].cpu)}]" if quoted else text
 
 
 # --------------------------------------------------------------------------- notes
@@ -153,7 +178,7 @@ def int8_note(device_type: str) -> str | None:
     faster = ("'quantize int8 weight_only=true' saves the same memory"
               + (f" at {alternative}" if alternative else " with a float matmul"))
     if kind == "float32":
-        cost = _latency("flux-medium", "quantize int8")
+        cost = _latency("flux-medium", "quantize int8", same_cpu=True)
         text = (f"this CPU ({cpu_capability()}) has no int8 matmul kernel: bitsandbytes converts both sides and "
                 f"multiplies in float32 at every call" + (f", measured {cost}" if cost else "") + f"; {faster}")
         return _cited(text, cost, alternative)
