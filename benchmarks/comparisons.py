@@ -51,6 +51,8 @@ class Comparison:
     optional: bool = False
     #: Whether by-hand jobs also time ours in the same process (not for compile: a second compile).
     duel: bool = True
+    #: Keyword arguments of ``transformdsl.transform`` beyond the script, as (name, value) pairs.
+    transform_kwargs: tuple[tuple[str, object], ...] = ()
 
     def script_for(self, workload) -> str:
         return self.script(workload) if callable(self.script) else self.script
@@ -120,6 +122,9 @@ COMPARISONS: list[Comparison] = [
                sizes=("tiny", "medium")),
     Comparison("fp8 storage scale=none", "fp8 storage scale=none", (LAYERWISE,), dtype=torch.bfloat16,
                sizes=("tiny", "medium")),
+    # The same with the undo log in memory: what atomicity's spill to disk (undo="auto") costs in time.
+    Comparison("fp8 storage undo=memory", "fp8 storage", (LAYERWISE,), dtype=torch.bfloat16,
+               sizes=("medium", "large"), transform_kwargs=(("undo", "memory"),), reload=False),
     Comparison("fp8 native", "fp8 native", (UNCHANGED,), dtype=torch.bfloat16,
                no_baseline="torchao's fp8 matmul (Float8DynamicActivationFloat8WeightConfig) needs CUDA "
                            "compute capability 8.9+: compared on GPU (benchmarks/gpu.py)"),

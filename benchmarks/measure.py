@@ -229,7 +229,8 @@ def _apply(job: Job, comparison: Comparison, model):
         import transformdsl
 
         try:
-            return transformdsl.transform(model, comparison.script_for(job.workload))
+            return transformdsl.transform(model, comparison.script_for(job.workload),
+                                          **dict(comparison.transform_kwargs))
         except transformdsl.TransformError as exc:
             if "cannot be executed yet" in str(exc) or isinstance(exc.__cause__, NotImplementedError):
                 raise NotAvailable("not available yet (the transform has not landed)") from exc
