@@ -140,6 +140,25 @@ def test_four_bit_layer_computes_blocks_that_cross_rows_exactly(quant_type, doub
     assert rel_error(layer(x), torch.nn.functional.linear(x, weight, bias)) < 0.2
 
 
+@pytest.mark.parametrize("out_features", [16, 5, 1])
+def test_int8_layer_with_one_input_feature_is_right_on_every_cpu(out_features):
+    """ConsisID's perceiver has Linear(1, 16) layers: where torch._int_mm misreads the transposed
+    one-column weight (relative error ~10^4 on an AMD EPYC with VNNI), the layer multiplies in float,
+    which is what LLM.int8 computes for one input feature (each activation is its own +-127 * scale)."""
+    from transformdsl.passes._quantized import Int8Linear
+
+    torch.manual_seed(0)
+    weight, bias = torch.randn(out_features, 1), torch.randn(out_features)
+    layer = Int8Linear.build(weight, bias, 0.0).eval()
+    dequantized = layer.weight.data.float() * (layer.state.SCB.float() / 127)[:, None]
+    for x in (torch.randn(7, 1), torch.randn(2, 3, 1), torch.randn(4, 1, dtype=torch.bfloat16)):
+        with torch.no_grad():
+            out = layer(x)
+        assert out.dtype == x.dtype and out.shape == (*x.shape[:-1], out_features)
+        expected = torch.nn.functional.linear(x.float(), dequantized, bias)
+        assert rel_error(out.float(), expected) < 1e-2
+
+
 def test_gpt2_conv1d_is_quantized_transposed():
     model = models.tiny_gpt2()
     steps, records = apply_script(model, "quantize int8")

@@ -86,6 +86,20 @@ def _load_bias(module: nn.Module, state_dict, prefix, local_metadata, strict, mi
 # =========================================================================== int8
 
 
+@functools.lru_cache(maxsize=None)
+def int_mm_misreads_one_input_column() -> bool:
+    """Whether ``torch._int_mm`` (bitsandbytes' int8 matmul on AVX-512 CPUs) is wrong for a weight of
+    one input column: its transpose, ``(1, N)`` with strides ``(1, 1)``, is read as another layout
+    (seen with torch 2.13 on an AMD EPYC with VNNI: relative errors of 10^3-10^4, as in
+    ConsisID's ``perceiver_cross_attention.*.to_out``, a Linear(1, 16)).  Probed once."""
+    rows = torch.arange(-3, 4, dtype=torch.int8).reshape(7, 1)
+    weight = torch.arange(-8, 8, dtype=torch.int8).reshape(16, 1)
+    try:
+        return not torch.equal(torch._int_mm(rows, weight.t()), rows.int() @ weight.t().int())
+    except RuntimeError:  # not available here: bitsandbytes does not take that path either
+        return False
+
+
 class Int8Linear(bnb.nn.Linear8bitLt):
     """bitsandbytes LLM.int8 linear layer: int8 weight rows with one fp32 scale each (``SCB``).
 
@@ -112,9 +126,17 @@ class Int8Linear(bnb.nn.Linear8bitLt):
         self.weight = bnb.nn.Int8Params(data, requires_grad=False, has_fp16_weights=False)
         self.state.CB = data
         self.state.SCB = scales
+        #: Multiply in float on CPU (a plain attribute: compile guards on it); see forward.
+        self.single_input_in_float = data.shape[-1] == 1 and int_mm_misreads_one_input_column()
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002  (nn.Linear.forward's name)
         """Any number of leading dimensions (bitsandbytes' CPU path takes at most 3)."""
+        if self.single_input_in_float and input.device.type == "cpu":
+            # One input feature: LLM.int8 rounds each activation to +-127 times its own scale, so
+            # its result is exactly the input times the dequantized weight, computed here in float.
+            weight = self.weight.data.float() * (self.state.SCB.float() / 127.0)[:, None]
+            bias = None if self.bias is None else self.bias.float()
+            return F.linear(input.float(), weight, bias).to(input.dtype)
         self.state.is_training = self.training
         bias = self.bias
         if bias is not None and bias.dtype != input.dtype:
