@@ -238,6 +238,12 @@ def test_ctrl_c_at_any_moment_exits_130_with_one_line(delay):
     out, err = process.communicate(timeout=120)
     if process.returncode == 0:  # finished before the signal: nothing to check
         pytest.skip("the command finished first")
+    if process.returncode == -signal.SIGINT:
+        # The signal landed while the interpreter was shutting down (Python has put the default
+        # handler back by then): the process ends by the signal itself, which a shell reports as
+        # 130 too, and still prints no traceback.
+        assert err in ("", "interrupted\n"), err
+        return
     assert (process.returncode, err) == (130, "interrupted\n")
 
 
