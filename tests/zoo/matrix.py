@@ -482,6 +482,13 @@ def commit() -> str:
     return f"{head} + uncommitted changes ({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''})"
 
 
+def _cpu() -> dict:
+    """The CPU the matrix ran on: results differ by CPU where kernels do (spec.md, quantize)."""
+    from transformdsl.capabilities import cpu_flags, describe_cpu
+
+    return {**describe_cpu(), "bf16": "avx512_bf16" in cpu_flags() or "amx_bf16" in cpu_flags()}
+
+
 def versions() -> dict:
     from importlib.metadata import version
 
@@ -523,6 +530,7 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": round(time.perf_counter() - started, 1),
         "workers": args.workers,
         "versions": versions(),
+        "cpu": _cpu(),
         "scripts": {name: SCRIPTS[name] for name in columns},
         "compile_slice": list(COMPILE_SLICE),
         "skipped": corpus.skipped(),

@@ -50,6 +50,14 @@ relative error `max|after - before| / max|before|` on the model's test input · 
 """
 
 
+
+def _cpu_text(cpu: dict | None) -> str:
+    """", on an AVX512 CPU (avx512_vnni, avx_vnni; bf16)": the kernels bitsandbytes and torch pick differ by CPU."""
+    if not cpu:
+        return ""
+    features = [*(cpu.get("int8_dot") or []), *(["bf16"] if cpu.get("bf16") else [])]
+    return f", on an {cpu.get('capability', '?')} CPU ({', '.join(features) or 'no VNNI/AMX, no BF16'})"
+
 def _fmt_error(value) -> str:
     if value is None:
         return ""
@@ -180,7 +188,7 @@ def render(report: dict) -> str:
         f"Commit {report.get('commit', 'unknown')}; versions: "
         + ", ".join(f"{k} {v}" for k, v in report["versions"].items())
         + f".  {len(report['cells'])} cells in {report['seconds'] / 60:.0f} min on {report['workers']} "
-        "worker processes.",
+        "worker processes" + _cpu_text(report.get("cpu")) + ".",
         "",
         *([f"**Partial run:** {report['note']}", ""] if report.get("note") else []),
         "Scripts: " + "; ".join(f"**{name}** = `{text}`" for name, text in report["scripts"].items())
