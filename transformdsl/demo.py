@@ -100,12 +100,17 @@ def _slower_because(the_plan, device: str) -> str:
     """Why the transformed model is slower per call, from what the script does."""
     steps = [step for step in the_plan.steps if step.targets]
     verbs = {step.transform.key() for step in steps}
-    int8_matmul = any(step.transform.key() == "quantize int8" and not step.transform.options.weight_only
-                      for step in steps)
+
+    def llm_int8(step) -> bool:
+        return step.transform.key() == "quantize int8" and not step.transform.options.weight_only
+
+    int8_matmul = any(llm_int8(step) for step in steps)
+    # Layers that dequantize their weight at every call (every quantized or fp8 layer but LLM.int8's).
+    upcasting = any(step.transform.key().startswith(("quantize", "fp8")) and not llm_int8(step) for step in steps)
     reasons = []
     if int8_matmul and device == "CPU":
         reasons.append(_int8_cpu_reason())
-    if any(k.startswith(("quantize", "fp8")) for k in verbs) and not (int8_matmul and len(verbs) == 1):
+    if upcasting:
         reasons.append("quantized and fp8 layers turn their weights back into floats on every call: they save "
                        "memory, not time" if device == "CPU" else "the layers trade time for memory")
     if any(k.startswith("compile") for k in verbs):
