@@ -106,6 +106,10 @@ COMPARISONS: list[Comparison] = [
     )),
     Comparison("quantize nf4", "quantize nf4", (Baseline("bitsandbytes Linear4bit nf4 by hand",
                                                          hand.bnb_4bit("nf4")),)),
+    # On CPUs with bf16 instructions the float32 matmul is the slow one (capabilities.four_bit_note).
+    Comparison("quantize nf4 compute=bfloat16", "quantize nf4 compute=bfloat16",
+               (Baseline("bitsandbytes Linear4bit nf4 compute bf16 by hand", hand.bnb_4bit("nf4", torch.bfloat16)),
+                UNCHANGED), sizes=("tiny", "medium")),
     Comparison("quantize fp4", "quantize fp4", (Baseline("bitsandbytes Linear4bit fp4 by hand",
                                                          hand.bnb_4bit("fp4")),), sizes=("tiny",)),
     # hqq's optimizer costs about a second per million weights here: minutes per side at width 3072.

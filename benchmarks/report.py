@@ -206,7 +206,7 @@ def _on_cpu(cpu: dict | None) -> str:
     far more than noise: bitsandbytes' int8 is 0.56x fp32 latency with VNNI, ~36x without)."""
     if not cpu:
         return ""
-    dot = ", ".join(cpu.get("int8_dot") or []) or "no VNNI/AMX"
+    dot = ", ".join([*(cpu.get("int8_dot") or []), *(cpu.get("bf16_dot") or [])]) or "no VNNI/AMX"
     return f", on an {cpu.get('capability', '?')} CPU ({dot})"
 
 
@@ -561,6 +561,7 @@ def write_measured(rows: list[dict], meta: dict, path: Path) -> None:
     """The figures the plan's device notes quote (:data:`transformdsl.capabilities.CITED`), copied
     from this page's rows into the package (``transformdsl/measured.json``), by the kind of CPU
     their run was measured on; the figures of other kinds of CPU already in the file are kept."""
+    from transformdsl import capabilities
     from transformdsl.capabilities import CITED
 
     cpus = {r["measured_at"]: r.get("cpu") for r in meta.get("runs", [])}
@@ -577,13 +578,11 @@ def write_measured(rows: list[dict], meta: dict, path: Path) -> None:
                  "measured_at": ours.get("run", meta.get("measured_at"))}
         if ours.get("covered"):
             entry["bytes_vs_original"] = round(ours["covered"][1] / ours["covered"][0], 3)
-        kind = cited.setdefault(cpu["int8_matmul"], {"cpu": cpu, "rows": {}})
+        kind = cited.setdefault(capabilities.cpu_kind(cpu), {"cpu": cpu, "rows": {}})
         kind["rows"][f"{workload} | {comparison}"] = entry
     if not cited:
         return
     try:
-        from transformdsl import capabilities
-
         capabilities.measured.cache_clear()
         kept = {k: v for k, v in capabilities.measured().items() if k not in cited}
     except Exception:  # an unreadable file is replaced

@@ -122,12 +122,12 @@ def test_quoted_figures_are_the_benchmark_rows():
     cpu_of_run = {r["measured_at"]: r.get("cpu") for r in data["meta"]["runs"]}
     checked = 0
     for kind, entry in kinds.items():
-        assert entry["cpu"]["int8_matmul"] == kind
+        assert capabilities.cpu_kind(entry["cpu"]) == kind
         assert set(entry["rows"]) <= {f"{w} | {c}" for w, c in capabilities.CITED}
         for key, figure in entry["rows"].items():
             if figure["measured_at"] not in cpu_of_run:
                 continue  # its run's rows were all measured again since (on this kind of CPU or another)
-            assert cpu_of_run[figure["measured_at"]]["int8_matmul"] == kind
+            assert capabilities.cpu_kind(cpu_of_run[figure["measured_at"]]) == kind
             workload, comparison = key.split(" | ")
             ours = next(r for r in rows if (r["workload"], r["comparison"], r["side"]) == (
                 workload, comparison, "transformdsl"))
@@ -140,7 +140,7 @@ def test_quoted_figures_are_the_benchmark_rows():
                                 and r.get("run") == ours.get("run"))
                 expected = ours["latency_s"] / original["latency_s"]
             assert figure["latency_vs_original"] == round(expected, 3)
-            if kind == capabilities.cpu_int8_matmul():
+            if kind == capabilities.cpu_kind():
                 assert f"{figure['latency_vs_original']:.2f}× fp32 latency ({workload}, '{comparison}' row" in (
                     capabilities._latency(workload, comparison))
             checked += 1
@@ -153,14 +153,31 @@ def test_a_note_quotes_int8_figures_of_its_own_kind_of_cpu_only(monkeypatch):
     kinds = capabilities.measured()
     if not kinds:
         pytest.skip("no measured.json (benchmarks/run.py writes it)")
-    for kind in ("float32", "int8 dot product", "int_mm without int8 dot product"):
-        monkeypatch.setattr(capabilities, "cpu_int8_matmul", lambda kind=kind: kind)
+    for kind in [*kinds, "int_mm without int8 dot product"]:
+        monkeypatch.setattr(capabilities, "cpu_kind", lambda cpu=None, kind=kind: kind)
         quote = capabilities._latency("flux-medium", "quantize int8", same_cpu=True)
         row = (kinds.get(kind) or {}).get("rows", {}).get("flux-medium | quantize int8")
         if row is None:
             assert quote is None
         else:
             assert quote.startswith(f"{row['latency_vs_original']:.2f}× fp32") and quote.cpu == kinds[kind]["cpu"]
+
+
+@pytest.mark.parametrize("flags, compute, noted", [
+    ({"avx512f", "avx512_bf16"}, "float32", True),
+    ({"avx512f", "amx_bf16"}, "float32", True),
+    ({"avx512f", "avx512_bf16"}, "bfloat16", False),
+    ({"avx2", "avx512_vnni"}, "float32", False),
+])
+def test_four_bit_note_points_bf16_cpus_to_bf16_compute(monkeypatch, flags, compute, noted):
+    """On a CPU with bf16 dot products, 4-bit layers computing in float32 leave them unused: the plan
+    says so, with this kind of CPU's figures when the benchmarks measured it; nowhere else."""
+    monkeypatch.setattr(capabilities, "cpu_flags", lambda: frozenset(flags))
+    note = capabilities.four_bit_note("cpu", compute)
+    assert (note is not None) == noted
+    if noted:
+        assert "'compute=bfloat16' multiplies in bfloat16" in note
+    assert capabilities.four_bit_note("cuda", compute) is None
 
 
 def test_importing_capabilities_imports_no_torch():

@@ -361,6 +361,12 @@ class _FourBit(_Quantize):
         return backend.FourBitLinear.build(weight, bias, cls.mode, options.blocksize, options.double_quant,
                                            DTYPES[options.compute], nested_offset=offset)
 
+    def device_note(self, tree: ModuleTree, targets: list[str]) -> str | None:
+        from ..capabilities import four_bit_note
+
+        device = targets_device_type(tree, targets)
+        return four_bit_note(device, self.options.compute) if device else None
+
     def describe(self, path, old, weight, bias, new):
         entry = super().describe(path, old, weight, bias, new)
         if new.nested_offset is not None:
