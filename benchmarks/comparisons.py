@@ -104,8 +104,9 @@ COMPARISONS: list[Comparison] = [
         Baseline("torchao Int8WeightOnlyConfig (W8A16)", hand.torchao_int8_weight_only, needs="torchao"),
         UNCHANGED,
     )),
+    # UNCHANGED: the device note's figure (latency ÷ fp32) from calls in turn, like compute=bfloat16's.
     Comparison("quantize nf4", "quantize nf4", (Baseline("bitsandbytes Linear4bit nf4 by hand",
-                                                         hand.bnb_4bit("nf4")),)),
+                                                         hand.bnb_4bit("nf4")), UNCHANGED)),
     # On CPUs with bf16 instructions the float32 matmul is the slow one (capabilities.four_bit_note).
     Comparison("quantize nf4 compute=bfloat16", "quantize nf4 compute=bfloat16",
                (Baseline("bitsandbytes Linear4bit nf4 compute bf16 by hand", hand.bnb_4bit("nf4", torch.bfloat16)),

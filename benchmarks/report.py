@@ -47,6 +47,13 @@ NOTES: list[tuple[str, str, str, str]] = [
     ("quantize int8", "", "transform",
      "Our layer quantizes exactly as bitsandbytes' `Int8Params` does (through an fp16 copy of each weight); "
      "torchao quantizes from float32 directly.  At this width the fixed cost of planning also weighs."),
+    ("quantize nf4", "Linear4bit", "latency",
+     "On CPUs with AVX512-BF16 a stock `Linear4bit` repacks its weight in place at the first call and then "
+     "multiplies with bitsandbytes' bf16 kernel whatever its compute dtype; ours keeps the layer as quantized "
+     "and computes in the dtype asked for (float32 by default), because the repacking is lossy (absmax to "
+     "bf16), changes what a save writes and fails for out_features not a multiple of 32 (spec.md, "
+     "\"Quantized layers compute the same on every CPU\").  `compute=bfloat16` is the fast choice there; "
+     "the plan's device note says so."),
     # After the specific notes: peaks at width 768 (hundreds of MB) that change side from run to run.
     ("*", "", "peak RSS medium",
      "At width 768 the peaks are a few hundred MB above the process's start and move by tens of MB from "
@@ -436,11 +443,11 @@ def convert_section() -> str:
         return "\nNot yet measured: `benchmarks/bench_convert.py` writes `benchmarks/results/convert.md`.\n"
     text = page.read_text()
     text = "\n" + text.split("\n", 1)[1] if text.startswith("# ") else text
-    if "\n## Larger than memory" not in text:
+    if "\n## " not in text:
         text += ("\n### Larger than memory\n\nNot yet measured: `nice -n 10 .venv/bin/python benchmarks/bench_convert.py "
-                 "--flux-dev /work/bigckpt` (a FLUX.1-dev-shaped transformer, 23.8 GB bf16, written and converted "
+                 "--llama-13b /work/bigllama` (a Llama-2-13B-shaped checkpoint, 26 GB bf16, written and converted "
                  "with `quantize nf4` and `fp8 storage` under a 10 GiB watchdog) adds its rows here.\n")
-    return text.replace("\n## Larger than memory", "\n### Larger than memory")
+    return text.replace("\n## ", "\n### ")
 
 
 def gaps_section(rows: list[dict]) -> str:
@@ -583,13 +590,19 @@ def write_measured(rows: list[dict], meta: dict, path: Path) -> None:
     if not cited:
         return
     try:
-        capabilities.measured.cache_clear()
-        kept = {k: v for k, v in capabilities.measured().items() if k not in cited}
-    except Exception:  # an unreadable file is replaced
-        kept = {}
-    data = {"source": "benchmarks/RESULTS.md (written by benchmarks/report.py; do not edit)",
-            "by_cpu": {**kept, **cited}}
+        previous = json.loads(path.read_text())
+        kinds = previous.get("by_cpu")
+        if kinds is None and isinstance(previous.get("cpu"), dict):  # the one-CPU format of older files
+            kinds = {capabilities.cpu_kind(previous["cpu"]): {"cpu": previous["cpu"], "rows": previous["rows"]}}
+        kinds = dict(kinds or {})
+    except (OSError, ValueError, AttributeError, KeyError):  # missing or unreadable: written anew
+        kinds = {}
+    for kind, entry in cited.items():  # row by row: a kind's rows this run did not measure stay
+        old = kinds.get(kind) or {}
+        kinds[kind] = {"cpu": entry["cpu"], "rows": {**(old.get("rows") or {}), **entry["rows"]}}
+    data = {"source": "benchmarks/RESULTS.md (written by benchmarks/report.py; do not edit)", "by_cpu": kinds}
     path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    capabilities.measured.cache_clear()
 
 
 # ---------------------------------------------------------------------- page

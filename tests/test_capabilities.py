@@ -155,7 +155,7 @@ def test_a_note_quotes_int8_figures_of_its_own_kind_of_cpu_only(monkeypatch):
         pytest.skip("no measured.json (benchmarks/run.py writes it)")
     for kind in [*kinds, "int_mm without int8 dot product"]:
         monkeypatch.setattr(capabilities, "cpu_kind", lambda cpu=None, kind=kind: kind)
-        quote = capabilities._latency("flux-medium", "quantize int8", same_cpu=True)
+        quote = capabilities._latency("flux-medium", "quantize int8")
         row = (kinds.get(kind) or {}).get("rows", {}).get("flux-medium | quantize int8")
         if row is None:
             assert quote is None

@@ -159,6 +159,40 @@ def test_standard_input_is_closed_to_libraries_during_load(module_save):
     assert sys.stdin is not None
 
 
+def test_every_copy_of_the_offline_setting_is_set_during_load_also_new_or_replaced_ones():
+    """The guard remembers which modules hold HF_HUB_OFFLINE between loads; a module imported since,
+    one replaced in place under its name, and one still being imported are all set too."""
+    import sys
+    import types
+    from importlib.machinery import ModuleSpec
+
+    from transformdsl import guard
+
+    def holder(name: str, initializing: bool = False) -> types.ModuleType:
+        module = types.ModuleType(name)
+        module.HF_HUB_OFFLINE = False
+        if initializing:
+            module.__spec__ = ModuleSpec(name, None)
+            module.__spec__._initializing = True
+        return module
+
+    names = [f"huggingface_hub._tdsl_probe_{i}" for i in range(3)]
+    try:
+        with guard.loading():
+            pass  # the guard has looked at every module now
+        first = sys.modules[names[0]] = holder(names[0])
+        sys.modules[names[1]] = holder(names[1])  # imported after it: the first is not the last one
+        with guard.loading():
+            assert first.HF_HUB_OFFLINE is True
+        replaced = sys.modules[names[0]] = holder(names[0])  # same name, same place, same count
+        partial = sys.modules[names[2]] = holder(names[2], initializing=True)
+        with guard.loading():
+            assert replaced.HF_HUB_OFFLINE is True and partial.HF_HUB_OFFLINE is True
+    finally:
+        for name in names:
+            sys.modules.pop(name, None)
+
+
 # --------------------------------------------------------------------------- network and files
 
 

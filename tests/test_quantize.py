@@ -116,15 +116,18 @@ def test_quantized_outputs_and_bit_exact_reload(name, script, bound, tmp_path):
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
 @pytest.mark.parametrize("double_quant", [False, True])
 @pytest.mark.parametrize("in_features", [16, 32, 96, 64])
-def test_four_bit_layer_computes_blocks_that_cross_rows_exactly(quant_type, double_quant, in_features):
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_four_bit_layer_computes_blocks_that_cross_rows_exactly(quant_type, double_quant, in_features, weight_dtype):
     """A block of 64 weights continues on the next row when a row holds 16, 32 or 96: the layer's
     output is the float matmul with the weight dequantized the plain way (code[index] * absmax, in
-    file order), on every CPU (bitsandbytes' native CPU kernel misreads such rows on some)."""
+    file order) straight into the compute dtype, as bitsandbytes' matmul does, whatever the dtype
+    of the weight it replaced, on every CPU (bitsandbytes' native CPU kernel misreads such rows on
+    some)."""
     from transformdsl.passes._quantized import FourBitLinear
 
     torch.manual_seed(0)
     weight, bias, x = torch.randn(48, in_features) * 0.05, torch.randn(48), torch.randn(5, in_features)
-    layer = FourBitLinear.build(weight, bias, quant_type, 64, double_quant, torch.float32).eval()
+    layer = FourBitLinear.build(weight.to(weight_dtype), bias, quant_type, 64, double_quant, torch.float32).eval()
     state = layer.weight.quant_state
     packed = layer.weight.data.view(torch.uint8).reshape(-1)
     index = torch.stack([packed >> 4, packed & 0xF], 1).reshape(-1).long()
@@ -138,6 +141,19 @@ def test_four_bit_layer_computes_blocks_that_cross_rows_exactly(quant_type, doub
     with torch.no_grad():
         assert torch.equal(layer(x), expected)
     assert rel_error(layer(x), torch.nn.functional.linear(x, weight, bias)) < 0.2
+
+
+def test_four_bit_probe_ignores_a_meta_device_context():
+    """Layers built inside ``with torch.device("meta")`` (skeletons, accelerate's init_empty_weights)
+    probe the CPU kernel on the CPU: the answer, kept for the process, is the CPU's."""
+    from transformdsl.passes import _quantized
+
+    for probe in (_quantized.cpu_kernel_misreads_crossing_blocks, _quantized.int_mm_misreads_one_input_column):
+        expected = probe.__wrapped__()
+        probe.cache_clear()
+        with torch.device("meta"):
+            assert probe() == expected
+        assert probe() == expected
 
 
 @pytest.mark.parametrize("out_features", [16, 5, 1])

@@ -50,7 +50,8 @@ def _set_constants(value: bool) -> None:
     # (an import, or a re-import after a deletion, appends to sys.modules).
     last = next(reversed(modules), None)
     fingerprint = (len(modules), last, id(modules.get(last)))
-    if fingerprint != _fingerprint:
+    # A holder replaced in place under its name leaves the fingerprint as it was: checked apart.
+    if fingerprint != _fingerprint or any(modules.get(n) is not m for n, m in _holders.items()):
         _fingerprint = fingerprint if _scan() else ()
     for name, module in _holders.items():
         if modules.get(name) is module:
@@ -61,12 +62,17 @@ def _scan() -> bool:
     """Look at the modules imported, or imported again, since the last scan; False if one was
     still being imported (it is looked at again next time)."""
     complete = True
-    for name, module in list(sys.modules.items()):
+    modules = dict(sys.modules)
+    for name in [n for n, m in _holders.items() if modules.get(n) is not m]:
+        del _holders[name]  # removed or replaced: the new module, if any, is looked at below
+    for name, module in modules.items():
         if _seen.get(name) is module:
             continue
         if module is not None and name.startswith(_LIBRARIES):
             if getattr(getattr(module, "__spec__", None), "_initializing", False):
-                complete = False  # still importing: it may define the setting later
+                complete = False  # still importing: it may define the setting later; looked at again
+                if isinstance(getattr(module, "HF_HUB_OFFLINE", None), bool):
+                    _holders[name] = module
                 continue
             if isinstance(getattr(module, "HF_HUB_OFFLINE", None), bool):
                 _holders[name] = module

@@ -89,14 +89,15 @@ def _load_bias(module: nn.Module, state_dict, prefix, local_metadata, strict, mi
 @functools.lru_cache(maxsize=None)
 def int_mm_misreads_one_input_column() -> bool:
     """Whether ``torch._int_mm`` (bitsandbytes' int8 matmul on AVX-512 CPUs) is wrong for a weight of
-    one input column: its transpose, ``(1, N)`` with strides ``(1, 1)``, is read as another layout
-    (seen with torch 2.13 on an AMD EPYC with VNNI: relative errors of 10^3-10^4, as in
-    ConsisID's ``perceiver_cross_attention.*.to_out``, a Linear(1, 16)).  Probed once."""
-    rows = torch.arange(-3, 4, dtype=torch.int8).reshape(7, 1)
-    weight = torch.arange(-8, 8, dtype=torch.int8).reshape(16, 1)
+    one input column (an inner dimension of 1, with two outputs or more; seen with torch 2.13 on an
+    AMD EPYC with VNNI: relative errors of 10^3-10^4, as in ConsisID's
+    ``perceiver_cross_attention.*.to_out``, a Linear(1, 16)).  Probed once, on the CPU whatever
+    device context is active."""
+    rows = torch.arange(-3, 4, dtype=torch.int8, device="cpu").reshape(7, 1)
+    weight = torch.arange(-8, 8, dtype=torch.int8, device="cpu").reshape(16, 1)
     try:
         return not torch.equal(torch._int_mm(rows, weight.t()), rows.int() @ weight.t().int())
-    except RuntimeError:  # not available here: bitsandbytes does not take that path either
+    except RuntimeError:  # no int8 matmul on this CPU build: bitsandbytes does not take that path either
         return False
 
 
@@ -132,8 +133,9 @@ class Int8Linear(bnb.nn.Linear8bitLt):
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002  (nn.Linear.forward's name)
         """Any number of leading dimensions (bitsandbytes' CPU path takes at most 3)."""
         if self.single_input_in_float and input.device.type == "cpu":
-            # One input feature: LLM.int8 rounds each activation to +-127 times its own scale, so
-            # its result is exactly the input times the dequantized weight, computed here in float.
+            # One input feature: LLM.int8 rounds each activation to +-127 times its own scale, so its
+            # result is the input times the dequantized weight (up to its fp16 rounding of the
+            # activations), computed here in float32.
             weight = self.weight.data.float() * (self.state.SCB.float() / 127.0)[:, None]
             bias = None if self.bias is None else self.bias.float()
             return F.linear(input.float(), weight, bias).to(input.dtype)
@@ -172,16 +174,19 @@ class Int8Linear(bnb.nn.Linear8bitLt):
 # =========================================================================== nf4 / fp4
 
 
-def dequantize_4bit_portable(data: torch.Tensor, state: QuantState) -> torch.Tensor:
-    """A 4-bit weight in ``state.dtype``, computed with bitsandbytes' own portable implementation
-    (its default backend, which its CPU kernel also falls back to for odd shapes)."""
+def dequantize_4bit_portable(data: torch.Tensor, state: QuantState, dtype: torch.dtype) -> torch.Tensor:
+    """A 4-bit weight in ``dtype`` (straight from the float32 values, as bitsandbytes' matmul
+    dequantizes into the compute dtype), computed with bitsandbytes' own portable implementation
+    (its default backend, which its CPU kernel also falls back to for odd shapes), run eagerly:
+    bitsandbytes wraps it in ``torch.compile``, a compilation per new shape outside any compile."""
     from bitsandbytes.backends.default.ops import _dequantize_4bit_compute
 
+    compute = getattr(_dequantize_4bit_compute, "__wrapped__", _dequantize_4bit_compute)
     absmax = state.absmax
     if state.nested:
         absmax = bnb.functional.dequantize_blockwise(state.absmax, state.state2) + state.offset
-    return _dequantize_4bit_compute(data.view(torch.uint8).reshape(-1), absmax.float(), state.code.to(data.device),
-                                    state.blocksize, tuple(state.shape), state.dtype)
+    return compute(data.view(torch.uint8).reshape(-1), absmax.float(), state.code.to(data.device),
+                   state.blocksize, tuple(state.shape), dtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -195,10 +200,11 @@ def cpu_kernel_misreads_crossing_blocks() -> bool:
     portable implementation.  Layers whose rows are whole blocks (every layer of real models with
     widths that are multiples of 64) always take the native kernel.
     """
-    weight = torch.linspace(-1.0, 1.0, 4 * 96).reshape(4, 96)
+    # On the CPU whatever device context is active (a meta context would make the answer meaningless).
+    weight = torch.linspace(-1.0, 1.0, 4 * 96, device="cpu").reshape(4, 96)
     data, state = bnb.functional.quantize_4bit(weight, blocksize=64, quant_type="nf4", quant_storage=torch.uint8)
     native = bnb.functional.dequantize_4bit(data, state)
-    return not torch.equal(native, dequantize_4bit_portable(data, state))
+    return not torch.equal(native, dequantize_4bit_portable(data, state, torch.float32))
 
 
 class FourBitLinear(bnb.nn.Linear4bit):
@@ -243,7 +249,7 @@ class FourBitLinear(bnb.nn.Linear4bit):
         """bitsandbytes' forward (no outlier handling in 4-bit: cast to the compute dtype, the
         dequantized weight, bias, back to the input's dtype) with its portable dequantization."""
         x = input.to(self.compute_dtype) if self.compute_dtype is not None else input
-        weight = dequantize_4bit_portable(self.weight.data, self.weight.quant_state).to(x.dtype)
+        weight = dequantize_4bit_portable(self.weight.data, self.weight.quant_state, x.dtype)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, weight, bias).to(input.dtype)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import threading
@@ -309,19 +310,19 @@ _init_saved: dict[str, Callable] = {}
 
 
 def _skipping(name: str, original: Callable) -> Callable:
+    @functools.wraps(original)
     def init(tensor, *args, **kwargs):
-        if threading.get_ident() in _init_threads:
+        if getattr(tensor, "is_meta", False) and threading.get_ident() in _init_threads:
             return tensor
-        return original(tensor, *args, **kwargs)  # another thread building a real model
+        return original(tensor, *args, **kwargs)  # a real tensor, or another thread's model
 
-    init.__wrapped__ = original
     return init
 
 
 @contextlib.contextmanager
 def _no_weight_init():
-    """In this thread, ``torch.nn.init`` initialisers return their tensor untouched (meta skeletons
-    only: another thread's calls run the real functions)."""
+    """In this thread, ``torch.nn.init`` initialisers return a meta tensor untouched (a real tensor,
+    or another thread's, gets the real function)."""
     thread = threading.get_ident()
     with _init_lock:
         if not _init_threads:
