@@ -33,8 +33,17 @@ ATOMIC = ("`transform()` is atomic: every replaced layer stays referenced by the
 SCALED_FP8 = ("Ours computes one scale per output channel before casting (as torchao's weight-only float8 "
               "does), so that small weights keep their precision instead of falling into float8's subnormal "
               "range; diffusers casts the weights as they are.  A one-off cost, which reloading skips (below).")
+FRESH_PAGES = ("The cost of the rollback in time: our fp8 copies need memory of their own while the originals are "
+               "kept, where diffusers' in-place cast reuses the bf16 pages it frees (at width 768, ~5,400 more page "
+               "faults in a fresh process, about 15 ms on these VMs, where first-touched memory is slow); at width "
+               "3072 the default undo log also writes the originals to a temporary file.  `undo=\"memory\"` at "
+               "width 3072 is within 1.5× (issue 15's targets).")
 NOTES: list[tuple[str, str, str, str]] = [
     ("fp8 storage", "", "peak RSS", ATOMIC),
+    ("fp8 storage undo=memory", "", "peak RSS", ATOMIC),
+    ("fp8 storage scale=tensor", "layerwise", "transform", FRESH_PAGES),
+    ("fp8 storage scale=none", "layerwise", "transform", FRESH_PAGES),
+    ("fp8 storage undo=memory", "layerwise", "transform", FRESH_PAGES),
     ("fuse qkv + fp8 storage", "", "peak RSS", ATOMIC),
     ("fp8 storage", "layerwise", "transform", SCALED_FP8),
     ("fuse qkv + fp8 storage", "layerwise", "transform", SCALED_FP8),
@@ -47,6 +56,18 @@ NOTES: list[tuple[str, str, str, str]] = [
     ("quantize int8", "", "transform",
      "Our layer quantizes exactly as bitsandbytes' `Int8Params` does (through an fp16 copy of each weight); "
      "torchao quantizes from float32 directly.  At this width the fixed cost of planning also weighs."),
+    ("quantize nf4 compute=bfloat16", "Linear4bit", "latency",
+     "bitsandbytes' repacked bf16 kernel (which a stock `Linear4bit` switches to on CPUs with AVX512-BF16) "
+     "against ours, which dequantizes to bf16 and runs torch's bf16 matmul: the repacking is lossy and changes "
+     "what a save writes (spec.md, \"Quantized layers compute the same on every CPU\")."),
+    ("quantize nf4", "", "weights",
+     "Measured after the first call: a stock `Linear4bit` on a CPU with AVX512-BF16 has repacked itself by "
+     "then, its block scales (absmax) in bf16; ours keeps them in float32 (before any call the bytes are "
+     "equal)."),
+    ("quantize nf4 compute=bfloat16", "", "weights",
+     "Measured after the first call: a stock `Linear4bit` on a CPU with AVX512-BF16 has repacked itself by "
+     "then, its block scales (absmax) in bf16; ours keeps them in float32 (before any call the bytes are "
+     "equal)."),
     ("quantize nf4", "Linear4bit", "latency",
      "On CPUs with AVX512-BF16 a stock `Linear4bit` repacks its weight in place at the first call and then "
      "multiplies with bitsandbytes' bf16 kernel whatever its compute dtype; ours keeps the layer as quantized "

@@ -12,6 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from conftest import stock_runs_portable_4bit  # noqa: E402
 from torch import nn  # noqa: E402
 
 import transformdsl  # noqa: E402
@@ -19,8 +20,6 @@ from transformdsl.errors import LoadError, TransformError  # noqa: E402
 from transformdsl.executor import relative_error  # noqa: E402
 from transformdsl.explain import render_plan  # noqa: E402
 from transformdsl.planner import plan  # noqa: E402
-
-from conftest import stock_runs_portable_4bit  # noqa: E402
 
 # --------------------------------------------------------------------------- the architectures
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import stock_runs_portable_4bit
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -28,8 +29,6 @@ import transformdsl
 from transformdsl.errors import TransformError
 from transformdsl.executor import history_of
 from transformdsl.models import BUILTIN, run, sample_inputs
-
-from conftest import stock_runs_portable_4bit
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -86,7 +86,7 @@ def _load_bias(module: nn.Module, state_dict, prefix, local_metadata, strict, mi
 # =========================================================================== int8
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def int_mm_misreads_one_input_column() -> bool:
     """Whether ``torch._int_mm`` (bitsandbytes' int8 matmul on AVX-512 CPUs) is wrong for a weight of
     one input column (an inner dimension of 1, with two outputs or more; seen with torch 2.13 on an
@@ -189,7 +189,7 @@ def dequantize_4bit_portable(data: torch.Tensor, state: QuantState, dtype: torch
                    state.blocksize, tuple(state.shape), dtype)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cpu_kernel_misreads_crossing_blocks() -> bool:
     """Whether bitsandbytes' native CPU 4-bit dequantization is wrong for a weight whose rows are
     not a whole number of blocks (a block then continues on the next row).
