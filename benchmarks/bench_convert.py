@@ -204,20 +204,15 @@ def scaling(args) -> None:
 
 # ---------------------------------------------------------------------------- FLUX.1-dev, larger than memory
 
-def write_flux_dev(directory: Path, shard_bytes: int = 2 * 10**9, **config) -> dict:
-    """FLUX.1-dev's transformer (diffusers' default config) with random bf16 weights, written shard by
-    shard from the meta skeleton: at most one block's tensors in memory."""
+def write_random_shards(directory: Path, model, stem: str, ones, shard_bytes: int,
+                        chunk_rows: int | None = None) -> dict:
+    """Write ``model``'s state (a meta skeleton: shapes only) as bf16 random weights (std 0.02; the keys
+    ``ones(key)`` picks are 1, as norms are) into ``{stem}-0000i-of-0000n.safetensors`` shards with
+    the libraries' index: at most one shard's tensors in memory.  ``chunk_rows``: draw the random
+    numbers that many rows at a time (no float32 copy of a whole large tensor)."""
     import torch
-    from diffusers import FluxTransformer2DModel
     from safetensors.torch import save_file
 
-    directory.mkdir(parents=True, exist_ok=True)
-    with torch.device("meta"):
-        model = FluxTransformer2DModel(guidance_embeds=True, **config)
-    config = dict(model.config)
-    config["_class_name"] = "FluxTransformer2DModel"
-    config["_diffusers_version"] = __import__("diffusers").__version__
-    (directory / "config.json").write_text(json.dumps(config, indent=1, default=list))
     generator = torch.Generator().manual_seed(0)
     weight_map, shard, size, count, total, params = {}, {}, 0, 0, 0, 0
 
@@ -225,17 +220,21 @@ def write_flux_dev(directory: Path, shard_bytes: int = 2 * 10**9, **config) -> d
         nonlocal shard, size, count
         if shard:
             count += 1
-            name = f"diffusion_pytorch_model-{count:05d}.safetensors"
+            name = f"{stem}-{count:05d}.safetensors"
             save_file(shard, str(directory / name), metadata={"format": "pt"})
             weight_map.update({key: name for key in shard})
             shard, size = {}, 0
 
     for key, tensor in model.state_dict().items():
         value = torch.empty(tensor.shape, dtype=torch.bfloat16)
-        if "norm" in key and key.endswith("weight"):
+        if ones(key):
             value.fill_(1.0)
-        else:
+        elif chunk_rows is None:
             value.copy_(torch.randn(tensor.shape, generator=generator, dtype=torch.float32).mul_(0.02))
+        else:
+            for start in range(0, value.shape[0], chunk_rows):
+                rows = value[start:start + chunk_rows]
+                rows.copy_(torch.randn(rows.shape, generator=generator).mul_(0.02))
         nbytes = value.numel() * 2
         if size and size + nbytes > shard_bytes:
             flush()
@@ -244,13 +243,29 @@ def write_flux_dev(directory: Path, shard_bytes: int = 2 * 10**9, **config) -> d
         total += nbytes
         params += value.numel()
     flush()
-    names = sorted(set(weight_map.values()))
-    final = {name: name.replace(".safetensors", f"-of-{count:05d}.safetensors") for name in names}
+    final = {f"{stem}-{i:05d}.safetensors": f"{stem}-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)}
     for old, new in final.items():
         os.rename(directory / old, directory / new)
-    (directory / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps(
+    (directory / f"{stem}.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": {k: final[v] for k, v in weight_map.items()}}))
     return {"params": params, "bytes": total}
+
+
+def write_flux_dev(directory: Path, shard_bytes: int = 2 * 10**9, **config) -> dict:
+    """FLUX.1-dev's transformer (diffusers' default config) with random bf16 weights, written shard by
+    shard from the meta skeleton: at most one block's tensors in memory."""
+    import torch
+    from diffusers import FluxTransformer2DModel
+
+    directory.mkdir(parents=True, exist_ok=True)
+    with torch.device("meta"):
+        model = FluxTransformer2DModel(guidance_embeds=True, **config)
+    config = dict(model.config)
+    config["_class_name"] = "FluxTransformer2DModel"
+    config["_diffusers_version"] = __import__("diffusers").__version__
+    (directory / "config.json").write_text(json.dumps(config, indent=1, default=list))
+    return write_random_shards(directory, model, "diffusion_pytorch_model",
+                               lambda key: "norm" in key and key.endswith("weight"), shard_bytes)
 
 
 def _load_and_run(out: str, writer) -> None:
@@ -274,41 +289,53 @@ def _load_and_run(out: str, writer) -> None:
                  "finite": bool(torch.isfinite(output).all()), "peak": _status()["VmHWM"]})
 
 
+def convert_and_run(args, directory: Path, made: dict, source: str, run, forward: str, forward_text) -> list[dict]:
+    """Convert ``directory/source`` with ``quantize nf4`` and ``fp8 storage`` (each in a fresh process
+    under the watchdog), load each result and run it in another (``run(out, writer)``): the table rows,
+    the forward's column ``forward`` written by ``forward_text(result)``."""
+    rows = []
+    for script in ("quantize nf4", "fp8 storage"):
+        out = directory / script.replace(" ", "-")
+        result = run_way("convert", directory / "source", script, out, int(args.max_rss_gb * 2**30), args.timeout)
+        print(script, result, flush=True)
+        row = {"script": script, "source": source}
+        if result["status"] != "ok":
+            rows.append({**row, "peak RSS GiB": result["status"]})
+            continue
+        written = sum(p.stat().st_size for p in out.glob("*.safetensors"))
+        context = multiprocessing.get_context("spawn")
+        reader, writer = context.Pipe(duplex=False)
+        process = context.Process(target=run, args=(str(out), writer), daemon=True)
+        process.start()
+        writer.close()
+        ran = reader.recv() if reader.poll(args.timeout) else {}
+        process.join(30)
+        rows.append({**row, "output GB": f"{written / 1e9:.1f}",
+                     "peak RSS GiB": f"{result['peak'] / 2**30:.2f}",
+                     "÷ source": f"{result['peak'] / made['bytes']:.3f}",
+                     "peak RssAnon / RssFile GiB": f"{(result['anon'] - result['base_anon']) / 2**30:.2f} / "
+                                                   f"{(result['file'] - result['base_file']) / 2**30:.2f}",
+                     "convert s": f"{result['seconds']:.0f}",
+                     forward: forward_text(ran)})
+        shutil.rmtree(out, ignore_errors=True)
+    return rows
+
+
+def _flux_forward_text(ran: dict) -> str:
+    return f"{ran['load_s']:.1f} s + {ran['forward_s']:.1f} s, finite: {ran['finite']}" if ran else "failed"
+
+
 def flux_dev(args) -> None:
     directory = Path(args.flux_dev)
     started = time.time()
-    rows = []
     try:
         begin = time.perf_counter()
         made = write_flux_dev(directory / "source", **({"num_layers": 1, "num_single_layers": 1} if args.smoke else {}))
         print(f"wrote FLUX.1-dev shape: {made['params'] / 1e9:.2f} B parameters, {made['bytes'] / 1e9:.1f} GB "
               f"in {time.perf_counter() - begin:.0f} s", flush=True)
-        for script in ("quantize nf4", "fp8 storage"):
-            out = directory / script.replace(" ", "-")
-            result = run_way("convert", directory / "source", script, out, int(args.max_rss_gb * 2**30),
-                             args.timeout)
-            print(script, result, flush=True)
-            row = {"script": script, "source": f"{made['params'] / 1e9:.2f} B params, {made['bytes'] / 1e9:.1f} GB bf16"}
-            if result["status"] != "ok":
-                rows.append({**row, "peak RSS GiB": result["status"]})
-                continue
-            written = sum(p.stat().st_size for p in out.glob("*.safetensors"))
-            context = multiprocessing.get_context("spawn")
-            reader, writer = context.Pipe(duplex=False)
-            process = context.Process(target=_load_and_run, args=(str(out), writer), daemon=True)
-            process.start()
-            writer.close()
-            ran = reader.recv() if reader.poll(args.timeout) else {}
-            process.join(30)
-            rows.append({**row, "output GB": f"{written / 1e9:.1f}",
-                         "peak RSS GiB": f"{result['peak'] / 2**30:.2f}",
-                         "÷ source": f"{result['peak'] / made['bytes']:.3f}",
-                         "peak RssAnon / RssFile GiB": f"{(result['anon'] - result['base_anon']) / 2**30:.2f} / "
-                                                       f"{(result['file'] - result['base_file']) / 2**30:.2f}",
-                         "convert s": f"{result['seconds']:.0f}",
-                         "load + forward (16×16)": (f"{ran['load_s']:.1f} s + {ran['forward_s']:.1f} s, finite: "
-                                                    f"{ran['finite']}") if ran else "failed"})
-            shutil.rmtree(out, ignore_errors=True)
+        rows = convert_and_run(args, directory, made, f"{made['params'] / 1e9:.2f} B params, "
+                               f"{made['bytes'] / 1e9:.1f} GB bf16", _load_and_run, "load + forward (16×16)",
+                               _flux_forward_text)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     text = ("\n## Near the size of memory: a FLUX.1-dev-shaped transformer\n\n"
@@ -355,7 +382,6 @@ def write_llama(directory: Path, shard_bytes: int = 5 * 10**9, **overrides) -> d
     """A Llama checkpoint (transformers layout: config.json, sharded model.safetensors with its index)
     with random bf16 weights, written shard by shard from the meta skeleton."""
     import torch
-    from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -364,40 +390,7 @@ def write_llama(directory: Path, shard_bytes: int = 5 * 10**9, **overrides) -> d
         model = LlamaForCausalLM(config)
     config.architectures = ["LlamaForCausalLM"]
     config.save_pretrained(directory)
-    generator = torch.Generator().manual_seed(0)
-    weight_map, shard, size, count, total, params = {}, {}, 0, 0, 0, 0
-
-    def flush():
-        nonlocal shard, size, count
-        if shard:
-            count += 1
-            name = f"model-{count:05d}.safetensors"
-            save_file(shard, str(directory / name), metadata={"format": "pt"})
-            weight_map.update({key: name for key in shard})
-            shard, size = {}, 0
-
-    for key, tensor in model.state_dict().items():
-        value = torch.empty(tensor.shape, dtype=torch.bfloat16)
-        if "norm" in key:
-            value.fill_(1.0)
-        else:
-            for start in range(0, value.shape[0], 4096):  # random rows a block at a time: no float32 copy
-                rows = value[start:start + 4096]
-                rows.copy_(torch.randn(rows.shape, generator=generator).mul_(0.02))
-        nbytes = value.numel() * 2
-        if size and size + nbytes > shard_bytes:
-            flush()
-        shard[key] = value
-        size += nbytes
-        total += nbytes
-        params += value.numel()
-    flush()
-    final = {f"model-{i:05d}.safetensors": f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)}
-    for old, new in final.items():
-        os.rename(directory / old, directory / new)
-    (directory / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": total}, "weight_map": {k: final[v] for k, v in weight_map.items()}}))
-    return {"params": params, "bytes": total}
+    return write_random_shards(directory, model, "model", lambda key: "norm" in key, shard_bytes, chunk_rows=4096)
 
 
 def _load_and_run_llama(out: str, writer) -> None:
@@ -421,10 +414,16 @@ def _memory_total() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
 
 
+def _llama_forward_text(ran: dict) -> str:
+    if not ran:
+        return "failed"
+    return (f"{ran['load_s']:.1f} s + {ran['forward_s']:.1f} s, finite: {ran['finite']}, "
+            f"peak RSS {ran['peak'] / 2**30:.1f} GiB")
+
+
 def llama_13b(args) -> None:
     directory = Path(args.llama_13b)
     started = time.time()
-    rows = []
     memory = _memory_total()
     try:
         begin = time.perf_counter()
@@ -432,34 +431,9 @@ def llama_13b(args) -> None:
         print(f"wrote Llama-2-13B shape: {made['params'] / 1e9:.2f} B parameters, {made['bytes'] / 1e9:.1f} GB "
               f"({made['bytes'] / memory:.2f}x this machine's memory) in {time.perf_counter() - begin:.0f} s",
               flush=True)
-        for script in ("quantize nf4", "fp8 storage"):
-            out = directory / script.replace(" ", "-")
-            result = run_way("convert", directory / "source", script, out, int(args.max_rss_gb * 2**30),
-                             args.timeout)
-            print(script, result, flush=True)
-            row = {"script": script, "source": f"{made['params'] / 1e9:.2f} B params, {made['bytes'] / 1e9:.1f} GB "
-                                                f"bf16 ({made['bytes'] / memory:.2f}× memory)"}
-            if result["status"] != "ok":
-                rows.append({**row, "peak RSS GiB": result["status"]})
-                continue
-            written = sum(p.stat().st_size for p in out.glob("*.safetensors"))
-            context = multiprocessing.get_context("spawn")
-            reader, writer = context.Pipe(duplex=False)
-            process = context.Process(target=_load_and_run_llama, args=(str(out), writer), daemon=True)
-            process.start()
-            writer.close()
-            ran = reader.recv() if reader.poll(args.timeout) else {}
-            process.join(30)
-            rows.append({**row, "output GB": f"{written / 1e9:.1f}",
-                         "peak RSS GiB": f"{result['peak'] / 2**30:.2f}",
-                         "÷ source": f"{result['peak'] / made['bytes']:.3f}",
-                         "peak RssAnon / RssFile GiB": f"{(result['anon'] - result['base_anon']) / 2**30:.2f} / "
-                                                       f"{(result['file'] - result['base_file']) / 2**30:.2f}",
-                         "convert s": f"{result['seconds']:.0f}",
-                         "load + forward (8 tokens)": (f"{ran['load_s']:.1f} s + {ran['forward_s']:.1f} s, finite: "
-                                                       f"{ran['finite']}, peak RSS {ran['peak'] / 2**30:.1f} GiB")
-                         if ran else "failed"})
-            shutil.rmtree(out, ignore_errors=True)
+        rows = convert_and_run(args, directory, made, f"{made['params'] / 1e9:.2f} B params, "
+                               f"{made['bytes'] / 1e9:.1f} GB bf16 ({made['bytes'] / memory:.2f}× memory)",
+                               _load_and_run_llama, "load + forward (8 tokens)", _llama_forward_text)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     text = ("\n## Larger than memory: a Llama-2-13B-shaped model\n\n"

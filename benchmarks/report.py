@@ -232,10 +232,9 @@ def torchao_line(meta: dict) -> str:
 def _on_cpu(cpu: dict | None) -> str:
     """", on an AVX512 CPU (avx512_vnni)": which CPU a run's rows were measured on (CPUs differ by
     far more than noise: bitsandbytes' int8 is 0.56x fp32 latency with VNNI, ~36x without)."""
-    if not cpu:
-        return ""
-    dot = ", ".join([*(cpu.get("int8_dot") or []), *(cpu.get("bf16_dot") or [])]) or "no VNNI/AMX"
-    return f", on an {cpu.get('capability', '?')} CPU ({dot})"
+    from transformdsl.capabilities import cpu_text
+
+    return f", on {cpu_text(cpu)}" if cpu else ""
 
 
 def method(meta: dict) -> str:

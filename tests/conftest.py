@@ -29,6 +29,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
+from stock_kernels import stock_runs_portable_4bit  # noqa: E402, F401  (tests import it from here)
 
 torch.manual_seed(0)
 
@@ -49,15 +50,3 @@ def copy_of(tmp_path):
 
     return copy
 
-
-def stock_runs_portable_4bit(model):
-    """A model quantized by stock transformers/bitsandbytes, set to run the 4-bit kernels every CPU
-    runs (returned for chaining).  On CPUs with AVX512-BF16, bitsandbytes 0.50's ``Linear4bit``
-    repacks its weight in place at the first eval call and then computes in bfloat16 whatever
-    the compute dtype; ``support_avx512bf16_for_cpu`` is bitsandbytes' own per-layer switch for
-    that path (our layers keep it off: spec.md, quantize).  Comparing outputs bit for bit with
-    ours is only meaningful on the same kernels."""
-    for module in model.modules():
-        if hasattr(module, "support_avx512bf16_for_cpu"):
-            module.support_avx512bf16_for_cpu = False
-    return model

@@ -29,6 +29,7 @@ sys.path = [p for p in sys.path if p not in ("", ".")]
 
 import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
+from stock_kernels import stock_runs_portable_4bit  # noqa: E402  (beside this script; no transformdsl)
 
 
 def main(jobs_file: str) -> None:
@@ -39,11 +40,7 @@ def main(jobs_file: str) -> None:
         kwargs = {"device_map": job.get("device", "cpu")} if job["library"] == "transformers" else {}
         model = cls.from_pretrained(job["dir"], local_files_only=True, **kwargs)
         model.eval()
-        # bitsandbytes' own switch: on AVX512-BF16 CPUs Linear4bit otherwise repacks its weight at the
-        # first call and computes in bfloat16, so outputs would differ from ours by CPU (conftest.py).
-        for module in model.modules():
-            if hasattr(module, "support_avx512bf16_for_cpu"):
-                module.support_avx512bf16_for_cpu = False
+        stock_runs_portable_4bit(model)  # the kernels ours run, on every CPU (stock_kernels.py)
         device = next(model.parameters()).device  # diffusers' bitsandbytes loader places it on the GPU
         inputs = {k: v.to(device) for k, v in load_file(job["inputs"]).items()}
         args = [inputs.pop(f"arg{i}") for i in range(len([k for k in inputs if k.startswith("arg")]))]

@@ -158,10 +158,15 @@ def _figure(workload: str, comparison: str, name: str) -> tuple[float, dict] | N
     return None
 
 
+def cpu_text(cpu: dict) -> str:
+    """A CPU as :func:`describe_cpu` records it, in words: ``"an AVX512 CPU (avx512_vnni, avx512_bf16)"``."""
+    dot = ", ".join([*(cpu.get("int8_dot") or []), *(cpu.get("bf16_dot") or [])]) or "no VNNI/AMX"
+    return f"an {cpu.get('capability', '?')} CPU ({dot})"
+
+
 def source(cpu: dict) -> str:
     """Where the quoted figures come from, and the CPU they were measured on."""
-    dot = ", ".join([*(cpu.get("int8_dot") or []), *(cpu.get("bf16_dot") or [])]) or "no VNNI/AMX"
-    return f"benchmarks/RESULTS.md, measured on an {cpu.get('capability', '?')} CPU ({dot})"
+    return f"benchmarks/RESULTS.md, measured on {cpu_text(cpu)}"
 
 
 def _latency(workload: str, comparison: str) -> _Quote | None:
@@ -246,5 +251,5 @@ def hqq_note(device_type: str) -> str | None:
 
 
 __all__ = ["cpu_flags", "cpu_capability", "cpu_int8_matmul", "cuda_fp8_matmul", "hqq_compiled_backend",
-           "cpu_bf16_matmul", "cpu_kind", "describe_cpu", "measured", "int8_note", "hqq_note", "four_bit_note",
+           "cpu_bf16_matmul", "cpu_kind", "cpu_text", "describe_cpu", "measured", "int8_note", "hqq_note", "four_bit_note",
            "fp8_cost", "CITED", "INT8_DOT_FLAGS", "BF16_FLAGS"]

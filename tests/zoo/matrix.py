@@ -312,16 +312,16 @@ def save_formats(model, entry: dict, inputs, reference, tolerance) -> dict[str, 
 
 
 def _portable_4bit(stock) -> int | None:
-    """Set a stock model's bitsandbytes 4-bit layers to the kernels every CPU runs (as
-    tests/conftest.py's ``stock_runs_portable_4bit``: no in-place repacking on AVX512-BF16 CPUs);
+    """Set a stock model's bitsandbytes 4-bit layers to the kernels every CPU runs
+    (``tests/stock_kernels.py``: no in-place repacking on AVX512-BF16 CPUs);
     return a row width that bitsandbytes' native CPU kernel misreads on this CPU, if a layer has one."""
+    from ..stock_kernels import stock_runs_portable_4bit
+
     misread = None
-    for module in stock.modules():
-        if hasattr(module, "support_avx512bf16_for_cpu"):
-            module.support_avx512bf16_for_cpu = False
-            state = getattr(module.weight, "quant_state", None)
-            if state is not None and state.shape[-1] % state.blocksize:
-                misread = misread or int(state.shape[-1])
+    for module in stock_runs_portable_4bit(stock).modules():
+        state = getattr(getattr(module, "weight", None), "quant_state", None)
+        if hasattr(module, "support_avx512bf16_for_cpu") and state is not None and state.shape[-1] % state.blocksize:
+            misread = misread or int(state.shape[-1])
     if misread is not None:
         from transformdsl.passes._quantized import cpu_kernel_misreads_crossing_blocks
 
@@ -484,9 +484,9 @@ def commit() -> str:
 
 def _cpu() -> dict:
     """The CPU the matrix ran on: results differ by CPU where kernels do (spec.md, quantize)."""
-    from transformdsl.capabilities import cpu_flags, describe_cpu
+    from transformdsl.capabilities import describe_cpu
 
-    return {**describe_cpu(), "bf16": "avx512_bf16" in cpu_flags() or "amx_bf16" in cpu_flags()}
+    return describe_cpu()
 
 
 def versions() -> dict:

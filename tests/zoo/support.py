@@ -52,11 +52,10 @@ relative error `max|after - before| / max|before|` on the model's test input · 
 
 
 def _cpu_text(cpu: dict | None) -> str:
-    """", on an AVX512 CPU (avx512_vnni, avx_vnni; bf16)": the kernels bitsandbytes and torch pick differ by CPU."""
-    if not cpu:
-        return ""
-    features = [*(cpu.get("int8_dot") or []), *(["bf16"] if cpu.get("bf16") else [])]
-    return f", on an {cpu.get('capability', '?')} CPU ({', '.join(features) or 'no VNNI/AMX, no BF16'})"
+    """", on an AVX512 CPU (avx512_vnni, avx512_bf16)": the kernels bitsandbytes and torch pick differ by CPU."""
+    from transformdsl.capabilities import cpu_text
+
+    return f", on {cpu_text(cpu)}" if cpu else ""
 
 def _fmt_error(value) -> str:
     if value is None:
@@ -265,9 +264,6 @@ def write_page(report: dict, path: Path) -> None:
     path.write_text(render(report))
 
 
-if __name__ == "__main__":
-    write_page(json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2]))
-
 
 def _model_table(heading: str, models: list[dict], by_model: dict, columns: list[str], render) -> list[str]:
     """One row per model, one column per script, each cell written by ``render``."""
@@ -277,3 +273,7 @@ def _model_table(heading: str, models: list[dict], by_model: dict, columns: list
         row = [render(cells[c]) if c in cells else "" for c in columns]
         lines.append(f"| {model['id'].split('/', 1)[1]} | " + " | ".join(row) + " |")
     return lines + [""]
+
+
+if __name__ == "__main__":
+    write_page(json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2]))
