@@ -33,8 +33,8 @@ class Baseline:
 class Comparison:
     """A transformdsl script against its by-hand baselines.
 
-    ``dtype``: what the model is cast to before either side runs (fp8 jobs start, as users do,
-    from a bfloat16 model); ``sizes``: where it runs (compile is too slow for the large models
+    ``dtype``: the dtype of the checkpoint both sides read (fp8 jobs start, as users do, from a
+    bfloat16 checkpoint read in its own dtype, memory-mapped); ``sizes``: where it runs (compile is too slow for the large models
     on 2 cores); ``reload``: whether to measure save/load of our result.
     """
 

@@ -8,7 +8,8 @@ already imported torch and the libraries, so every configuration starts from the
 Protocol, for every side alike:
 
 1. read the original model (``from_pretrained``, every byte read), run it once: the reference;
-2. cast it to the comparison's dtype if it has one (bf16 for fp8 jobs), not timed;
+2. in the comparison's dtype if it has one (bf16 for fp8 jobs): read its checkpoint saved in
+   that dtype (``workloads.prepare``), as a user of a bf16 model does, not timed;
 3. reset the peak-RSS counter; transform (timed); first call (timed: includes compilation);
 4. steady latency: median of ``repeats`` calls after ``warmup`` calls, torch threads fixed;
 5. weight bytes, peak and steady RSS, layers changed, error against the reference;
@@ -277,7 +278,13 @@ def _read(job: Job, comparison: Comparison | None):
     reference = workloads.reference(job.workload, model)
     dtype = comparison.dtype if comparison else torch.float32
     if dtype != torch.float32:
-        model = model.to(dtype)
+        # The job's model is its checkpoint in that dtype, read as a user reads one (memory-mapped:
+        # the same values as model.to(dtype), held by the file's pages rather than new memory).
+        del model
+        gc.collect()
+        with torch.no_grad():
+            model = workloads.read(job.workload, dtype)
+            _touch(model)
     return model, facts, reference, workloads.sample(model, dtype)
 
 
@@ -386,11 +393,20 @@ def _reload(model, output: torch.Tensor, inputs, target: Path) -> dict:
             _touch(loaded)
             return loaded
 
+        def architecture():
+            # What any load that rebuilds the model from its configuration pays before reading a
+            # byte: the library's own constructor, on the meta device (accelerate's empty weights).
+            cls, config = type(_unwrap(model)), _unwrap(model).config
+            with torch.device("meta"):
+                return cls.from_config(config) if hasattr(cls, "from_config") and not hasattr(cls, "config_class") \
+                    else cls(config)
+
         floor_s = _best_of(floor, 2)
+        architecture_s = _best_of(architecture, 2)
         load_s = _best_of(load_and_touch, 2)
         with torch.inference_mode():
             again = workloads.forward(transformdsl.load(target), inputs)
-        return {"save_s": save_s, "floor_s": floor_s, "load_s": load_s,
+        return {"save_s": save_s, "floor_s": floor_s, "architecture_s": architecture_s, "load_s": load_s,
                 "file_bytes": sum(f.stat().st_size for f in files), "exact": bool(torch.equal(again, output))}
     except Exception as exc:
         shutil.rmtree(target, ignore_errors=True)  # no duel against a model that did not reload

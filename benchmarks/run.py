@@ -26,7 +26,7 @@ sys.path.insert(1, str(HERE.parent))
 
 import torch  # noqa: E402
 import workloads  # noqa: E402
-from comparisons import COMPARISONS, Comparison  # noqa: E402
+from comparisons import BY_NAME, COMPARISONS, Comparison  # noqa: E402
 from measure import ORIGINAL, OURS, Isolated, Job, measure  # noqa: E402
 from workloads import Workload  # noqa: E402
 
@@ -213,6 +213,9 @@ def main(argv: list[str] | None = None) -> Path:
         shutil.rmtree(stale, ignore_errors=True)  # models saved and graphs compiled by an earlier run
     for workload in dict.fromkeys(job.workload for job in jobs + scaling):
         workloads.prepare(workload)
+    for workload, dtype in dict.fromkeys((job.workload, BY_NAME[job.comparison].dtype) for job in jobs + scaling
+                                         if job.comparison in BY_NAME):
+        workloads.prepare(workload, dtype)  # the checkpoint a job in another dtype reads
     runner = make_runner(args, jobs + scaling)
     if args.in_process:
         gc.freeze()  # as the fork server does: keeps each gc.collect() of a job from scanning every import

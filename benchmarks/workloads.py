@@ -90,29 +90,38 @@ def build(workload: Workload) -> torch.nn.Module:
     return cls(**workload.config).eval()
 
 
-def directory(workload: Workload) -> Path:
-    """Where :func:`prepare` saves the workload; the name changes when the config does."""
+def directory(workload: Workload, dtype: torch.dtype = torch.float32) -> Path:
+    """Where :func:`prepare` saves the workload (in ``dtype``); the name changes when the config does."""
     from transformdsl import models
 
     config = workload.config or getattr(models, f"{workload.family.upper()}_CONFIG", None)
     digest = hashlib.sha1(json.dumps([workload.family, config], sort_keys=True, default=str).encode()).hexdigest()
-    return WORK / "models" / f"{workload.key}-{digest[:8]}"
+    suffix = "" if dtype == torch.float32 else "-" + str(dtype).removeprefix("torch.")
+    return WORK / "models" / f"{workload.key}-{digest[:8]}{suffix}"
 
 
-def prepare(workload: Workload) -> Path:
-    """Save the workload's model (``save_pretrained``, safetensors) once; return the directory."""
-    path = directory(workload)
+def prepare(workload: Workload, dtype: torch.dtype = torch.float32) -> Path:
+    """Save the workload's model (``save_pretrained``, safetensors) once; return the directory.
+
+    In another ``dtype`` than float32 it is the float32 checkpoint cast (``model.to(dtype)``),
+    saved in that dtype: what a user of a bf16 model (FLUX.1-dev, Llama) downloads.
+    """
+    path = directory(workload, dtype)
     if not (path / "done").exists():
-        model = build(workload)
+        model = build(workload) if dtype == torch.float32 else read(workload).to(dtype)
         model.save_pretrained(path, safe_serialization=True)
         (path / "done").write_text("")
     return path
 
 
-def read(workload: Workload) -> torch.nn.Module:
-    """The model as a user gets it: ``from_pretrained`` on the saved directory, fp32, eval."""
+def read(workload: Workload, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The model as a user gets it: ``from_pretrained`` on the saved directory, eval.
+
+    Read in the dtype it was saved in, safetensors memory-maps the file and the parameters keep
+    those pages (nothing is copied): the way a bf16 checkpoint reaches a bf16 job.
+    """
     cls = model_class(workload.family)
-    return cls.from_pretrained(directory(workload), torch_dtype=torch.float32).eval()
+    return cls.from_pretrained(directory(workload, dtype), torch_dtype=dtype).eval()
 
 
 def parameter_count(model: torch.nn.Module) -> int:

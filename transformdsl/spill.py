@@ -160,10 +160,14 @@ class UndoStore:
         if key in self._seen or storage.nbytes() == 0:
             return
         if not storage.resizable():  # not the allocator's memory: perhaps a mapped file's
-            self._drop_mapped_pages(tensor)
+            # Kept like the others while under budget (giving pages back costs a look at the
+            # process's mappings: nothing to gain for a small model); past it, its pages go first.
+            self._seen.add(key)
+            self._kept.append((tensor, _span(tensor)))
+            self._kept_bytes += _span(tensor)
             return
         # one tensor on this storage (+ the wrapper above): no view or other tensor shares the bytes
-        if torch._C._storage_Use_Count(storage._cdata) != 2 or not storage.resizable():
+        if torch._C._storage_Use_Count(storage._cdata) != 2:
             return
         self._seen.add(key)
         self._kept.append((storage, storage.nbytes()))
@@ -173,10 +177,18 @@ class UndoStore:
         if self._kept_bytes <= self.budget:
             return
         target = self.budget // 2
-        while self._kept and self._kept_bytes > target and not self._broken:
-            storage, nbytes = self._kept.pop(0)
+        # memory-mapped originals first: their pages are given back at no cost, nothing is written
+        self._kept.sort(key=lambda entry: not isinstance(entry[0], torch.Tensor))
+        while self._kept and self._kept_bytes > target:
+            held, nbytes = self._kept[0]
+            if isinstance(held, torch.Tensor):
+                self._drop_mapped_pages(held)  # or it stays in memory, as a tensor can only be
+            elif self._broken:
+                break
+            else:
+                self._spill(held, nbytes)
+            self._kept.pop(0)
             self._kept_bytes -= nbytes
-            self._spill(storage, nbytes)
 
     def _spill(self, storage: torch.UntypedStorage, nbytes: int) -> None:
         try:
