@@ -34,8 +34,9 @@ class Comparison:
     """A transformdsl script against its by-hand baselines.
 
     ``dtype``: the dtype of the checkpoint both sides read (fp8 jobs start, as users do, from a
-    bfloat16 checkpoint read in its own dtype, memory-mapped); ``sizes``: where it runs (compile is too slow for the large models
-    on 2 cores); ``reload``: whether to measure save/load of our result.
+    bfloat16 checkpoint read in its own dtype, memory-mapped); ``sizes``: where it runs (compile
+    is too slow for the large models on 2 cores); ``reload``: whether to measure save/load of our
+    result.
     """
 
     name: str

@@ -159,6 +159,30 @@ def test_memory_mapped_originals_under_the_budget_keep_their_pages(monkeypatch, 
     assert torch.equal(models.run(model), reference)
 
 
+def test_weights_mapped_from_one_storage_each_give_their_pages_back(monkeypatch, tmp_path):
+    """A loader may map a whole file as one storage and hand out views of it: every weight's own
+    pages go back, not only the first one's (the log tells them apart by their bytes)."""
+    weights = tmp_path / "weights.bin"
+    torch.manual_seed(0)
+    values = torch.randn(2, 64, 64)
+    weights.write_bytes(values.numpy().tobytes())
+    storage = torch.UntypedStorage.from_file(str(weights), shared=False, nbytes=values.numel() * 4)
+    whole = torch.tensor([], dtype=torch.float32).set_(storage)  # one storage, the file's pages
+    model = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(4)))
+    for i, layer in enumerate(model[:2]):
+        layer.weight = torch.nn.Parameter(whole[i * 4096:(i + 1) * 4096].view(64, 64), requires_grad=False)
+    del whole, storage, layer  # the model alone holds them (what the caller holds stays in memory)
+    with torch.no_grad():  # an autograd graph would hold the weights too
+        reference = model(torch.ones(1, 64))
+    fail_at_conversion(monkeypatch, 4)  # the log has taken both mapped layers by then
+    lines = []
+    with pytest.raises(TransformError, match="injected at layer 4"):
+        transformdsl.transform(model, "fp8 storage", undo="disk", log=lines.append)
+    assert any("32.0 KiB of memory-mapped originals left in their files" in line for line in lines), lines
+    with torch.no_grad():
+        assert torch.equal(model(torch.ones(1, 64)), reference)
+
+
 def test_a_mapped_file_changed_during_the_transform_is_reported(monkeypatch, tmp_path):
     wide_flux(torch.float32).save_pretrained(tmp_path / "model")
     model = FluxTransformer2DModel.from_pretrained(tmp_path / "model").eval()

@@ -95,7 +95,7 @@ class UndoStore:
         self._later: list[list] = []              # still referred to after RETRIES edits: at settle()
         self._kept: list[tuple[torch.Tensor, int]] = []   # held by the log alone, in memory (auto budget)
         self._kept_bytes = 0
-        self._seen: set[int] = set()               # storages already handled
+        self._seen: set = set()                    # storages (mapped: tensors) already handled
         self._maps: list[tuple[int, int, int, str, int, int]] | None = None
         self._broken = False
 
@@ -162,9 +162,12 @@ class UndoStore:
         if not storage.resizable():  # not the allocator's memory: perhaps a mapped file's
             # Kept like the others while under budget (giving pages back costs a look at the
             # process's mappings: nothing to gain for a small model); past it, its pages go first.
-            self._seen.add(key)
-            self._kept.append((tensor, _span(tensor)))
-            self._kept_bytes += _span(tensor)
+            # Keyed by the tensor's own bytes: a loader may map a whole file as one storage.
+            own = ("mapped", tensor.data_ptr())
+            if own not in self._seen:
+                self._seen.add(own)
+                self._kept.append((tensor, _span(tensor)))
+                self._kept_bytes += _span(tensor)
             return
         # one tensor on this storage (+ the wrapper above): no view or other tensor shares the bytes
         if torch._C._storage_Use_Count(storage._cdata) != 2:
