@@ -398,8 +398,8 @@ def _reload(model, output: torch.Tensor, inputs, target: Path) -> dict:
             # byte: the library's own constructor, on the meta device (accelerate's empty weights).
             cls, config = type(_unwrap(model)), _unwrap(model).config
             with torch.device("meta"):
-                return cls.from_config(config) if hasattr(cls, "from_config") and not hasattr(cls, "config_class") \
-                    else cls(config)
+                # as transformdsl.load builds it: transformers' cls(config), diffusers' from_config
+                return cls(config) if hasattr(cls, "config_class") else cls.from_config(config)
 
         floor_s = _best_of(floor, 2)
         architecture_s = _best_of(architecture, 2)

@@ -24,23 +24,24 @@ LIMITS = {"latency": 1.05, "weights": 1.005, "peak RSS": 1.10, "transform": 1.5}
 #: Why we are behind a baseline where we are: (comparison, words in the baseline's label, metric,
 #: explanation).  Shown only when the run measured that gap.  Words only: the figures are in the tables.
 ATOMIC = ("`transform()` is atomic: every replaced layer stays referenced by the undo log until the whole "
-          "script has succeeded.  Up to the undo budget (`undo=\"auto\"`: 5% of the model, at least 64 MiB) the "
-          "bf16 originals stay resident beside their fp8 copies, so a model smaller than that peaks above "
-          "diffusers' layerwise casting (and torchao's `quantize_`), which convert one layer after the other and "
-          "keep no way back; past the budget, originals memory-mapped from the checkpoint give their pages back, "
-          "and a larger model peaks below them (their replaced weights stay mapped).  `undo=\"memory\"` keeps "
-          "every original resident.  What stays resident afterwards (RSS after) is the same.")
+          "script has succeeded.  Originals memory-mapped from the checkpoint (these jobs read bf16 checkpoints) "
+          "give their pages back as they are replaced, the file holding them for a rollback; diffusers' layerwise "
+          "casting (and torchao's `quantize_`) leave the replaced weights' pages mapped, and peak RSS counts those "
+          "clean file pages.  Originals in the process's own memory stay resident up to the undo budget and wait "
+          "in a temporary file past it; `undo=\"memory\"` keeps them all resident.")
 SCALED_FP8 = ("Ours computes one scale per output channel before casting (as torchao's weight-only float8 "
               "does), so that small weights keep their precision instead of falling into float8's subnormal "
               "range; diffusers casts the weights as they are.  That is one more pass over each weight (its "
-              "largest magnitude) and a division before the same cast: `scale=none`, diffusers' plain cast, "
-              "applies as fast as diffusers.  A one-off cost, which reloading skips (below).")
-PLAIN_FP8 = ("The same plain cast as diffusers: what is left is planning and the undo log's bookkeeping, a "
-             "fixed cost per layer.")
+              "largest magnitudes) and a division before the same cast (benchmarks/results/fp8_scale.md); "
+              "`scale=none` is diffusers' plain cast.  A one-off cost, which reloading skips (below).")
+TENSOR_FP8 = ("One scale for each weight still reads the whole weight for its largest magnitude, then divides "
+              "it before the cast (benchmarks/results/fp8_scale.md); `scale=none` is diffusers' plain cast.")
+PLAIN_FP8 = ("The same plain cast as diffusers: what is left is planning and the undo log's bookkeeping (giving "
+             "back the replaced weights' pages), a fixed cost per layer.")
 NOTES: list[tuple[str, str, str, str]] = [
     ("fp8 storage", "", "peak RSS", ATOMIC),
     ("fp8 storage undo=memory", "", "peak RSS", ATOMIC),
-    ("fp8 storage scale=tensor", "layerwise", "transform", SCALED_FP8),
+    ("fp8 storage scale=tensor", "layerwise", "transform", TENSOR_FP8),
     ("fp8 storage scale=none", "layerwise", "transform", PLAIN_FP8),
     ("fp8 storage undo=memory", "layerwise", "transform", SCALED_FP8),
     ("fuse qkv + fp8 storage", "", "peak RSS", ATOMIC),
@@ -587,10 +588,11 @@ def targets_section(rows: list[dict]) -> str:
             "checkpoint in bf16, memory-mapped, as users of bf16 models do.  `scale=none` is diffusers' plain "
             "cast; a per-row or per-tensor scale costs one more pass over each weight (its largest magnitude, "
             "then a division before the cast).  fp8 storage keeps what it replaces until the script has run (a "
-            "failure puts it back): past the undo budget (`undo=\"auto\"`: 5% of the model, at least 64 MiB) "
-            "memory-mapped originals give their pages back and nothing is written; originals in the process's "
-            "own memory (a model cast at load, or built in memory) are written to a temporary file instead, "
-            "which the apply time then includes (see \"The undo log's memory\").\n\n"
+            "failure puts it back): memory-mapped originals give their pages back as they are replaced (the file "
+            "holds them) and nothing is written; originals in the process's own memory (a model cast at load, or "
+            "built in memory) past the undo budget (`undo=\"auto\"`: 5% of the model, at least 64 MiB) are "
+            "written to a temporary file instead, which the apply time then includes (see \"The undo log's "
+            "memory\").\n\n"
             + table(lines, ["model", "measure", "ours ÷ anchor", "target", "met", "anchor, same run"]) + "\n")
 
 

@@ -95,8 +95,9 @@ class UndoStore:
         self._later: list[list] = []              # still referred to after RETRIES edits: at settle()
         self._kept: list[tuple[torch.Tensor, int]] = []   # held by the log alone, in memory (auto budget)
         self._kept_bytes = 0
-        self._seen: set = set()                    # storages (mapped: tensors) already handled
-        self._maps: list[tuple[int, int, int, str, int, int]] | None = None
+        self._seen: set[int] = set()               # storages already handled
+        self._maps: list[tuple[int, int, str]] | None = None   # file mappings: start, end, their line
+        self._pagemap: int | None = None                          # /proc/self/pagemap, opened once
         self._broken = False
 
     # ------------------------------------------------------------------ taking originals
@@ -160,17 +161,10 @@ class UndoStore:
         if key in self._seen or storage.nbytes() == 0:
             return
         if not storage.resizable():  # not the allocator's memory: perhaps a mapped file's
-            # Kept like the others while under budget (giving pages back costs a look at the
-            # process's mappings: nothing to gain for a small model); past it, its pages go first.
-            # Keyed by the tensor's own bytes: a loader may map a whole file as one storage.
-            own = ("mapped", tensor.data_ptr())
-            if own not in self._seen:
-                self._seen.add(own)
-                self._kept.append((tensor, _span(tensor)))
-                self._kept_bytes += _span(tensor)
+            self._drop_mapped_pages(tensor)
             return
         # one tensor on this storage (+ the wrapper above): no view or other tensor shares the bytes
-        if torch._C._storage_Use_Count(storage._cdata) != 2:
+        if torch._C._storage_Use_Count(storage._cdata) != 2 or not storage.resizable():
             return
         self._seen.add(key)
         self._kept.append((storage, storage.nbytes()))
@@ -180,18 +174,10 @@ class UndoStore:
         if self._kept_bytes <= self.budget:
             return
         target = self.budget // 2
-        # memory-mapped originals first: their pages are given back at no cost, nothing is written
-        self._kept.sort(key=lambda entry: not isinstance(entry[0], torch.Tensor))
-        while self._kept and self._kept_bytes > target:
-            held, nbytes = self._kept[0]
-            if isinstance(held, torch.Tensor):
-                self._drop_mapped_pages(held)  # or it stays in memory, as a tensor can only be
-            elif self._broken:
-                break
-            else:
-                self._spill(held, nbytes)
-            self._kept.pop(0)
+        while self._kept and self._kept_bytes > target and not self._broken:
+            storage, nbytes = self._kept.pop(0)
             self._kept_bytes -= nbytes
+            self._spill(storage, nbytes)
 
     def _spill(self, storage: torch.UntypedStorage, nbytes: int) -> None:
         try:
@@ -217,7 +203,7 @@ class UndoStore:
             self._maps = _file_mappings()
         i = bisect.bisect_right(self._maps, (address, float("inf"))) - 1
         if i >= 0 and self._maps[i][0] <= address < self._maps[i][1]:
-            return self._maps[i]
+            return _parsed_mapping(self._maps[i])
         return None
 
     def _drop_mapped_pages(self, tensor: torch.Tensor) -> bool:
@@ -230,7 +216,12 @@ class UndoStore:
         first, last = -(-start // _PAGE) * _PAGE, (start + span) // _PAGE * _PAGE
         if last <= first:
             return True  # less than a page of its own: nothing to give back
-        if not _pages_are_the_files(first, last):
+        if self._pagemap is None:
+            try:
+                self._pagemap = os.open("/proc/self/pagemap", os.O_RDONLY)
+            except OSError:
+                return False
+        if not _pages_are_the_files(first, last, self._pagemap):
             return False
         _, _, _, path, dev, inode = mapping
         try:
@@ -281,6 +272,9 @@ class UndoStore:
         if self._file is not None:
             self._file.close()
             self._file = None
+        if self._pagemap is not None:
+            os.close(self._pagemap)
+            self._pagemap = None
 
 
 # ---------------------------------------------------------------------- helpers
@@ -313,47 +307,66 @@ def _pread_all(fd: int, data, offset: int) -> None:
         done += n
 
 
-def _file_mappings() -> list[tuple[int, int, int, str, int, int]]:
-    """This process's mappings of regular files, sorted by address (empty off Linux)."""
+def _file_mappings() -> list[tuple[int, int, str]]:
+    """This process's mappings of regular files, sorted by address (empty off Linux): the address
+    range of each, and its line of ``/proc/self/maps`` (parsed when a tensor falls in it)."""
     out = []
     try:
         with open("/proc/self/maps") as f:
-            for line in f:
-                parts = line.split(maxsplit=5)
-                if len(parts) < 6 or not parts[5].startswith("/"):
-                    continue
-                start, end = (int(x, 16) for x in parts[0].split("-"))
-                major, minor = (int(x, 16) for x in parts[3].split(":"))
-                out.append((start, end, int(parts[2], 16), parts[5].rstrip("\n"), os.makedev(major, minor),
-                            int(parts[4])))
+            text = f.read()
     except OSError:
         return []
+    for line in text.splitlines():
+        if " /" not in line:  # anonymous, [heap], [stack]...: only regular files have a path
+            continue
+        dash = line.index("-")
+        out.append((int(line[:dash], 16), int(line[dash + 1:line.index(" ", dash)], 16), line))
     out.sort()
     return out
 
 
-def _pages_are_the_files(first: int, last: int) -> bool:
-    """Whether no page in [first, last) was written to (copied on write) or swapped out."""
+def _parsed_mapping(entry: tuple[int, int, str]) -> tuple[int, int, int, str, int, int] | None:
+    """(start, end, offset, path, dev, inode) of one mapping found by :func:`_file_mappings`."""
+    start, end, line = entry
+    parts = line.split(maxsplit=5)
+    if len(parts) < 6 or not parts[5].startswith("/"):
+        return None
+    major, minor = (int(x, 16) for x in parts[3].split(":"))
+    return start, end, int(parts[2], 16), parts[5], os.makedev(major, minor), int(parts[4])
+
+
+def _pages_are_the_files(first: int, last: int, pagemap: int | None = None) -> bool:
+    """Whether no page in [first, last) was written to (copied on write) or swapped out;
+    ``pagemap``: an open descriptor of ``/proc/self/pagemap`` (else opened for this call)."""
     import numpy as np
 
     pages = (last - first) // _PAGE
     try:
-        with open("/proc/self/pagemap", "rb") as f:
-            f.seek(first // _PAGE * 8)
-            entries = np.frombuffer(f.read(pages * 8), dtype=np.uint64)
+        if pagemap is None:
+            with open("/proc/self/pagemap", "rb", buffering=0) as f:
+                data = os.pread(f.fileno(), pages * 8, first // _PAGE * 8)
+        else:
+            data = os.pread(pagemap, pages * 8, first // _PAGE * 8)
     except OSError:
         return False
-    if len(entries) != pages:
+    if len(data) != pages * 8:
         return False
+    entries = np.frombuffer(data, dtype=np.uint64)
     present, swapped, file_page = (entries >> np.uint64(63)) & np.uint64(1), (entries >> np.uint64(62)) & \
         np.uint64(1), (entries >> np.uint64(61)) & np.uint64(1)
     return not bool(((present & (np.uint64(1) - file_page)) | swapped).any())
 
 
+_LIBC_MADVISE = None
+
+
 def _madvise(address: int, length: int) -> int:
+    global _LIBC_MADVISE
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-        return libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), _MADV_DONTNEED)
+        if _LIBC_MADVISE is None:
+            madvise = ctypes.CDLL(None, use_errno=True).madvise
+            madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+            _LIBC_MADVISE = madvise
+        return _LIBC_MADVISE(ctypes.c_void_p(address), ctypes.c_size_t(length), _MADV_DONTNEED)
     except (OSError, AttributeError):
         return -1
