@@ -384,3 +384,19 @@ def test_fp8_native_linear_on_gpt2_does_not_skip_conv1d_silently():
     conv1d = paths_where(gpt2, lambda p, mod: type(mod).__name__ == "Conv1D")
     mentioned = set(step.targets) | {path for path, _ in step.skipped}
     assert set(conv1d) <= mentioned or any("Conv1D" in note for note in step.notes)
+
+
+def test_patterns_that_cannot_repeat_run_without_the_timeout_and_spend_no_budget():
+    """``^proj_out$`` (diffusers' skip patterns) cannot backtrack without end: it matches the same,
+    outside the time budget; a pattern that repeats still spends it and fails once it is gone."""
+    from transformdsl.regexes import SelectorTooSlow, compile_regex, regex_budget, search
+
+    paths = ["proj_out", "x.proj_out", "proj_out.0", "norm_out.linear"]
+    for pattern in ("^proj_out$", "proj_(in|out)", r"\.linear$", "[pn]or?m"):
+        compiled = compile_regex(pattern)
+        with regex_budget(0.0):
+            if "?" in pattern:
+                with pytest.raises(SelectorTooSlow):
+                    search(compiled, paths[0])
+            else:
+                assert [search(compiled, p) for p in paths] == [compiled.search(p) is not None for p in paths]
