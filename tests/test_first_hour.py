@@ -84,10 +84,12 @@ import sys, torch, transformdsl
 model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 16))
 for text in sys.argv[2:]:
     str(transformdsl.plan(model, text))
-transformdsl.transform(model, "quantize int8 weight_only=true")  # plain torch, saved and loaded
-transformdsl.save(model, sys.argv[1])
-transformdsl.load(sys.argv[1], model=torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16),
-                                                         torch.nn.Linear(16, 16)))
+for i, done in enumerate(("quantize int8 weight_only=true", "fp8 storage")):  # plain torch, saved and loaded
+    fresh = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 16))
+    transformdsl.transform(fresh, done)
+    transformdsl.save(fresh, f"{sys.argv[1]}-{i}")
+    transformdsl.load(f"{sys.argv[1]}-{i}", model=torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16),
+                                                                      torch.nn.Linear(16, 16)))
 backends = ("bitsandbytes", "hqq", "torch._dynamo", "torch._inductor", "diffusers", "transformers", "torchao")
 print("IMPORTED", ",".join(m for m in backends if m in sys.modules))
 """

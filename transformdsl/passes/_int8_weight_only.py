@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._stored_weight import StoredWeight
+
 #: Largest int8 magnitude used: symmetric, so -128 is never produced.
 QMAX = 127
 #: Rows quantized at a time: bounds the float32 working copy to ~``_CHUNK_ELEMENTS`` values.
@@ -59,7 +61,7 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return values, scale
 
 
-class Int8WeightOnlyLinear(nn.Module):
+class Int8WeightOnlyLinear(StoredWeight):
     """A linear layer with an int8 weight and float activations (drop-in for ``nn.Linear``).
 
     State dict: ``weight`` (int8, out x in), ``weight_scale`` (float32, one per output row),
@@ -101,19 +103,6 @@ class Int8WeightOnlyLinear(nn.Module):
     def weight(self) -> torch.Tensor:
         """The effective weight in :attr:`weight_dtype` (a new tensor, computed on each read)."""
         return self.dequantize().to(self.weight_dtype)
-
-    def register_buffer(self, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None:
-        # nn.Module.register_buffer (which load_state_dict(assign=True) reaches through setattr)
-        # first asks hasattr(self, name): for "weight" that would run the property above, a full
-        # dequantize per layer on every load (and, on meta tensors, an import of torch._dynamo).
-        if name == "weight" and "weight" in self._buffers and (tensor is None or isinstance(tensor, torch.Tensor)):
-            self._buffers["weight"] = tensor
-            if persistent:
-                self._non_persistent_buffers_set.discard(name)
-            else:
-                self._non_persistent_buffers_set.add(name)
-            return
-        super().register_buffer(name, tensor, persistent)
 
     def _apply(self, fn, recurse: bool = True):
         """``.to(device)`` moves the int8 weight and its scales; ``.to(dtype)`` changes what

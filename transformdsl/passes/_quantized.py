@@ -112,12 +112,17 @@ class Int8Linear(bnb.nn.Linear8bitLt):
     @classmethod
     def build(cls, weight: torch.Tensor, bias: torch.Tensor | None, threshold: float) -> Int8Linear:
         out_features, in_features = weight.shape
-        with torch.device("meta"):  # no throwaway random init
-            layer = cls(in_features, out_features, bias=bias is not None, has_fp16_weights=False,
-                        threshold=threshold)
-        # bitsandbytes quantizes from fp16 (as Int8Params does); the copy leaves the source untouched.
-        half = weight.detach().to(torch.float16, copy=True).contiguous()
-        data, scales, _ = bnb.functional.int8_vectorwise_quant(half)
+        # no throwaway random init; the argument, not a device context, whose mode every tensor
+        # call inside bitsandbytes' constructor would go through
+        layer = cls(in_features, out_features, bias=bias is not None, has_fp16_weights=False, threshold=threshold,
+                    device="meta")
+        if weight.is_meta:  # loading: the saved tensors hold the values (bitsandbytes' meta kernels are slow)
+            data = torch.empty(out_features, in_features, dtype=torch.int8, device="meta")
+            scales = torch.empty(out_features, dtype=torch.float32, device="meta")
+        else:
+            # bitsandbytes quantizes from fp16 (as Int8Params does); the copy leaves the source untouched.
+            half = weight.detach().to(torch.float16, copy=True).contiguous()
+            data, scales, _ = bnb.functional.int8_vectorwise_quant(half)
         layer._set_quantized(data, scales)
         layer.bias = _frozen(bias)
         return layer
@@ -226,9 +231,8 @@ class FourBitLinear(bnb.nn.Linear4bit):
         """``nested_offset``: on the meta device with double quantization, the offset recorded at
         quantization (it is written as text into the quant-state tensor, whose length depends on it)."""
         out_features, in_features = weight.shape
-        with torch.device("meta"):
-            layer = cls(in_features, out_features, bias=bias is not None, compute_dtype=compute,
-                        compress_statistics=double_quant, quant_type=quant_type)
+        layer = cls(in_features, out_features, bias=bias is not None, compute_dtype=compute,
+                    compress_statistics=double_quant, quant_type=quant_type, device="meta")
         data, state = bnb.functional.quantize_4bit(weight.detach().contiguous(), blocksize=blocksize,
                                                    compress_statistics=double_quant, quant_type=quant_type,
                                                    quant_storage=torch.uint8)

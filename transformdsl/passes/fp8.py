@@ -39,6 +39,7 @@ from ..errors import LoadError
 from ..options import option
 from ..registry import register
 from ..tree import ModuleInfo, ModuleTree, class_names
+from ._stored_weight import StoredWeight
 from .base import ApplyContext, Transform
 from .option_rules import NativeOptions  # torch-free: `check` runs its rules
 from .quantize import QUANTIZED_CLASS_NAMES
@@ -355,7 +356,7 @@ def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-class FP8Module(nn.Module):
+class FP8Module(StoredWeight):
     """Base of the fp8 layers: the float8 weight (:attr:`fp8_weight`, a buffer saved under the
     state-dict key ``weight``), ``weight_scale`` (float32 buffer, one value per output channel or
     per tensor, shaped to broadcast against the weight) and an optional ``bias`` (the original

@@ -218,7 +218,9 @@ def open_module(folder: SaveDir, meta: dict, model: Any) -> OpenedModule:
             options = _rebuild_options(cls, raw["options"], meta_path, raw["key"])
             _rebuild_options(cls, raw["common"], meta_path, raw["key"], common=True)
             _check_record(cls, raw, options, meta_path)
-            with _step_errors(meta_path, raw, "cannot replay", "on this architecture"):
+            # the layers a pass rebuilds are skeletons too (bitsandbytes' layers are nn.Linear:
+            # their constructor would initialise a meta weight, through slow meta kernels)
+            with _step_errors(meta_path, raw, "cannot replay", "on this architecture"), _no_weight_init():
                 cls.rebuild(skeleton, raw["record"], options)
             steps.append((cls, raw, options))
     except BaseException:
@@ -567,7 +569,7 @@ def _assign(skeleton: nn.Module, tensors: dict[str, torch.Tensor], meta: dict, d
                             f"{_describe(want)}; was it saved from another model?")
     state = {k: v for k, v in tensors.items() if k not in nonpersistent}
     try:
-        skeleton.load_state_dict(state, strict=only is None, assign=True)
+        _load_assigned(skeleton, state, strict=only is None)
     except (RuntimeError, ValueError, TypeError) as exc:
         raise LoadError(f"{directory}: cannot load the saved tensors: {exc}") from None
     for name in nonpersistent:
@@ -579,6 +581,77 @@ def _assign(skeleton: nn.Module, tensors: dict[str, torch.Tensor], meta: dict, d
         (owner, attr), (source, source_attr) = _owner(skeleton, key), _owner(skeleton, target)
         if attr in owner._parameters and source_attr in source._parameters:
             owner._parameters[attr] = source._parameters[source_attr]
+
+
+def _plain(module: nn.Module) -> bool:
+    """Whether ``module`` loads as ``nn.Module`` itself does: no loader, hook or extra state of its own."""
+    cls = type(module)
+    return (cls._load_from_state_dict is nn.Module._load_from_state_dict and not module._load_state_dict_pre_hooks
+            and getattr(cls, "set_extra_state", nn.Module.set_extra_state) is nn.Module.set_extra_state)
+
+
+def _load_assigned(root: nn.Module, state: dict[str, torch.Tensor], strict: bool) -> None:
+    """``root.load_state_dict(state, strict=strict, assign=True)``, the same result and errors,
+    without its scans: ``load_state_dict`` hands every module a copy of the keys under it and
+    looks through them for strays, work in the number of keys times the depth of the tree (most
+    of the cost of loading a small model; the caller has checked the keys already).  A module
+    with a loader of its own (quantized layers, extra state, hooks) gets exactly what
+    ``load_state_dict`` would give it."""
+    if torch.__future__.get_swap_module_params_on_conversion():
+        root.load_state_dict(state, strict=strict, assign=True)
+        return
+    import bisect
+
+    keys = sorted(state)
+    missing: list[str] = []
+    unexpected: list[str] = []
+    errors: list[str] = []
+
+    def under(prefix: str) -> dict[str, torch.Tensor]:
+        """The keys ``load_state_dict`` would give the module at ``prefix`` (one range of ``keys``)."""
+        if not prefix:
+            return dict(state)
+        end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+        return {k: state[k] for k in keys[bisect.bisect_left(keys, prefix):bisect.bisect_left(keys, end)]}
+
+    def load(module: nn.Module, prefix: str) -> None:
+        if _plain(module):
+            own = [*module._parameters.items(),
+                   *((k, v) for k, v in module._buffers.items() if k not in module._non_persistent_buffers_set)]
+            for name, current in own:
+                if current is None:
+                    continue
+                key = prefix + name
+                if key not in state:
+                    missing.append(key)
+                    continue
+                value = state[key]
+                if value.shape != current.shape:
+                    errors.append(f"size mismatch for {key}: copying a param with shape {value.shape} from "
+                                  f"checkpoint, the shape in current model is {current.shape}.")
+                    continue
+                if isinstance(current, nn.Parameter):  # as assign=True does: requires_grad from the model
+                    value = (value.requires_grad_(current.requires_grad) if isinstance(value, nn.Parameter)
+                             else nn.Parameter(value, requires_grad=current.requires_grad))
+                setattr(module, name, value)
+        else:
+            module._load_from_state_dict(under(prefix), prefix, {"assign_to_params_buffers": True}, True,
+                                         missing, unexpected, errors)
+        for name, child in module._modules.items():
+            if child is not None:
+                load(child, prefix + name + ".")  # noqa: F821 (deleted after use, below)
+        incompatible = torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+        for hook in module._load_state_dict_post_hooks.values():
+            hook(module, incompatible)
+
+    try:
+        load(root, "")
+    finally:
+        del load  # the closure refers to itself: the cycle would hold the tensors until a collection
+    if strict and (missing or unexpected):
+        errors.insert(0, f"missing key(s): {missing[:5]}; unexpected key(s): {unexpected[:5]}")
+    if errors:
+        raise RuntimeError(f"Error(s) in loading state_dict for {type(root).__name__}:\n\t" + "\n\t".join(errors))
 
 
 def _owner(root: nn.Module, name: str) -> tuple[nn.Module, str]:
