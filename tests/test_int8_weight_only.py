@@ -102,6 +102,30 @@ def test_chunked_quantization_matches_one_pass(monkeypatch):
     assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lead", [(5,), (2, 3)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_large_weights_cast_block_by_block_compute_the_same(monkeypatch, dtype, lead, bias):
+    """Past BLOCKED_BYTES the weight is cast and multiplied a block of rows at a time (the last
+    block partial): the same product as the cast of the whole weight, row-major, every shape."""
+    import transformdsl.passes._int8_weight_only as w8
+
+    torch.manual_seed(0)
+    linear = nn.Linear(48, 70, bias=bias).to(dtype)
+    layer = Int8WeightOnlyLinear.build(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
+    x = torch.randn(*lead, 48, dtype=dtype)
+    with torch.no_grad():
+        whole = layer(x)
+        monkeypatch.setattr(w8, "BLOCKED_BYTES", 0)
+        monkeypatch.setattr(w8, "BLOCK_BYTES", 16 * 48 * x.element_size())  # blocks of 16 rows: 16, 16, 16, 16, 6
+        blocks = layer(x)
+        monkeypatch.setattr(w8, "BLOCKED_MAX_ROWS", 1)  # many rows of input: the one-piece cast again
+        many = layer(x)
+    assert blocks.shape == whole.shape == (*lead, 70) and blocks.is_contiguous() and blocks.dtype == dtype
+    torch.testing.assert_close(blocks, whole, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-6)
+    assert torch.equal(many, whole)
+
+
 def test_model_to_dtype_keeps_int8_values_and_float32_scales():
     model = nn.Sequential(nn.Linear(16, 8))
     transformdsl.transform(model, SCRIPT)
