@@ -571,3 +571,47 @@ def test_gpu_plan_has_no_fallback_and_strict_passes(bf16_models):
     ref = models.run(model)
     transformdsl.transform(model, p)
     assert rel_error(models.run(model), ref) < BOUND["native"]
+
+
+# --------------------------------------------------------------------------- decoding on the CPU
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("scaled", ["row", "tensor", "none"])
+def test_e4m3_decoded_through_its_bits_is_torchs_conversion_bit_for_bit(dtype, scaled):
+    """Every e4m3 code (subnormals, both zeros, the largest) decodes to what ``values.to(dtype) *
+    scale`` gives; NaN codes and a scale that would overflow take torch's own conversion."""
+    wide = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    codes = torch.arange(256, dtype=torch.uint8).repeat(80).reshape(256, 80)
+    codes[(codes & 0x7F) == 0x7F] = 0x3C  # no NaN code: the decoding applies
+    values = codes.view(E4M3)
+    scale = {"row": torch.rand(256, 1) * 4, "tensor": torch.tensor([[0.37]]), "none": None}[scaled]
+    expected = values.to(dtype) if scale is None else values.to(dtype) * scale.to(dtype)
+    assert fp8._decode_e4m3(values, scale, dtype) is not None
+    assert torch.equal(fp8.dequantize(values, scale, dtype).view(wide), expected.view(wide))
+    with_nan = codes.clone()
+    with_nan[7, 3] = 0xFF
+    assert fp8._decode_e4m3(with_nan.view(E4M3), scale, dtype) is None
+    got = fp8.dequantize(with_nan.view(E4M3), scale, dtype)
+    assert got[7, 3].isnan() and got.isnan().sum() == 1
+    if scale is not None:
+        assert fp8._decode_e4m3(values, scale * 1e4, dtype) is None  # times 2^120 it would overflow
+
+
+@pytest.mark.parametrize("lead", [(5,), (2, 3)])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("scale", ["row", "tensor", "none"])
+def test_a_large_fp8_linear_upcasts_block_by_block_to_the_same_output(monkeypatch, lead, bias, scale):
+    from transformdsl.passes import _blocked
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(128, 200, bias=bias).to(torch.bfloat16)
+    layer = fp8.FP8Linear.from_linear(linear, E4M3, torch.bfloat16, scale=scale)
+    x = torch.randn(*lead, 128, dtype=torch.bfloat16)
+    with torch.no_grad():
+        whole = layer(x)
+        monkeypatch.setattr(fp8, "BLOCKED_FROM", 0)
+        monkeypatch.setattr(_blocked, "BLOCK_BYTES", 64 * 128 * 2)  # blocks of 64 rows: 64, 64, 64, 8
+        blocks = layer(x)
+    assert blocks.shape == whole.shape == (*lead, 200) and blocks.is_contiguous() and blocks.dtype == x.dtype
+    torch.testing.assert_close(blocks, whole, rtol=2e-2, atol=1e-2)

@@ -108,7 +108,7 @@ def test_chunked_quantization_matches_one_pass(monkeypatch):
 def test_large_weights_cast_block_by_block_compute_the_same(monkeypatch, dtype, lead, bias):
     """Past BLOCKED_BYTES the weight is cast and multiplied a block of rows at a time (the last
     block partial): the same product as the cast of the whole weight, row-major, every shape."""
-    import transformdsl.passes._int8_weight_only as w8
+    from transformdsl.passes import _blocked
 
     torch.manual_seed(0)
     linear = nn.Linear(48, 70, bias=bias).to(dtype)
@@ -116,10 +116,10 @@ def test_large_weights_cast_block_by_block_compute_the_same(monkeypatch, dtype, 
     x = torch.randn(*lead, 48, dtype=dtype)
     with torch.no_grad():
         whole = layer(x)
-        monkeypatch.setattr(w8, "BLOCKED_BYTES", 0)
-        monkeypatch.setattr(w8, "BLOCK_BYTES", 16 * 48 * x.element_size())  # blocks of 16 rows: 16, 16, 16, 16, 6
+        monkeypatch.setattr(_blocked, "BLOCKED_BYTES", 0)
+        monkeypatch.setattr(_blocked, "BLOCK_BYTES", 16 * 48 * x.element_size())  # blocks of 16 rows: 16, 16, 16, 16, 6
         blocks = layer(x)
-        monkeypatch.setattr(w8, "BLOCKED_MAX_ROWS", 1)  # many rows of input: the one-piece cast again
+        monkeypatch.setattr(_blocked, "BLOCKED_MAX_ROWS", 1)  # many rows of input: the one-piece cast again
         many = layer(x)
     assert blocks.shape == whole.shape == (*lead, 70) and blocks.is_contiguous() and blocks.dtype == dtype
     torch.testing.assert_close(blocks, whole, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-6)

@@ -8,11 +8,9 @@ ordinary matmul and multiplies the *output* by the per-channel scales,
 
 which is exact algebra (the scale is constant along each output column) and costs one
 elementwise pass over the output instead of one over the full-size weight.  A large weight
-(its float copy over :data:`BLOCKED_BYTES`) is cast and multiplied block of rows by block of
-rows through one buffer that stays in cache, in eager mode on the CPU with few tokens: the
-float copy of the whole weight would be a fresh mapping of memory, page-faulted in on every
-call (at width 3072 and 48 tokens: 2.4-4.3x the float layer's time, against 0.87-1.34x
-block by block; benchmarks/results/int8_blocks.md).  Activations are
+is cast and multiplied a block of rows at a time (:mod:`._blocked`: at width 3072 and 48 tokens
+the whole cast took 2.3-4.6x the float layer's time, block by block 0.84-1.35x;
+benchmarks/results/upcast.md).  Activations are
 never quantized, so the error is the weight rounding alone (half a step of ``amax / 127`` per
 row) and the matmul is the float one: no int8 GEMM, which CPUs without VNNI/AMX run ~35x slower
 than fp32 (bitsandbytes' ``quantize int8``).
@@ -30,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import _blocked
 from ._stored_weight import StoredWeight
 
 #: Largest int8 magnitude used: symmetric, so -128 is never produced.
@@ -38,32 +37,18 @@ QMAX = 127
 _CHUNK_ELEMENTS = 1 << 22
 #: Lower bound on a row's ``amax``: an all-zero row gets a tiny scale and zero values.
 _TINY = 1e-12
-#: Float copies of the weight from this size on are cast block by block (:func:`int8_linear`):
-#: glibc serves larger allocations with a fresh mapping, faulted in page by page at every call.
-BLOCKED_BYTES = 32 << 20
-#: Block size of that cast: a buffer that stays in cache.
-BLOCK_BYTES = 4 << 20
-#: Above this many rows of input the matmul outweighs the cast: one float copy, one matmul.
-BLOCKED_MAX_ROWS = 1024
 
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, weight.to(x.dtype))`` for an int8 ``weight``, without a float copy of all of
-    it where that copy is what costs (see :data:`BLOCKED_BYTES`)."""
-    rows = x.numel() // max(x.shape[-1], 1)
-    if (x.device.type != "cpu" or torch.compiler.is_compiling() or rows > BLOCKED_MAX_ROWS
-            or weight.numel() * x.element_size() < BLOCKED_BYTES):
+    it where that copy is what costs (:mod:`._blocked`)."""
+    if not _blocked.by_blocks(x, weight.shape[0], x.dtype):
         return F.linear(x, weight.to(x.dtype))  # under compile, the cast fuses into the matmul
-    out_features, in_features = weight.shape
-    step = max(16, BLOCK_BYTES // (in_features * x.element_size()))
-    inputs = x.reshape(rows, in_features).t()
-    out = torch.empty(out_features, rows, dtype=x.dtype, device=x.device)  # transposed: rows of it per block
-    block = torch.empty(min(step, out_features), in_features, dtype=x.dtype, device=x.device)
-    for start in range(0, out_features, step):
-        part = block[:min(step, out_features - start)]
-        part.copy_(weight[start:start + step])
-        torch.mm(part, inputs, out=out[start:start + step])
-    return out.t().contiguous().reshape(*x.shape[:-1], out_features)  # row-major, as F.linear's
+
+    def cast(start: int, end: int, buffer: torch.Tensor) -> torch.Tensor:
+        return buffer.copy_(weight[start:end])
+
+    return _blocked.linear_by_blocks(x, weight.shape[0], x.dtype, cast)
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
