@@ -402,8 +402,10 @@ def _reload(model, output: torch.Tensor, inputs, target: Path) -> dict:
                 return cls(config) if hasattr(cls, "config_class") else cls.from_config(config)
 
         floor_s = _best_of(floor, 2)
-        architecture_s = _best_of(architecture, 2)
         load_s = _best_of(load_and_touch, 2)
+        # after the load: building on meta without transformdsl's init skipping runs torch's meta
+        # kernels, whose first use imports torch._dynamo (objects that then weigh on every collection)
+        architecture_s = _best_of(architecture, 2)
         with torch.inference_mode():
             again = workloads.forward(transformdsl.load(target), inputs)
         return {"save_s": save_s, "floor_s": floor_s, "architecture_s": architecture_s, "load_s": load_s,
