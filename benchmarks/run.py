@@ -235,6 +235,9 @@ def main(argv: list[str] | None = None) -> Path:
         row["run"] = meta["measured_at"]  # ratios to the original model use the original of the same run
     if args.merge and raw.exists():
         rows, scaling_rows, meta = merged(json.loads(raw.read_text()), rows, scaling_rows, meta)
+    else:  # one run: the list of runs is this one (the rows name it; the page and the tests read it)
+        meta["runs"] = [{"measured_at": meta["measured_at"], "command": meta["command"], "seconds": meta["seconds"],
+                         "cpu": meta["cpu"]}]
     raw.write_text(json.dumps({"meta": meta, "rows": rows, "scaling": scaling_rows}, indent=1, default=str))
     from report import write_report
 

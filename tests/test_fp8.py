@@ -615,3 +615,31 @@ def test_a_large_fp8_linear_upcasts_block_by_block_to_the_same_output(monkeypatc
         blocks = layer(x)
     assert blocks.shape == whole.shape == (*lead, 200) and blocks.is_contiguous() and blocks.dtype == x.dtype
     torch.testing.assert_close(blocks, whole, rtol=2e-2, atol=1e-2)
+
+
+def test_layers_upcast_by_blocks_still_differentiate(monkeypatch):
+    """Where autograd records the call (grad mode, a bias or input that requires grad) the layer
+    takes the whole upcast: the ``out=`` products of the blocks are not differentiable."""
+    from transformdsl.passes import _blocked
+    from transformdsl.passes._int8_weight_only import Int8WeightOnlyLinear
+
+    monkeypatch.setattr(fp8, "BLOCKED_FROM", 0)
+    monkeypatch.setattr(_blocked, "BLOCKED_BYTES", 0)
+    linear = torch.nn.Linear(64, 96).to(torch.bfloat16)
+    for layer in (fp8.FP8Linear.from_linear(linear, E4M3, torch.bfloat16),
+                  Int8WeightOnlyLinear.build(linear.weight.detach(), linear.bias.detach())):
+        x = torch.randn(3, 64, dtype=torch.bfloat16, requires_grad=True)
+        layer(x).sum().backward()
+        assert x.grad is not None and x.grad.shape == x.shape
+        with torch.no_grad():
+            assert layer(x).shape == (3, 96)
+
+
+def test_decoding_steps_aside_when_subnormals_are_flushed():
+    codes = torch.arange(0, 0x7F, dtype=torch.uint8).repeat(200).reshape(127, 200).view(E4M3)
+    try:
+        torch.set_flush_denormal(True)
+        assert fp8._decode_e4m3(codes, None, torch.bfloat16) is None
+    finally:
+        torch.set_flush_denormal(False)
+    assert fp8._decode_e4m3(codes, None, torch.bfloat16) is not None

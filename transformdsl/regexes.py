@@ -38,11 +38,12 @@ def regex_budget(seconds: float = REGEX_BUDGET_S) -> Iterator[None]:
         _left.reset(token)
 
 
-#: The syntax that repeats (``*``, ``+``, ``?``, ``{m,n}``; ``(?`` extensions too, conservatively).
-#: A pattern without any of it cannot backtrack without end: it matches in time bounded by its
-#: length times the path's, so it runs without the timeout, whose bookkeeping makes a search of a
-#: short path an order of magnitude slower (``^proj_out$``, diffusers' skip patterns).
-_REPEATS = frozenset("*+?{")
+#: The syntax that repeats or branches (``*``, ``+``, ``?``, ``{m,n}``, ``|``; ``(?`` extensions
+#: too, conservatively).  A pattern without any of it has one way to match at each position: it
+#: matches in time bounded by its length times the path's, so it runs without the timeout, whose
+#: bookkeeping makes a search of a short path an order of magnitude slower (``^proj_out$``,
+#: diffusers' skip patterns).  Alternation alone can backtrack exponentially (``(\w|.)`` repeated).
+_REPEATS = frozenset("*+?{|")
 
 
 @functools.lru_cache(maxsize=1024)
@@ -61,7 +62,7 @@ def search(compiled: regex.Pattern, path: str) -> bool:
 
     Raises :class:`SelectorTooSlow` once the budget is spent (outside a
     :func:`regex_budget` block, each call gets :data:`REGEX_BUDGET_S`).  A pattern that cannot
-    repeat anything (no ``*``, ``+``, ``?`` or ``{``) runs without a timeout and spends none.
+    repeat or branch (no ``*``, ``+``, ``?``, ``{`` or ``|``) runs without a timeout and spends none.
     """
     if not _repeats(compiled.pattern):
         return compiled.search(path) is not None

@@ -21,31 +21,35 @@ BLOCK_BYTES = 4 << 20
 BLOCKED_MAX_ROWS = 1024
 
 
-def by_blocks(x: torch.Tensor, out_features: int, dtype: torch.dtype, threshold: int | None = None) -> bool:
+def by_blocks(x: torch.Tensor, out_features: int, dtype: torch.dtype, threshold: int | None = None,
+              bias: torch.Tensor | None = None) -> bool:
     """Whether a call with input ``x`` on a weight of ``out_features`` rows cast to ``dtype`` goes
     block by block (``threshold``: bytes of the cast weight from which it does, default
-    :data:`BLOCKED_BYTES`)."""
+    :data:`BLOCKED_BYTES`).  Not where autograd records the call (``out=`` products are not
+    differentiable): the whole cast then, as before."""
     in_features = x.shape[-1]
     rows = x.numel() // max(in_features, 1)
     limit = BLOCKED_BYTES if threshold is None else threshold
-    return (x.device.type == "cpu" and not torch.compiler.is_compiling() and rows <= BLOCKED_MAX_ROWS
-            and out_features * in_features * dtype.itemsize >= limit)
+    recorded = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
+    return (x.device.type == "cpu" and not torch.compiler.is_compiling() and not recorded
+            and rows <= BLOCKED_MAX_ROWS and out_features * in_features * dtype.itemsize >= limit)
 
 
 def linear_by_blocks(x: torch.Tensor, out_features: int, dtype: torch.dtype,
                      cast: Callable[[int, int, torch.Tensor | None], torch.Tensor],
-                     bias: torch.Tensor | None = None) -> torch.Tensor:
+                     bias: torch.Tensor | None = None, buffered: bool = True) -> torch.Tensor:
     """``x @ W.T (+ bias)`` in ``dtype``, row-major, ``W`` given block by block: ``cast(start, end,
-    buffer)`` returns rows ``start:end`` of ``W`` in ``dtype`` (into ``buffer`` when it can)."""
+    buffer)`` returns rows ``start:end`` of ``W`` in ``dtype`` (into ``buffer``, or with
+    ``buffered=False`` a block of its own: ``buffer`` is None)."""
     in_features = x.shape[-1]
     rows = x.numel() // max(in_features, 1)
     step = max(16, BLOCK_BYTES // (in_features * dtype.itemsize))
     inputs = x.reshape(rows, in_features).to(dtype).t()
     out = torch.empty(out_features, rows, dtype=dtype, device=x.device)  # transposed: a block is rows of it
-    buffer = torch.empty(min(step, out_features), in_features, dtype=dtype, device=x.device)
+    buffer = torch.empty(min(step, out_features), in_features, dtype=dtype, device=x.device) if buffered else None
     for start in range(0, out_features, step):
         end = min(start + step, out_features)
-        block = cast(start, end, buffer[:end - start])
+        block = cast(start, end, None if buffer is None else buffer[:end - start])
         if bias is None:
             torch.mm(block, inputs, out=out[start:end])
         else:

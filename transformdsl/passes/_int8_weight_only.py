@@ -39,10 +39,11 @@ _CHUNK_ELEMENTS = 1 << 22
 _TINY = 1e-12
 
 
-def int8_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def int8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight.to(x.dtype))`` for an int8 ``weight``, without a float copy of all of
-    it where that copy is what costs (:mod:`._blocked`)."""
-    if not _blocked.by_blocks(x, weight.shape[0], x.dtype):
+    it where that copy is what costs (:mod:`._blocked`); ``bias`` (added by the caller) only says
+    whether autograd records the call."""
+    if not _blocked.by_blocks(x, weight.shape[0], x.dtype, bias=bias):
         return F.linear(x, weight.to(x.dtype))  # under compile, the cast fuses into the matmul
 
     def cast(start: int, end: int, buffer: torch.Tensor) -> torch.Tensor:
@@ -138,7 +139,7 @@ class Int8WeightOnlyLinear(StoredWeight):
         scale = self.weight_scale
         if scale.dtype != x.dtype:
             scale = scale.to(x.dtype)  # out-features values only
-        out = int8_linear(x, self.int8_weight)
+        out = int8_linear(x, self.int8_weight, self.bias)
         if self.bias is None:
             return out * scale
         return torch.addcmul(self.bias.to(x.dtype), out, scale)

@@ -208,11 +208,14 @@ _E4M3_NAN = 0x7F
 def _decode_e4m3(values: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     """``values.to(dtype) * scale``, bit for bit, where torch's float8 conversion is slow (the CPU:
     ~3 ns a value into bfloat16, 7x the integer operations here); None where it does
-    not apply (another format, device or dtype, under compile, a few values, a NaN code, or a
-    scale so large that times 2^120 it overflows), for the plain conversion."""
+    not apply (another format, device or dtype, under compile, a few values, a NaN code, a
+    scale so large that times 2^120 it overflows, or subnormals flushed to zero), for the plain
+    conversion."""
     spec = _E4M3_BITS.get(dtype)
     if (spec is None or values.dtype != torch.float8_e4m3fn or values.device.type != "cpu"
             or values.numel() < _DECODE_MIN or torch.compiler.is_compiling()):
+        return None
+    if _flushes_denormals():  # e4m3 subnormals decode to subnormals of the wide type, which would read as 0
         return None
     integer, shift, sign_shift = spec
     code = values.view(torch.uint8).to(integer)
@@ -223,7 +226,15 @@ def _decode_e4m3(values: torch.Tensor, scale: torch.Tensor | None, dtype: torch.
     if scale is not None and not bool(torch.isfinite(factor).all()):
         return None
     bits = magnitude.bitwise_left_shift_(shift).bitwise_or_(code.bitwise_and_(0x80).bitwise_left_shift_(sign_shift))
-    return bits.view(dtype).mul_(factor)
+    decoded = bits.view(dtype)
+    if isinstance(factor, torch.Tensor) and torch.broadcast_shapes(decoded.shape, factor.shape) != decoded.shape:
+        return decoded * factor  # a scale of more dimensions than the values (as the plain product broadcasts)
+    return decoded.mul_(factor)
+
+
+def _flushes_denormals() -> bool:
+    """Whether this thread's CPU arithmetic reads subnormals as zero (``torch.set_flush_denormal``)."""
+    return bool(torch.tensor(2.0 ** -130, dtype=torch.float32, device="cpu").mul(1.0).item() == 0.0)
 
 
 #: ``fp8 storage scale=``: what one scale covers.
@@ -524,14 +535,15 @@ class FP8Linear(FP8Module):
         c = self.compute_dtype
         # a large weight: upcast a block of rows at a time (decoding makes integer temporaries of
         # the block's size, which then stay in cache too)
-        if _blocked.by_blocks(x, self.out_features, c, BLOCKED_FROM):
+        if _blocked.by_blocks(x, self.out_features, c, BLOCKED_FROM, self.bias):
             values, scale = self.fp8_weight, self.weight_scale
             rows = scale is not None and scale.shape[0] > 1
 
             def upcast(start: int, end: int, _buffer) -> torch.Tensor:
                 return dequantize(values[start:end], scale[start:end] if rows else scale, c)
 
-            return _blocked.linear_by_blocks(x, self.out_features, c, upcast, self._bias(c)).to(x.dtype)
+            return _blocked.linear_by_blocks(x, self.out_features, c, upcast, self._bias(c),
+                                             buffered=False).to(x.dtype)
         return F.linear(x.to(c), self.upcast_weight(), self._bias(c)).to(x.dtype)
 
     def _scaled_mm_forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -591,8 +591,8 @@ def _plain(module: nn.Module) -> bool:
 
 
 def _load_assigned(root: nn.Module, state: dict[str, torch.Tensor], strict: bool) -> None:
-    """``root.load_state_dict(state, strict=strict, assign=True)``, the same result and errors,
-    without its scans: ``load_state_dict`` hands every module a copy of the keys under it and
+    """``root.load_state_dict(state, strict=strict, assign=True)``, the same result (errors in
+    its own words: the caller has checked the keys and shapes already), without its scans: ``load_state_dict`` hands every module a copy of the keys under it and
     looks through them for strays, work in the number of keys times the depth of the tree (most
     of the cost of loading a small model; the caller has checked the keys already).  A module
     with a loader of its own (quantized layers, extra state, hooks) gets exactly what
