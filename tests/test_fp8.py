@@ -643,3 +643,17 @@ def test_decoding_steps_aside_when_subnormals_are_flushed():
     finally:
         torch.set_flush_denormal(False)
     assert fp8._decode_e4m3(codes, None, torch.bfloat16) is not None
+
+
+@pytest.mark.parametrize("script", ["fp8 storage", "fp8 storage scale=none"])
+def test_upcasting_layers_still_trace_with_torch_fx(script):
+    """torch.fx.symbolic_trace (quantization toolkits use it) sees the plain upcast of fp8 layers,
+    as before the CPU fast paths: they look at real tensors only."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 256))
+    model = model.to(torch.bfloat16)
+    transformdsl.transform(model, script)
+    traced = torch.fx.symbolic_trace(model)
+    x = torch.randn(4, 256, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(traced(x), model(x))

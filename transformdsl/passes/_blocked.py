@@ -27,6 +27,8 @@ def by_blocks(x: torch.Tensor, out_features: int, dtype: torch.dtype, threshold:
     block by block (``threshold``: bytes of the cast weight from which it does, default
     :data:`BLOCKED_BYTES`).  Not where autograd records the call (``out=`` products are not
     differentiable): the whole cast then, as before."""
+    if not isinstance(x, torch.Tensor):  # a torch.fx proxy: the traced graph keeps the plain cast
+        return False
     in_features = x.shape[-1]
     rows = x.numel() // max(in_features, 1)
     limit = BLOCKED_BYTES if threshold is None else threshold

@@ -212,7 +212,7 @@ def _decode_e4m3(values: torch.Tensor, scale: torch.Tensor | None, dtype: torch.
     scale so large that times 2^120 it overflows, or subnormals flushed to zero), for the plain
     conversion."""
     spec = _E4M3_BITS.get(dtype)
-    if (spec is None or values.dtype != torch.float8_e4m3fn or values.device.type != "cpu"
+    if (spec is None or not isinstance(values, torch.Tensor) or values.dtype != torch.float8_e4m3fn or values.device.type != "cpu"
             or values.numel() < _DECODE_MIN or torch.compiler.is_compiling()):
         return None
     if _flushes_denormals():  # e4m3 subnormals decode to subnormals of the wide type, which would read as 0
