@@ -348,12 +348,18 @@ def flux_dev(args) -> None:
             "highest samples, above the same moment's.  Target: peak RSS < 1/3 of the source.  The outputs keep the "
             "AdaLayerNorm modulation linears (3.2 B of the 11.9 B parameters) in bf16, as both statements exclude "
             "`norm` by default (spec.md, quantize).\n\n")
+    _report_big(args, "flux_dev", rows, text, "load + forward (16×16)")
+
+
+def _report_big(args, key: str, rows: list[dict], text: str, forward: str) -> None:
+    """A larger-than-memory run's section (``text``, then its table): printed with ``--smoke``,
+    else written to the page."""
     text += table(rows, ["script", "source", "output GB", "peak RSS GiB", "÷ source", "peak RssAnon / RssFile GiB",
-                         "convert s", "load + forward (16×16)"]) + "\n"
+                         "convert s", forward]) + "\n"
     if args.smoke:
         print(text)
         return
-    _write_big("flux_dev", rows, text)
+    _write_big(key, rows, text)
 
 
 #: The larger-than-memory runs, in the order their sections appear on the page.
@@ -446,12 +452,7 @@ def llama_13b(args) -> None:
             "memory before the convert (imports done); RssAnon / RssFile: the watchdog's highest samples, above the "
             "same moment's.  Target: peak RSS < 1/3 of the source.  The forward loads the result memory-mapped "
             "(its peak RSS counts the mapped pages it touched).\n\n")
-    text += table(rows, ["script", "source", "output GB", "peak RSS GiB", "÷ source", "peak RssAnon / RssFile GiB",
-                         "convert s", "load + forward (8 tokens)"]) + "\n"
-    if args.smoke:
-        print(text)
-        return
-    _write_big("llama_13b", rows, text)
+    _report_big(args, "llama_13b", rows, text, "load + forward (8 tokens)")
 
 
 def main(argv=None) -> None:

@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from common import header  # noqa: E402
+from common import header, table, write  # noqa: E402
 
 from transformdsl.passes import fp8  # noqa: E402
 
@@ -79,18 +79,16 @@ def main() -> None:
     best = measure(args.rounds)
     plain = best["scale=none (plain cast, as diffusers)"]
     elements = sum(a * b for a, b in SHAPES)
-    lines = [header("fp8 storage: what the scales cost to apply"), "",
-             f"Command: `.venv/bin/python benchmarks/bench_fp8_scale.py --rounds {args.rounds}` "
-             f"({len(SHAPES)} bf16 weights of one FLUX.1 double block, {elements / 1e6:.0f} M values, 1 torch thread; "
-             "the ways in turn, round after round, the minimum kept).", "",
-             "| way | ms | ÷ plain cast |", "|---|---|---|"]
-    lines += [f"| {name} | {seconds * 1e3:.1f} | {seconds / plain:.2f}× |" for name, seconds in best.items()]
-    lines += ["", "The cast to float8 is most of the time either way; a scale "
-              "adds one pass over each weight for its largest magnitudes and a division before that cast.", ""]
-    out = Path(__file__).resolve().parent / "results" / "fp8_scale.md"
-    out.write_text("\n".join(lines))
-    print("\n".join(lines))
-
+    rows = [{"way": name, "ms": f"{seconds * 1e3:.1f}", "÷ plain cast": f"{seconds / plain:.2f}×"}
+            for name, seconds in best.items()]
+    write("fp8_scale.md", "\n".join([
+        header("fp8 storage: what the scales cost to apply"), "",
+        f"Command: `.venv/bin/python benchmarks/bench_fp8_scale.py --rounds {args.rounds}` "
+        f"({len(SHAPES)} bf16 weights of one FLUX.1 double block, {elements / 1e6:.0f} M values, 1 torch thread; "
+        "the ways in turn, round after round, the minimum kept).", "",
+        table(rows, ["way", "ms", "÷ plain cast"]), "",
+        "The cast to float8 is most of the time either way; a scale adds one pass over each weight for its "
+        "largest magnitudes and a division before that cast.", ""]))
 
 if __name__ == "__main__":
     main()

@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from common import header  # noqa: E402
+from common import header, table, write  # noqa: E402
 
 from transformdsl.passes import _blocked, fp8  # noqa: E402
 from transformdsl.passes import _int8_weight_only as w8  # noqa: E402
@@ -80,25 +80,22 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = measure(args.rounds)
-    lines = [header("The per-call upcast of compressed weights: whole or block by block"), "",
-             f"Command: `.venv/bin/python benchmarks/bench_upcast.py --rounds {args.rounds}` ({TOKENS} tokens, "
-             "1 torch thread; the ways in turn, round after round, the minimum kept).  *whole*: int8 cast as one "
-             "float copy of the weight, fp8 through torch's float8 conversion of the whole weight; *now*: what "
-             "the layer does.", "",
-             "| layer | dtype | weight (out × in) | whole ms | now ms | float layer ms | whole ÷ float | now ÷ float |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['kind']} | {r['dtype']} | {r['shape'][0]} × {r['shape'][1]} | {r['whole'] * 1e3:.1f} | "
-                     f"{r['now'] * 1e3:.1f} | {r['float'] * 1e3:.1f} | {r['whole'] / r['float']:.2f}× | "
-                     f"{r['now'] / r['float']:.2f}× |")
-    lines += ["", "A float copy of a whole weight over 32 MiB is a fresh mapping of memory at every call (glibc maps "
-              "such allocations and unmaps them when freed), faulted in page by page; block by block, one buffer "
-              "that stays in cache is cast into and multiplied at once.  torch's float8 conversion into bfloat16 "
-              "takes ~3 ns a value on this CPU; `fp8 storage` decodes e4m3 through its bits, to the same values.", ""]
-    out = Path(__file__).resolve().parent / "results" / "upcast.md"
-    out.write_text("\n".join(lines))
-    print("\n".join(lines))
-
+    columns = ["layer", "dtype", "weight (out × in)", "whole ms", "now ms", "float layer ms", "whole ÷ float",
+               "now ÷ float"]
+    cells = [dict(zip(columns, (r["kind"], r["dtype"], f"{r['shape'][0]} × {r['shape'][1]}", f"{r['whole'] * 1e3:.1f}",
+                                f"{r['now'] * 1e3:.1f}", f"{r['float'] * 1e3:.1f}", f"{r['whole'] / r['float']:.2f}×",
+                                f"{r['now'] / r['float']:.2f}×"))) for r in rows]
+    write("upcast.md", "\n".join([
+        header("The per-call upcast of compressed weights: whole or block by block"), "",
+        f"Command: `.venv/bin/python benchmarks/bench_upcast.py --rounds {args.rounds}` ({TOKENS} tokens, "
+        "1 torch thread; the ways in turn, round after round, the minimum kept).  *whole*: int8 cast as one "
+        "float copy of the weight, fp8 through torch's float8 conversion of the whole weight; *now*: what "
+        "the layer does.", "",
+        table(cells, columns), "",
+        "A float copy of a whole weight over 32 MiB is a fresh mapping of memory at every call (glibc maps "
+        "such allocations and unmaps them when freed), faulted in page by page; block by block, one buffer "
+        "that stays in cache is cast into and multiplied at once.  torch's float8 conversion into bfloat16 "
+        "takes ~3 ns a value on this CPU; `fp8 storage` decodes e4m3 through its bits, to the same values.", ""]))
 
 if __name__ == "__main__":
     main()

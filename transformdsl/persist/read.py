@@ -7,6 +7,7 @@ classes only, tensors come from safetensors files opened through the save's fold
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import functools
@@ -600,8 +601,6 @@ def _load_assigned(root: nn.Module, state: dict[str, torch.Tensor], strict: bool
     if torch.__future__.get_swap_module_params_on_conversion():
         root.load_state_dict(state, strict=strict, assign=True)
         return
-    import bisect
-
     keys = sorted(state)
     missing: list[str] = []
     unexpected: list[str] = []
