@@ -60,6 +60,9 @@ class Job:
     duel: int = 0
     #: Transform this many fresh copies and keep the fastest (the scaling series).
     best_of: int = 1
+    #: Only read the model and time the transform (another round of a comparison's apply time,
+    #: :attr:`comparisons.Comparison.apply_rounds`): no reference, latency, reload or duel.
+    apply_only: bool = False
 
 
 # ---------------------------------------------------------------------- memory
@@ -302,6 +305,8 @@ def saved_dir(job: Job) -> Path:
 
 def _measure(job: Job) -> dict:
     comparison = BY_NAME.get(job.comparison)
+    if job.apply_only:
+        return _apply_round(job, comparison)
     base = rss()
     model, facts, reference, inputs = _read(job, comparison)
     before = layer_kinds(model)
@@ -335,6 +340,17 @@ def _measure(job: Job) -> dict:
         facts["duel"] = _duel(job, model, inputs)
         facts["latency_s"] = facts["duel"]["hand_s"]
     return facts
+
+
+def _apply_round(job: Job, comparison: Comparison) -> dict:
+    """Another round of the job's apply time: its checkpoint read as :func:`_read` gives it to the
+    full job (in the comparison's dtype, every byte read), then the transform, timed alike."""
+    with torch.no_grad():
+        model = workloads.read(job.workload, comparison.dtype)
+        _touch(model)
+    gc.collect()
+    _, transform_s = _transform(job, comparison, model)
+    return {"transform_s": transform_s}
 
 
 def covered_bytes(model) -> list[int] | None:

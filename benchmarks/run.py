@@ -105,6 +105,9 @@ def plan_jobs(args: argparse.Namespace) -> tuple[list[Job], list[Job]]:
                     large and comparison.dtype != torch.float32) else 0
                 jobs += [Job(workload, comparison.name, side, repeats=n, duel=duel, **common)
                          for side in sides(comparison, workload, args.quick)]
+                # more rounds of the apply time, the sides in turn (folded into the rows: apply_rounds)
+                jobs += [Job(workload, comparison.name, side, apply_only=True, **common)
+                         for _ in range(comparison.apply_rounds - 1) for side in sides(comparison, workload, args.quick)]
     scaling = []
     if not args.quick and not args.only and not args.models:
         scaling = [Job(workload, SCALING_COMPARISON, OURS, latency=False, best_of=2, **common)
@@ -167,6 +170,25 @@ def execute(jobs: list[Job], runner, label: str) -> list[dict]:
     return rows
 
 
+def fold_rounds(jobs: list[Job], rows: list[dict]) -> list[dict]:
+    """The rows of the full jobs, each with ``apply_rounds_s``: its transform time and those of
+    its comparison's other rounds (None where a round failed), in the order they ran."""
+    full = {}
+    out = []
+    for job, row in zip(jobs, rows):
+        key = (job.workload.key, job.comparison, job.side)
+        if not job.apply_only:
+            full[key] = row
+            out.append(row)
+            continue
+        main = full.get(key)
+        if main is None or main["status"] != "ok":
+            continue
+        main.setdefault("apply_rounds_s", [main["transform_s"]]).append(
+            row.get("transform_s") if row["status"] == "ok" else None)
+    return out
+
+
 def merged(old: dict, rows: list[dict], scaling: list[dict], meta: dict) -> tuple[list[dict], list[dict], dict]:
     """This run's rows in place of the same (workload, comparison, side) of an earlier run, the
     earlier run's other rows kept (tagged with the run that measured them); ``meta["runs"]``
@@ -220,7 +242,7 @@ def main(argv: list[str] | None = None) -> Path:
     if args.in_process:
         gc.freeze()  # as the fork server does: keeps each gc.collect() of a job from scanning every import
     try:
-        rows = execute(jobs, runner, "main")
+        rows = fold_rounds(jobs, execute(jobs, runner, "main"))
         scaling_rows = execute(scaling, runner, "scaling")
     finally:
         gc.unfreeze()

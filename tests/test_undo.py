@@ -164,6 +164,31 @@ def test_weights_mapped_from_one_storage_each_give_their_pages_back(monkeypatch,
         assert torch.equal(model(torch.ones(1, 64)), reference)
 
 
+def test_a_mapped_weight_written_in_memory_keeps_its_pages(monkeypatch, tmp_path):
+    """A page of a mapped weight that was written to (copied on write) is no longer the file's:
+    the log keeps it (giving it back would read the file's stale bytes on rollback)."""
+    weights = tmp_path / "weights.bin"
+    torch.manual_seed(0)
+    weights.write_bytes(torch.randn(2, 64, 64).numpy().tobytes())
+    storage = torch.UntypedStorage.from_file(str(weights), shared=False, nbytes=2 * 64 * 64 * 4)
+    whole = torch.tensor([], dtype=torch.float32).set_(storage)
+    model = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(4)))
+    for i, layer in enumerate(model[:2]):
+        layer.weight = torch.nn.Parameter(whole[i * 4096:(i + 1) * 4096].view(64, 64), requires_grad=False)
+    del whole, storage, layer
+    with torch.no_grad():
+        model[1].weight[-1, -1] = 7.0  # the last page of the second weight is now the process's own
+        reference = model(torch.ones(1, 64))
+    fail_at_conversion(monkeypatch, 4)
+    lines = []
+    with pytest.raises(TransformError, match="injected at layer 4"):
+        transformdsl.transform(model, "fp8 storage", undo="disk", log=lines.append)
+    assert any("16.0 KiB of memory-mapped originals left in their files" in line for line in lines), lines
+    assert model[1].weight[-1, -1].item() == 7.0
+    with torch.no_grad():
+        assert torch.equal(model(torch.ones(1, 64)), reference)
+
+
 def test_a_mapped_file_changed_during_the_transform_is_reported(monkeypatch, tmp_path):
     wide_flux(torch.float32).save_pretrained(tmp_path / "model")
     model = FluxTransformer2DModel.from_pretrained(tmp_path / "model").eval()

@@ -207,15 +207,17 @@ class UndoStore:
         return None
 
     def _drop_mapped_pages(self, tensor: torch.Tensor) -> bool:
-        """Give back the pages of a tensor that still reads its file's bytes; False if it does not."""
+        """Give back the pages of a tensor that still reads its file's bytes; whether it gave any back."""
         start = tensor.data_ptr()
         span = _span(tensor)
+        first, last = -(-start // _PAGE) * _PAGE, (start + span) // _PAGE * _PAGE
+        if last <= first:
+            # less than a page of its own: nothing to give back (and no need to read the process's
+            # mappings, a millisecond of the kernel's time, for a model of small layers)
+            return False
         mapping = self._mapping(start)
         if mapping is None or start + span > mapping[1]:
             return False
-        first, last = -(-start // _PAGE) * _PAGE, (start + span) // _PAGE * _PAGE
-        if last <= first:
-            return True  # less than a page of its own: nothing to give back
         if self._pagemap is None:
             try:
                 self._pagemap = os.open("/proc/self/pagemap", os.O_RDONLY)
@@ -351,10 +353,11 @@ def _pages_are_the_files(first: int, last: int, pagemap: int | None = None) -> b
         return False
     if len(data) != pages * 8:
         return False
-    entries = np.frombuffer(data, dtype=np.uint64)
-    present, swapped, file_page = (entries >> np.uint64(63)) & np.uint64(1), (entries >> np.uint64(62)) & \
-        np.uint64(1), (entries >> np.uint64(61)) & np.uint64(1)
-    return not bool(((present & (np.uint64(1) - file_page)) | swapped).any())
+    # bits 63, 62, 61 of an entry: present, swapped, file page (or shared).  A page is the file's
+    # if it is not present and not swapped (0b000, 0b001) or present as a file page (0b101);
+    # anything else was written to (present and anonymous: copied on write) or swapped out.
+    flags = np.frombuffer(data, dtype=np.uint64) >> np.uint64(61)
+    return not bool(((flags > 1) & (flags != 5)).any())
 
 
 _LIBC_MADVISE = None

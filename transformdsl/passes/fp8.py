@@ -118,7 +118,10 @@ def quantize(tensor: torch.Tensor, dtype: torch.dtype, dims: tuple[int, ...] | N
     step = max(1, _CHUNK_ELEMENTS // max(rows.shape[1], 1))
     blocks = [(start, min(start + step, rows.shape[0])) for start in range(0, rows.shape[0], step)]
     values = torch.empty(rows.shape, dtype=dtype, device=source.device)
-    if per_channel:
+    if per_channel and len(blocks) == 1:  # a small weight: the scale is the block's (no copy)
+        scale = _amax_rows(rows).float().clamp_(min=_TINY).div_(limit)
+        torch.div(rows, scale, out=values)
+    elif per_channel:
         scale = torch.empty(rows.shape[0], 1, dtype=torch.float32, device=source.device)
         for start, end in blocks:
             block = rows[start:end]
