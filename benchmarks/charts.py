@@ -10,7 +10,7 @@ matplotlib.use("Agg")  # files only, no display
 
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
-from report import fit, pairs, ratios  # noqa: E402
+from report import fit, pairs, ratios, transform_s  # noqa: E402
 
 METRICS = ("transform", "weights", "peak RSS", "latency")
 COLORS = {"transform": "#8c8c8c", "weights": "#1f77b4", "peak RSS": "#9467bd", "latency": "#ff7f0e"}
@@ -77,7 +77,7 @@ def draw_reload(rows: list[dict], path: Path) -> str | None:
     fig, ax = plt.subplots(figsize=(9, 0.45 * len(picked) + 1.4))
     series = (("safetensors floor", lambda r: r["reload"]["floor_s"], "#bbbbbb"),
               ("transformdsl.load", lambda r: r["reload"]["load_s"], "#1f77b4"),
-              ("transform again", lambda r: r["read_s"] + r["transform_s"], "#d62728"))
+              ("transform again", lambda r: r["read_s"] + transform_s(r), "#d62728"))
     height = 0.8 / len(series)
     for j, (label, value, color) in enumerate(series):
         ax.barh([i + (j - 1) * height for i in range(len(picked))], [value(r) for r in picked], height,

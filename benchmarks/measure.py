@@ -343,8 +343,10 @@ def _measure(job: Job) -> dict:
 
 
 def _apply_round(job: Job, comparison: Comparison) -> dict:
-    """Another round of the job's apply time: its checkpoint read as :func:`_read` gives it to the
-    full job (in the comparison's dtype, every byte read), then the transform, timed alike."""
+    """Another round of the job's apply time: the checkpoint the full job transforms (in the
+    comparison's dtype, every byte read), then the transform, timed alike.  Unlike the full job it
+    reads no float32 original and runs no reference first: both sides' rounds start alike, which is
+    what their ratio needs."""
     with torch.no_grad():
         model = workloads.read(job.workload, comparison.dtype)
         _touch(model)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from baselines import UNCHANGED_LABEL
 from common import header, table
-from comparisons import BY_NAME, COMPARISONS, FP8_ROUNDS
+from comparisons import BY_NAME, COMPARISONS
 from measure import ORIGINAL, OURS
 
 HERE = Path(__file__).resolve().parent
@@ -261,7 +261,18 @@ def _on_cpu(cpu: dict | None) -> str:
     return f", on {cpu_text(cpu)}" if cpu else ""
 
 
-def method(meta: dict) -> str:
+def rounds_text(rows: list[dict]) -> str:
+    """Which rows' transform time is a median of rounds (:attr:`comparisons.Comparison.apply_rounds`)."""
+    names = sorted({r["comparison"] for r in rows if len(r.get("apply_rounds_s") or ()) > 1})
+    if not names:
+        return "one job per side"
+    counts = sorted({len(r["apply_rounds_s"]) for r in rows if len(r.get("apply_rounds_s") or ()) > 1})
+    return (f"for {', '.join(f'`{n}`' for n in names)}, short transforms whose time moves ±20% between processes: the median of "
+            f"{'/'.join(map(str, counts))} fresh processes per side, the sides in turn, each ratio to a by-hand way "
+            "the median of the rounds' ratios; one job per side elsewhere")
+
+
+def method(meta: dict, rows: list[dict]) -> str:
     load = "/".join(f"{x:.1f}" for x in meta["load_before"])
     load_after = "/".join(f"{x:.1f}" for x in meta["load_after"])
     where = "in this process (smoke run)" if meta["in_process"] else "each in a fresh process"
@@ -279,9 +290,7 @@ How each figure is measured ({where}, forked from one server that imported the l
 configuration starts from the same memory): the original model is read with `from_pretrained` (random
 weights, seed 0, every byte read) and run once for the reference output; fp8 jobs then read its
 bfloat16 checkpoint (memory-mapped), as users of bf16 models do.  **transform** is the wall time of
-`transformdsl.transform(model, script)` or of the by-hand code (for the fp8 storage comparisons, whose
-transforms take milliseconds, the median of {FP8_ROUNDS} fresh processes per side, the sides in turn, and
-their ratio the median of the rounds' ratios); **first call** the next forward (it includes compilation); **latency** the median
+`transformdsl.transform(model, script)` or of the by-hand code ({rounds_text(rows)}); **first call** the next forward (it includes compilation); **latency** the median
 of the steady forwards after it; **weights** the bytes of every parameter, buffer and state_dict
 tensor (quantization state included), each storage once (for compile, the transform time in the
 ratio tables includes the first call, where compilation happens); **peak RSS** the highest resident memory
@@ -690,7 +699,7 @@ def write_report(rows: list[dict], scaling: list[dict], meta: dict, out: Path) -
     points = scaling_points(scaling)
     figures = charts.draw_all(rows, points, out / "charts")
     text = header("Benchmarks: transformdsl against doing it by hand", meta.get("measured_at"), meta["threads"])
-    text += method(meta)
+    text += method(meta, rows)
     text += "\n## What is compared\n" + compared_section(rows)
     text += "\n## Issue 15's targets\n" + targets_section(rows)
     text += "\n## Ours ÷ by hand, at realistic width\n"

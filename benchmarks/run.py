@@ -105,9 +105,11 @@ def plan_jobs(args: argparse.Namespace) -> tuple[list[Job], list[Job]]:
                     large and comparison.dtype != torch.float32) else 0
                 jobs += [Job(workload, comparison.name, side, repeats=n, duel=duel, **common)
                          for side in sides(comparison, workload, args.quick)]
-                # more rounds of the apply time, the sides in turn (folded into the rows: apply_rounds)
+                # more rounds of the apply time, the sides in turn, each round in the other order than the
+                # one before (ABBA: a drift in the machine's speed weighs on both sides alike)
+                order = sides(comparison, workload, args.quick)
                 jobs += [Job(workload, comparison.name, side, apply_only=True, **common)
-                         for _ in range(comparison.apply_rounds - 1) for side in sides(comparison, workload, args.quick)]
+                         for r in range(1, comparison.apply_rounds) for side in (order[::-1] if r % 2 else order)]
     scaling = []
     if not args.quick and not args.only and not args.models:
         scaling = [Job(workload, SCALING_COMPARISON, OURS, latency=False, best_of=2, **common)
@@ -172,7 +174,8 @@ def execute(jobs: list[Job], runner, label: str) -> list[dict]:
 
 def fold_rounds(jobs: list[Job], rows: list[dict]) -> list[dict]:
     """The rows of the full jobs, each with ``apply_rounds_s``: its transform time and those of
-    its comparison's other rounds (None where a round failed), in the order they ran."""
+    its comparison's other rounds, in the order they ran (None where a round failed, and its
+    status in ``apply_rounds_failed``)."""
     full = {}
     out = []
     for job, row in zip(jobs, rows):
@@ -186,6 +189,8 @@ def fold_rounds(jobs: list[Job], rows: list[dict]) -> list[dict]:
             continue
         main.setdefault("apply_rounds_s", [main["transform_s"]]).append(
             row.get("transform_s") if row["status"] == "ok" else None)
+        if row["status"] != "ok":
+            main.setdefault("apply_rounds_failed", []).append(row["status"])
     return out
 
 
