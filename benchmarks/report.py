@@ -192,22 +192,27 @@ def setup_s(row: dict) -> float:
     return transform_s(row) + (row["first_call_s"] if compiles else 0.0)
 
 
+def round_ratios(ours: dict, hand: dict) -> list[float]:
+    """Ours ÷ by hand for each round both sides ran (:attr:`comparisons.Comparison.apply_rounds`),
+    in the order they ran; failed rounds left out."""
+    return [a / b for a, b in zip(ours.get("apply_rounds_s") or (), hand.get("apply_rounds_s") or ()) if a and b]
+
+
 def apply_ratio(ours: dict, hand: dict) -> float | None:
     """Ours ÷ by hand apply time: the median of the rounds' ratios where both sides ran several
-    rounds in turn (:attr:`comparisons.Comparison.apply_rounds`), else the ratio of their one job."""
-    pairs = [(a, b) for a, b in zip(ours.get("apply_rounds_s") or (), hand.get("apply_rounds_s") or ())
-             if a and b]
-    if len(pairs) > 1 and "compile" not in ours["comparison"]:
-        return statistics.median(a / b for a, b in pairs)
+    rounds in turn, else the ratio of their one job."""
+    rounds = round_ratios(ours, hand)
+    if len(rounds) > 1 and "compile" not in ours["comparison"]:
+        return statistics.median(rounds)
     return ratio(setup_s(ours), setup_s(hand))
 
 
 def rounds_note(ours: dict, hand: dict) -> str:
     """", median of 3 rounds (1.41–1.62×)": how an apply ratio of several rounds was found."""
-    pairs = [a / b for a, b in zip(ours.get("apply_rounds_s") or (), hand.get("apply_rounds_s") or ()) if a and b]
-    if len(pairs) < 2:
+    rounds = round_ratios(ours, hand)
+    if len(rounds) < 2:
         return ""
-    return f", median of {len(pairs)} rounds ({times(min(pairs))}–{times(max(pairs))})"
+    return f", median of {len(rounds)} rounds ({times(min(rounds))}–{times(max(rounds))})"
 
 
 def ratios(ours: dict, hand: dict) -> dict[str, float | None]:
