@@ -45,9 +45,10 @@ print(type(model).__name__, type(model.transformer.h[0].attn.c_attn).__name__, t
 
 #: Figures that differ from run to run.
 _VOLATILE = [
+    # First: the directory's random suffix can end in a figure's shape ("…-ab3s/model").
+    (re.compile(r"/[^\s:]*transformdsl-demo-[^\s:]*"), "<temporary directory>"),
     (re.compile(r"\d+(\.\d+)? ?(ms|s)\b"), "… \\2"),
     (re.compile(r"\(\d+\.\d+x, steady"), "(…x, steady"),
-    (re.compile(r"/[^\s:]*transformdsl-demo-[^\s:]*"), "<temporary directory>"),
     (re.compile(r"max abs diff \S+ \(relative \S+\)"), "max abs diff … (relative …)"),
     (re.compile(r"\d+ threads"), "… threads"),
     # The metadata records where the script and save came from: its size follows the checkout's path.
