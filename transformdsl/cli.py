@@ -50,13 +50,13 @@ def _model(spec: str):
 
 
 def cmd_check(args) -> int:
-    from .catalog import transforms
+    from .registry import declarations
     from .validate import validate
 
     status = 0
     for name in args.files:
         try:
-            validated = validate(_read_script(name), transforms())  # the declarations only: no torch
+            validated = validate(_read_script(name), declarations())  # the declarations only: no torch
         except ScriptError as exc:
             _err(str(exc))
             status = 1

@@ -24,8 +24,8 @@ from torch import nn
 from .edit import Edit
 from .errors import TransformError
 from .explain import human_bytes
+from .extend import ApplyContext
 from .ir import Script
-from .passes.base import ApplyContext
 from .planner import Plan, module_components, plan
 from .spill import UndoStore, auto_budget, check_undo_options
 from .tree import parameter_bytes

@@ -18,9 +18,9 @@ from torch import nn
 
 from .declarations import declared_exclusions
 from .errors import Problem, ScriptError
+from .extend import Transform
 from .ir import Script, Selector, source_lines
 from .parser import make_selector, parse, parse_file
-from .passes.base import Transform
 from .regexes import SelectorTooSlow, regex_budget
 from .registry import key_matches
 from .selectors import matches, select, suggestions, topmost

@@ -188,7 +188,7 @@ class OpenedModule:
     steps: list[tuple[type, dict, Any]]
 
     def finalize(self) -> None:
-        """Each saved step's :meth:`~transformdsl.passes.base.Transform.finalize`, once its tensors are in place."""
+        """Each saved step's :meth:`~transformdsl.extend.Transform.finalize`, once its tensors are in place."""
         meta_path = self.folder.path / META_FILE
         for cls, raw, options in self.steps:
             with _step_errors(meta_path, raw, "cannot finish"):

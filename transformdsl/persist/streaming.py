@@ -15,7 +15,7 @@ on a module holding more than one block, say) makes them one unit, and so do ten
 between modules (tied embeddings).  A statement that changes no weight and targets more than
 one unit (``compile`` of the whole model) runs after the units, on the skeleton, when nothing
 after it in the script changes weights.  Each statement's records from the units are merged
-by :meth:`~transformdsl.passes.base.Transform.merge_records` into the record ``transform``
+by :meth:`~transformdsl.extend.Transform.merge_records` into the record ``transform``
 would have written, so the output is the save ``load → transform → save`` writes, tensor for
 tensor and bit for bit.
 """
@@ -46,7 +46,7 @@ from ..executor import (
     idle_statements,
     set_history,
 )
-from ..passes.base import ApplyContext
+from ..extend import ApplyContext
 from ..planner import DENOISERS, Plan, plan
 from ..savedir import SaveDir
 from ..tree import WEIGHTS_PENDING
