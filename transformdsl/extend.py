@@ -106,6 +106,10 @@ class Transform:
     implementation: ClassVar[str | None] = None
     #: The runtime switches (:class:`transformdsl.switches.Switch`) this transform's modules read.
     switches: ClassVar[tuple] = ()
+    #: What the statement's quoted argument is (``lora "PATH"``: ``"the LoRA file (.safetensors)"``),
+    #: with an example statement after a ``|`` for errors; ``None``: the statement takes none.  A
+    #: transform that takes one may also be given it as one bare word (``lora style.safetensors``).
+    argument: ClassVar[str | None] = None
 
     def __init__(self, statement: Statement, options: Any, common: CommonOptions | None = None):
         self.statement = statement
