@@ -153,6 +153,11 @@ class Transform:
         once by ``transform()``."""
         return None
 
+    def recorded_argument(self) -> str:
+        """The statement's quoted argument as the model's history (and so a save) records it:
+        as written by default; a transform whose argument is private (a file's path) shortens it."""
+        return self.statement.argument.text if self.statement.argument is not None else ""
+
     # ------------------------------------------------------------------ execution
 
     def apply(self, ctx: ApplyContext, targets: list[str]) -> dict:

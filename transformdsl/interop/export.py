@@ -139,6 +139,14 @@ def export(module: nn.Module, fmt: str) -> Exported:
         elif step.key.startswith("compile"):
             out.notes.append(f"{where}: not stored ({library} keeps no compiled code); call torch.compile after "
                              "from_pretrained; transformdsl.load compiles again")
+        elif step.key == "lora":
+            if not step.record.get("merge", True):
+                raise TransformError(f"format={library!r} cannot carry {where}: a {library} checkpoint holds one set "
+                                     "of weights, and its LoRAs travel as separate adapter files (load_lora_weights, "
+                                     "PEFT); merge it (merge=true), or save with format='transformdsl', which keeps "
+                                     "the adapter switchable")
+            out.notes.append(f"{where}: merged into the weights ({step.record.get('file')}, sha256 "
+                             f"{str(step.record.get('sha256'))[:12]}...); {library} loads them as plain weights")
         elif step.key.startswith("fuse "):
             out.notes.append(f"{where}: same keys as the original; {library} runs the unfused forward "
                              "(same outputs); transformdsl.load fuses again")

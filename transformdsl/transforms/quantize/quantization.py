@@ -28,6 +28,7 @@ from torch import nn
 from ...errors import LoadError
 from ...explain import human_bytes
 from ...extend import ApplyContext
+from ..lora import ADAPTER_CLASS, HOLDS_ADAPTERS
 from ...options import DTYPES
 from ...tree import ModuleInfo, ModuleTree
 from . import QUANTIZED_CLASS_NAMES, HQQOptions
@@ -137,6 +138,8 @@ class QuantizeBehaviour:
         quantized = QUANTIZED_CLASS_NAMES.intersection(info.class_names)
         if quantized:
             return f"already quantized ({info.cls.__name__})"
+        if ADAPTER_CLASS in info.class_names:
+            return HOLDS_ADAPTERS
         if not self.float_weight and _read_by_parent(info, tree):
             return ("nn.MultiheadAttention reads out_proj.weight itself and never calls out_proj; a quantized "
                     "weight would reach its matmul")
