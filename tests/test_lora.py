@@ -441,3 +441,26 @@ def test_a_merged_lora_exports_to_diffusers_and_a_switchable_one_is_refused(tmp_
     transformdsl.transform(switchable, script(path, merge="false"))
     with pytest.raises(TransformError, match="cannot carry line 1: 'lora \"style.safetensors\" merge=false'"):
         transformdsl.save(switchable, tmp_path / "switchable", format="diffusers")
+
+
+def test_a_kohya_file_for_unet_and_text_encoder_equals_the_pipelines_load_lora_weights(tmp_path):
+    pipe = models.tiny_sd_pipeline()
+    unet_names = linears(pipe.unet, "attn1.to_", "attn2.to_", "ff.net")
+    text_names = linears(pipe.text_encoder, "self_attn.", "mlp.fc")
+    sd = kohya_unet_lora(pipe.unet, unet_names)
+    for i, name in enumerate(text_names):
+        A, B = random_pair(pipe.text_encoder.get_submodule(name), 100 + i)
+        base = "lora_te_text_model_" + name.replace(".", "_")
+        sd[base + ".lora_down.weight"], sd[base + ".lora_up.weight"] = A, B
+        sd[base + ".alpha"] = torch.tensor(2.0)
+    path = write(tmp_path, sd)
+    reference = models.tiny_sd_pipeline()
+    reference.load_lora_weights(str(path), adapter_name="style")
+    reference.fuse_lora(lora_scale=0.6)
+    reference.unload_lora_weights()
+    expected = models.run(reference)
+    plan = transformdsl.plan(pipe, script(path, scale=0.6))
+    assert any("component 'text_encoder' left alone" in n for n in plan.steps[0].notes)
+    transformdsl.transform(pipe, f'lora "{path}" scale=0.6\nlora "{path}" scale=0.6 component=text_encoder')
+    assert close(models.run(pipe), expected, 1e-4)
+    assert not close(models.run(models.tiny_sd_pipeline()), expected, 1e-4)

@@ -130,7 +130,7 @@ def convert(state: dict[str, torch.Tensor], root: nn.Module, component: str, fil
         if set(parts) != {"lora_A", "lora_B"}:
             missing = "lora_B" if "lora_A" in parts else "lora_A"
             raise TransformError(f"{file}: module '{module}' has no {missing} (a LoRA needs both A and B)")
-        alpha = alphas.get(module)
+        alpha = alphas.get(module, alphas.get(id(parts["lora_A"])))
         out[module] = Pair(parts["lora_A"], parts["lora_B"], None if alpha is None else _number(alpha))
     return Converted(out, {k: len(v) for k, v in others.items()}, via)
 
@@ -155,11 +155,15 @@ def _split_component(key: str) -> tuple[str | None, str]:
 
 
 def _library_conversion(state: dict, root: nn.Module, file: str) -> tuple[dict, dict, str]:
-    """``state`` through the library converters for ``root``'s class; (state, alphas, what converted it)."""
-    alphas: dict[str, Any] = {}
+    """``state`` through the library converters for ``root``'s class; (state, alphas by the identity of
+    their A tensor, what converted it)."""
+    alphas: dict[Any, Any] = {}
     via = "as written (diffusers/PEFT keys)"
-    mixin_name = MIXINS.get(type(root).__name__)
-    if mixin_name is not None and type(root).__module__.startswith("diffusers"):
+    mixin_name = MIXINS.get(type(root).__name__) if type(root).__module__.startswith("diffusers") else None
+    if mixin_name is None and any(k.startswith(("lora_te", "lora_unet_")) for k in state):
+        # kohya keys for a pipeline's text encoder (lora_te_, lora_te1_...): the Stable Diffusion loader's
+        mixin_name = "StableDiffusionLoraLoaderMixin"
+    if mixin_name is not None:
         import diffusers.loaders as loaders
 
         mixin = getattr(loaders, mixin_name, None)
@@ -180,16 +184,38 @@ def _library_conversion(state: dict, root: nn.Module, file: str) -> tuple[dict, 
             else:
                 state, network_alphas = result, None
             via = f"diffusers {mixin_name}.lora_state_dict"
-            for key, value in (network_alphas or {}).items():
-                alphas[_alpha_module(key)] = value
+            alphas.update(_alphas_by_tensor(state, network_alphas or {}))
     if any(".lora.down." in k or ".lora.up." in k or "_lora.down." in k or "_lora.up." in k
            or "lora_linear_layer" in k for k in state):
-        from diffusers.utils import convert_unet_state_dict_to_peft
-
-        state = convert_unet_state_dict_to_peft(state)
-        via += " + convert_unet_state_dict_to_peft"
+        state = _older_diffusers_to_peft(state, root)
+        via += " + diffusers' convert_*_to_peft"
     # PEFT keys with the adapter's name (`lora_A.default.weight`) read as the plain ones.
-    return state, {k.split(".", 1)[1] if k.split(".", 1)[0] in COMPONENTS else k: v for k, v in alphas.items()}, via
+    return state, alphas, via
+
+
+def _older_diffusers_to_peft(state: dict, root: nn.Module) -> dict:
+    """diffusers' older keys in PEFT's form, converted as diffusers' loaders do: a text encoder's with
+    ``convert_state_dict_to_diffusers`` then ``convert_state_dict_to_peft`` (and without the
+    ``text_model.`` level that transformers 5's CLIPTextModel no longer has), a denoiser's with
+    ``convert_unet_state_dict_to_peft``."""
+    from diffusers.utils import convert_state_dict_to_diffusers, convert_state_dict_to_peft, \
+        convert_unet_state_dict_to_peft
+
+    parts: dict[str, dict] = {}
+    for key, value in state.items():
+        owner, rest = _split_component(key)
+        parts.setdefault(owner or "", {})[rest] = value
+    out = {}
+    for owner, part in parts.items():
+        text = owner.startswith("text_encoder") or (not owner and not type(root).__module__.startswith("diffusers"))
+        if text:
+            part = convert_state_dict_to_peft(convert_state_dict_to_diffusers(part))
+            if not hasattr(root, "text_model"):
+                part = {k.removeprefix("text_model."): v for k, v in part.items()}
+        elif not all("lora_A" in k or "lora_B" in k or k.endswith(".alpha") for k in part):
+            part = convert_unet_state_dict_to_peft(part)
+        out.update({f"{owner}.{k}" if owner else k: v for k, v in part.items()})
+    return out
 
 
 def _parameters(function) -> tuple[str, ...]:
@@ -201,18 +227,18 @@ def _parameters(function) -> tuple[str, ...]:
         return ()
 
 
-def _alpha_module(key: str) -> str:
-    """The module path (with its component prefix) a diffusers ``network_alphas`` key belongs to:
-    ``unet.x.alpha`` or the older ``unet.x.processor.to_q_lora.down.weight.alpha``."""
-    from diffusers.utils import convert_unet_state_dict_to_peft
-
-    stem = key[: -len(".alpha")] if key.endswith(".alpha") else key
-    if stem.endswith(".down.weight"):
-        fake = stem
-    else:
-        fake = stem + ".lora.down.weight"
-    (converted,) = convert_unet_state_dict_to_peft({fake: 0}).keys()
-    return converted.rsplit(".lora_A.", 1)[0]
+def _alphas_by_tensor(state: dict, network_alphas: dict) -> dict:
+    """diffusers' ``network_alphas`` (``unet.x.alpha``, or ``<A key>.alpha`` in its older keys) keyed by
+    the identity of the A tensor they scale: the key conversions that follow rename keys but keep
+    the tensors, so the alpha finds its module whatever the module ends up being called."""
+    out = {}
+    for key, value in network_alphas.items():
+        stem = key[: -len(".alpha")] if key.endswith(".alpha") else key
+        for candidate in (stem, f"{stem}.lora.down.weight", f"{stem}.lora_A.weight", f"{stem}.lora_down.weight"):
+            if candidate in state:
+                out[id(state[candidate])] = value
+                break
+    return out
 
 
 # --------------------------------------------------------------------------- modules
