@@ -464,3 +464,34 @@ def test_a_kohya_file_for_unet_and_text_encoder_equals_the_pipelines_load_lora_w
     transformdsl.transform(pipe, f'lora "{path}" scale=0.6\nlora "{path}" scale=0.6 component=text_encoder')
     assert close(models.run(pipe), expected, 1e-4)
     assert not close(models.run(models.tiny_sd_pipeline()), expected, 1e-4)
+
+
+# --------------------------------------------------------------------------- compile
+
+
+@pytest.mark.slow
+def test_compiled_fullgraph_a_scale_change_reuses_the_graph_disabling_compiles_once(tmp_path):
+    import torch._dynamo.utils as dynamo_utils
+
+    torch._dynamo.reset()
+    flux = models.tiny_flux()
+    path = write(tmp_path, diffusers_lora(flux, "transformer", linears(flux, "attn.to_", "ff.net")))
+    transformdsl.transform(flux, script(path, "fuse qkv\nquantize int8 weight_only=true\ncompile fullgraph=true "
+                                        "backend=eager", merge="false"))
+
+    def graphs():
+        return dynamo_utils.counters["stats"]["unique_graphs"]
+
+    first = models.run(flux)
+    compiled = graphs()
+    transformdsl.set_lora(flux, "style", 0.3)
+    scaled = models.run(flux)
+    assert graphs() == compiled and not torch.equal(first, scaled)  # the scale is a buffer the graph reads
+    transformdsl.set_lora(flux, "style", enabled=False)
+    off = models.run(flux)
+    assert graphs() == compiled + 1  # `enabled` is guarded: one more graph...
+    transformdsl.set_lora(flux, "style", enabled=True)
+    assert torch.equal(models.run(flux), scaled)
+    transformdsl.set_lora(flux, "style", enabled=False)
+    assert torch.equal(models.run(flux), off) and graphs() == compiled + 1  # ...then both are cached
+    torch._dynamo.reset()

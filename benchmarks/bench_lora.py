@@ -1,0 +1,180 @@
+"""``lora``: a merged LoRA under nf4, and a switchable one's cost per call, against diffusers/PEFT by hand.
+
+    .venv/bin/python benchmarks/bench_lora.py [--heads 4] [--rank 16] [--rounds 5]
+
+Writes ``benchmarks/results/lora.md``.  On a Flux of FLUX.1's head size (``--heads 4``: width 512;
+24 = FLUX.1's 3072) with one double and one single block, read with ``from_pretrained`` as a user
+does, a LoRA (diffusers keys, random weights, rank ``--rank``) on every attention projection and
+feed-forward layer, one torch thread, in one process:
+
+- **merged + nf4**: ``transform(model, 'lora "X"; quantize nf4')`` against diffusers by hand
+  (``load_lora_adapter`` + ``fuse_lora`` + ``unload_lora``, then bitsandbytes ``Linear4bit`` on the same
+  layers: :func:`baselines.bnb_4bit`).  Load time = ``from_pretrained`` + LoRA + quantization; latency
+  = one forward on the built-in sample input.  Both sides compute the same weights (the max difference
+  of their outputs is shown).
+- **switchable**: the extra time per call of the adapters (``lora "X" merge=false``) against PEFT's
+  (``load_lora_adapter``, unfused: PEFT's ``LoraLayer``), each minus the same model without a LoRA;
+  and beside nf4 layers (ours: ``lora "X" merge=false; quantize nf4``; PEFT: its ``Linear4bit`` LoRA
+  layer on :func:`baselines.bnb_4bit`).
+
+The sides run in turn, round after round, in ABBA order after the first; a round's latency is the
+fastest of 5 calls, a comparison the median over rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from common import header, table, write  # noqa: E402
+
+import baselines  # noqa: E402
+import workloads  # noqa: E402
+import transformdsl  # noqa: E402
+
+
+def lora_file(model: torch.nn.Module, rank: int, path: Path) -> Path:
+    """A diffusers-format LoRA on the attention projections and feed-forward layers (seed 0)."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    sd = {}
+    for name, module in model.named_modules():
+        if type(module) is torch.nn.Linear and (".attn." in name or ".ff" in name or "proj_mlp" in name):
+            sd[f"transformer.{name}.lora_A.weight"] = torch.randn(rank, module.in_features) / module.in_features ** 0.5
+            sd[f"transformer.{name}.lora_B.weight"] = torch.randn(module.out_features, rank) * 0.01
+    save_file(sd, str(path))
+    return path
+
+
+def by_hand_merged_nf4(workload, path: Path) -> torch.nn.Module:
+    model = workloads.read(workload)
+    model.load_lora_adapter(str(path), prefix="transformer", adapter_name="style")
+    model.fuse_lora()
+    model.unload_lora()
+    return baselines.bnb_4bit("nf4")(model).eval()
+
+
+def ours(workload, script: str) -> torch.nn.Module:
+    model = workloads.read(workload)
+    transformdsl.transform(model, script)
+    return model.eval()
+
+
+def peft(workload, path: Path, nf4: bool = False) -> torch.nn.Module:
+    model = workloads.read(workload)
+    if nf4:
+        model = baselines.bnb_4bit("nf4")(model)
+    model.load_lora_adapter(str(path), prefix="transformer", adapter_name="style")
+    return model.eval()
+
+
+def timed(build) -> tuple[float, torch.nn.Module]:
+    start = time.perf_counter()
+    model = build()
+    return time.perf_counter() - start, model
+
+
+def latency(model, inputs, calls: int = 5) -> float:
+    """The fastest of ``calls`` calls (after one warm-up): the least disturbed by other processes."""
+    times = []
+    with torch.inference_mode():
+        workloads.forward(model, inputs)
+        for _ in range(calls):
+            start = time.perf_counter()
+            workloads.forward(model, inputs)
+            times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def rounds(sides: dict, n: int, measure) -> dict[str, list[float]]:
+    """``measure(build)`` for each side, the sides in turn, ABBA after the first round."""
+    out = {name: [] for name in sides}
+    names = list(sides)
+    for r in range(n):
+        order = names if r % 2 == 0 else names[::-1]
+        for name in order:
+            out[name].append(measure(sides[name]))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    workload = workloads.flux(f"h{args.heads}", args.heads)
+    workloads.prepare(workload)
+    path = lora_file(workloads.read(workload), args.rank, workloads.WORK / f"lora-h{args.heads}-r{args.rank}.safetensors")
+    sample = workloads.sample(workloads.read(workload))
+
+    # merged + nf4: load time and latency
+    merged = {"transformdsl: lora + quantize nf4": lambda: ours(workload, f'lora "{path}"\nquantize nf4'),
+              "diffusers fuse_lora + bitsandbytes by hand": lambda: by_hand_merged_nf4(workload, path)}
+    loads = rounds(merged, args.rounds, lambda build: timed(build)[0])
+    models_ = {name: build() for name, build in merged.items()}
+    calls = rounds(models_, args.rounds, lambda model: latency(model, sample))
+    with torch.inference_mode():
+        outputs = [workloads.forward(m, sample) for m in models_.values()]
+    difference = (outputs[0] - outputs[1]).abs().max().item()
+    a, b = merged
+    rows = [{"comparison": "merged LoRA + nf4: load (from_pretrained + LoRA + quantize)",
+             "transformdsl": f"{statistics.median(loads[a]) * 1e3:.0f} ms",
+             "by hand": f"{statistics.median(loads[b]) * 1e3:.0f} ms",
+             "ratio": f"{statistics.median(x / y for x, y in zip(loads[a], loads[b])):.2f}×"},
+            {"comparison": "merged LoRA + nf4: latency per call",
+             "transformdsl": f"{statistics.median(calls[a]) * 1e3:.1f} ms",
+             "by hand": f"{statistics.median(calls[b]) * 1e3:.1f} ms",
+             "ratio": f"{statistics.median(x / y for x, y in zip(calls[a], calls[b])):.2f}×"}]
+
+    # switchable: overhead per call, each side over its own model without a LoRA
+    for label, script, nf4 in (("float", f'lora "{path}" merge=false', False),
+                               ("nf4", f'lora "{path}" merge=false\nquantize nf4', True)):
+        plain = workloads.read(workload)  # float: one base for both sides
+        sides = {"ours base": ours(workload, "quantize nf4") if nf4 else plain,
+                 "ours": ours(workload, script),
+                 "peft base": baselines.bnb_4bit("nf4")(workloads.read(workload)).eval() if nf4 else plain,
+                 "peft": peft(workload, path, nf4)}
+        if not nf4:
+            del sides["peft base"]
+        calls = rounds(sides, args.rounds, lambda model: latency(model, sample))
+        ours_over = statistics.median(o - n for o, n in zip(calls["ours"], calls["ours base"]))
+        peft_over = statistics.median(p - n for p, n in zip(calls["peft"], calls["peft base" if nf4 else "ours base"]))
+        with torch.inference_mode():
+            check = (workloads.forward(sides["ours"], sample) - workloads.forward(sides["peft"], sample)).abs().max()
+        rows.append({"comparison": f"switchable adapters beside {label} layers: time added per call (bases: ours "
+                                   f"{statistics.median(calls['ours base']) * 1e3:.1f} ms, PEFT's "
+                                   f"{statistics.median(calls['peft base' if nf4 else 'ours base']) * 1e3:.1f} ms; "
+                                   "outputs differ by "
+                                   f"{check.item():.1e})",
+                     "transformdsl": f"{ours_over * 1e3:.2f} ms",
+                     "by hand": f"{peft_over * 1e3:.2f} ms (PEFT)",
+                     "ratio": f"{ours_over / peft_over:.2f}×" if peft_over > 0 else "-"})
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "unknown CPU") if Path("/proc/cpuinfo").exists() else "unknown CPU"
+    write("lora.md", "\n".join([
+        header("lora: merged under nf4, and switchable adapters, against diffusers/PEFT by hand"), "",
+        f"Command: `.venv/bin/python benchmarks/bench_lora.py --heads {args.heads} --rank {args.rank} "
+        f"--rounds {args.rounds}` (Flux, width {128 * args.heads}, 1 double + 1 single block; LoRA rank "
+        f"{args.rank} on every attention projection and feed-forward layer; CPU: {cpu}; 1 torch thread; the "
+        "sides in turn, ABBA; a round's latency the fastest of 5 calls, the median over rounds).", "",
+        table(rows, ["comparison", "transformdsl", "by hand", "ratio"]), "",
+        f"Merged: the two sides' outputs differ by {difference:.1e}: the merged weights are equal up to float "
+        "rounding, and a weight at the edge between two nf4 codes may round to the other one.  The merged LoRA "
+        "adds nothing to a call: the latency ratio is `quantize nf4`'s own against bitsandbytes by hand "
+        "(RESULTS.md, flux-medium 'quantize nf4' row).  Switchable: ours adds `scale * (x @ A.T) @ B.T` in "
+        "the layer's forward; PEFT's LoraLayer does the same with dropout, per-adapter dictionaries and dtype "
+        "casts around it.  Beside nf4 layers both sides' outputs differ by the two quantizations' own "
+        "difference (ours is `quantize nf4`, PEFT's sits on bitsandbytes by hand).", ""]))
+
+
+if __name__ == "__main__":
+    main()
