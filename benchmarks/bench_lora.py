@@ -1,6 +1,6 @@
 """``lora``: a merged LoRA under nf4, and a switchable one's cost per call, against diffusers/PEFT by hand.
 
-    .venv/bin/python benchmarks/bench_lora.py [--heads 4] [--rank 16] [--rounds 5]
+    .venv/bin/python benchmarks/bench_lora.py [--heads 4] [--rank 16] [--rounds 5] [--compile]
 
 Writes ``benchmarks/results/lora.md``.  On a Flux of FLUX.1's head size (``--heads 4``: width 512;
 24 = FLUX.1's 3072) with one double and one single block, read with ``from_pretrained`` as a user
@@ -16,6 +16,8 @@ feed-forward layer, one torch thread, in one process:
   (``load_lora_adapter``, unfused: PEFT's ``LoraLayer``), each minus the same model without a LoRA;
   and beside nf4 layers (ours: ``lora "X" merge=false; quantize nf4``; PEFT: its ``Linear4bit`` LoRA
   layer on :func:`baselines.bnb_4bit`).
+
+``--compile`` adds a compiled model's scale changes and toggles (recompiles or not).
 
 The sides run in turn, round after round, in ABBA order after the first; a round's latency is the
 fastest of 5 calls, a comparison the median over rounds.
@@ -104,11 +106,39 @@ def rounds(sides: dict, n: int, measure) -> dict[str, list[float]]:
     return out
 
 
+def compile_rows(rank: int) -> list[dict]:
+    """A switchable LoRA under ``compile fullgraph=true`` (inductor) on the tiny Flux (fused, weight-only
+    int8): each call's time and the graphs compiled so far, through scale changes and toggles."""
+    import torch._dynamo.utils as dynamo_utils
+
+    from transformdsl import models
+
+    torch._dynamo.reset()
+    model = models.tiny_flux()
+    path = lora_file(model, rank, workloads.WORK / f"lora-tiny-r{rank}.safetensors")
+    transformdsl.transform(model, f'lora "{path}" merge=false\nfuse qkv\nquantize int8 weight_only=true\n'
+                                  "compile fullgraph=true")
+    rows = []
+    steps = [("first call (compiles)", None), ("second call", None), ("set_lora(scale=0.3)", {"scale": 0.3}),
+             ("set_lora(enabled=False)", {"enabled": False}), ("set_lora(enabled=True)", {"enabled": True}),
+             ("set_lora(enabled=False) again", {"enabled": False}), ("set_lora(scale=0.7)", {"scale": 0.7})]
+    for label, change in steps:
+        if change:
+            transformdsl.set_lora(model, "style", change.get("scale"), enabled=change.get("enabled"))
+        start = time.perf_counter()
+        models.run(model)
+        rows.append({"step": label, "next call": f"{time.perf_counter() - start:.3f} s",
+                     "graphs compiled so far": dynamo_utils.counters["stats"]["unique_graphs"]})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--compile", action="store_true", help="also measure a compiled model's scale changes "
+                        "and toggles (inductor; minutes)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     workload = workloads.flux(f"h{args.heads}", args.heads)
@@ -163,7 +193,7 @@ def main() -> None:
     write("lora.md", "\n".join([
         header("lora: merged under nf4, and switchable adapters, against diffusers/PEFT by hand"), "",
         f"Command: `.venv/bin/python benchmarks/bench_lora.py --heads {args.heads} --rank {args.rank} "
-        f"--rounds {args.rounds}` (Flux, width {128 * args.heads}, 1 double + 1 single block; LoRA rank "
+        f"--rounds {args.rounds}{' --compile' if args.compile else ''}` (Flux, width {128 * args.heads}, 1 double + 1 single block; LoRA rank "
         f"{args.rank} on every attention projection and feed-forward layer; CPU: {cpu}; 1 torch thread; the "
         "sides in turn, ABBA; a round's latency the fastest of 5 calls, the median over rounds).", "",
         table(rows, ["comparison", "transformdsl", "by hand", "ratio"]), "",
@@ -173,7 +203,14 @@ def main() -> None:
         "(RESULTS.md, flux-medium 'quantize nf4' row).  Switchable: ours adds `scale * (x @ A.T) @ B.T` in "
         "the layer's forward; PEFT's LoraLayer does the same with dropout, per-adapter dictionaries and dtype "
         "casts around it.  Beside nf4 layers both sides' outputs differ by the two quantizations' own "
-        "difference (ours is `quantize nf4`, PEFT's sits on bitsandbytes by hand).", ""]))
+        "difference (ours is `quantize nf4`, PEFT's sits on bitsandbytes by hand).", "",
+        *(["## With compile", "",
+           "`lora \"X\" merge=false; fuse qkv; quantize int8 weight_only=true; compile fullgraph=true` on the tiny "
+           "Flux (inductor, 1 thread): each step, then the time of the next call and the graphs dynamo has "
+           "compiled so far (`torch._dynamo.utils.counters['stats']['unique_graphs']`).", "",
+           table(compile_rows(args.rank), ["step", "next call", "graphs compiled so far"]), "",
+           "The scale is a buffer the graph reads: no recompile.  `enabled` is guarded: the first call in each "
+           "state compiles once, then both graphs are cached.", ""] if args.compile else [])]))
 
 
 if __name__ == "__main__":

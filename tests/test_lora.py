@@ -495,3 +495,16 @@ def test_compiled_fullgraph_a_scale_change_reuses_the_graph_disabling_compiles_o
     transformdsl.set_lora(flux, "style", enabled=False)
     assert torch.equal(models.run(flux), off) and graphs() == compiled + 1  # ...then both are cached
     torch._dynamo.reset()
+
+
+def test_an_in_clause_narrows_the_modules_the_file_names(tmp_path):
+    flux = models.tiny_flux()
+    sd = diffusers_lora(flux, "transformer", linears(flux, "attn.to_"))
+    path = write(tmp_path, sd)
+    before = {k: v.clone() for k, v in flux.state_dict().items()}
+    plan = transformdsl.plan(flux, f'lora "{path}" in single_transformer_blocks')
+    assert plan.steps[0].targets == ["single_transformer_blocks"]
+    assert "6 module(s)" in plan.steps[0].notes[0]  # to_q, to_k, to_v of the two single blocks
+    transformdsl.transform(flux, plan)
+    changed = {k.rsplit(".", 1)[0] for k, v in flux.state_dict().items() if not torch.equal(v, before[k])}
+    assert changed and all(k.startswith("single_transformer_blocks.") for k in changed)

@@ -46,9 +46,10 @@ class Lora(LoraDeclaration):
             header = files.read_header(path)
         except files.LoraFileError as exc:
             self._fail(str(exc))
-        root = info.module
+        # The component's root: the file names modules from there (the `in` clause only narrows them).
+        root = tree[""].module if "" in tree and tree[""].module is not None else info.module
         display = _display(path)
-        notes = self.__dict__.setdefault("_notes", [])
+        notes = self.__dict__.setdefault("_notes", {})[info.path] = []
         try:
             converted = keys.convert(keys.placeholders(header.tensors), root, self.common.component, display)
         except TransformError as exc:
@@ -57,7 +58,7 @@ class Lora(LoraDeclaration):
             notes.append(f"{display}: keys checked when applied ({type(exc).__name__} on placeholders: "
                          f"{str(exc)[:80]})")
             return None
-        targets, problems = self._resolve(root, converted, display, planning=True)
+        targets, problems = self._resolve(root, converted, display, within=[info.path], notes=notes)
         if problems:
             self._fail(problems[0], hint=problems[1] if len(problems) > 1 else None)
         mode = "merged into the float weights" if self.options.merge else \
@@ -72,14 +73,15 @@ class Lora(LoraDeclaration):
         return None
 
     def notes(self, tree: ModuleTree, targets: list[str]) -> list[str]:
-        return list(self.__dict__.get("_notes", []))
+        planned = self.__dict__.get("_notes", {})
+        return [note for path in targets for note in planned.get(path, [])]
 
-    def _resolve(self, root: nn.Module, converted: keys.Converted, display: str, planning: bool,
-                 within: list[str] | None = None):
+    def _resolve(self, root: nn.Module, converted: keys.Converted, display: str,
+                 within: list[str] | None = None, notes: list[str] | None = None):
         """[(Target, Pair)] for the file's modules, and the problems (message, hint) if any."""
         targets, unmatched, problems = [], [], []
         for named, pair in converted.pairs.items():
-            if within is not None and not below_any(named, frozenset(within)) and "" not in within:
+            if within is not None and not below_any(named, frozenset(within)):
                 continue
             target = layers.resolve(root, named)
             if isinstance(target, str):
@@ -110,8 +112,8 @@ class Lora(LoraDeclaration):
             problems.insert(0, f"{display}: {len(unmatched)} LoRA module(s) match no module of the "
                             f"{type(root).__name__}: {'; '.join(shown)}{more}")
             problems.insert(1, "a LoRA made for another model? unmatched=ignore applies the others")
-        elif unmatched and planning:
-            self.__dict__.setdefault("_notes", []).append(
+        elif unmatched and notes is not None:
+            notes.append(
                 f"{display}: {len(unmatched)} LoRA module(s) ignored (unmatched=ignore): "
                 + ", ".join(n for n, _ in unmatched[:3]) + (" ..." if len(unmatched) > 3 else ""))
         return targets, problems
@@ -149,7 +151,7 @@ class Lora(LoraDeclaration):
         state = load_bytes(data)
         del data
         converted = keys.convert(state, ctx.root, self.common.component, display)
-        pairs, problems = self._resolve(ctx.root, converted, display, planning=False, within=targets)
+        pairs, problems = self._resolve(ctx.root, converted, display, within=targets)
         if problems:
             raise TransformError(problems[0] + (f" ({problems[1]})" if len(problems) > 1 else ""))
         by_layer: dict[str, list[tuple[layers.Target, keys.Pair]]] = defaultdict(list)
