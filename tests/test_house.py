@@ -36,3 +36,57 @@ def test_package_data_copies_match_their_sources():
     declared = (ROOT / "pyproject.toml").read_text()
     for name in ("transformdsl.lark", "demo.tfm", "measured.json"):
         assert f'"{name}"' in declared, f"{name} is not package data"
+
+
+# --------------------------------------------------------------------------- record versions, checked on load
+
+
+def _tampered(tmp_path, script: str, change) -> Path:
+    import json
+
+    import transformdsl
+    from transformdsl import models
+
+    model = transformdsl.transform(models.tiny_llama(), script)
+    directory = tmp_path / "saved"
+    transformdsl.save(model, directory)
+    meta_path = directory / "transformdsl.json"
+    meta = json.loads(meta_path.read_text())
+    change(meta["steps"][0])
+    meta_path.write_text(json.dumps(meta))
+    return directory
+
+
+def test_a_record_newer_than_this_transformdsl_reads_is_refused_naming_the_versions(tmp_path):
+    import pytest
+
+    import transformdsl
+
+    directory = _tampered(tmp_path, "fp8 storage", lambda step: step.update(record_version=7))
+    with pytest.raises(transformdsl.LoadError, match=r"step 'fp8 storage' was saved with record version 7, and "
+                                                     r"this transformdsl reads 'fp8 storage' records up to version 1"):
+        transformdsl.load(directory)
+
+
+def test_a_save_without_record_versions_loads_as_version_1(tmp_path):
+    import torch
+
+    import transformdsl
+    from transformdsl import models
+
+    directory = _tampered(tmp_path, "quantize int8 weight_only=true", lambda step: step.pop("record_version"))
+    reference = models.run(transformdsl.transform(models.tiny_llama(), "quantize int8 weight_only=true"))
+    assert torch.equal(models.run(transformdsl.load(directory)), reference)
+
+
+def test_an_unknown_fp8_layer_kind_is_a_load_error_not_a_guess(tmp_path):
+    import pytest
+
+    import transformdsl
+
+    def change(step):
+        path = next(iter(step["record"]["layers"]))
+        step["record"]["layers"][path]["kind"] = "lstm"
+
+    with pytest.raises(transformdsl.LoadError, match="unknown layer kind 'lstm' in the record"):
+        transformdsl.load(_tampered(tmp_path, "fp8 storage", change))
