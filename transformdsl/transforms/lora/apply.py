@@ -203,6 +203,19 @@ class Lora(LoraDeclaration):
         return {"rank": int(A.shape[0]), "in": int(A.shape[1]), "out": int(B.shape[0]),
                 "dtype": str(dtype).removeprefix("torch."), "parts": [t.to_json() for t, _ in parts]}
 
+    # ------------------------------------------------------------------ other formats
+
+    @classmethod
+    def export(cls, step, out) -> None:
+        """A merged LoRA is plain weights (a note names the file); a switchable one is refused."""
+        if not step.record.get("merge", True):
+            raise out.refuse(step, f"a {out.library} checkpoint holds one set of weights, and its LoRAs travel as "
+                             "separate adapter files (load_lora_weights, PEFT)",
+                             "merge it (merge=true), or save with format='transformdsl', which keeps the adapter "
+                             "switchable")
+        out.notes.append(f"{out.where(step)}: merged into the weights ({step.record.get('file')}, sha256 "
+                         f"{str(step.record.get('sha256'))[:12]}...); {out.library} loads them as plain weights")
+
     # ------------------------------------------------------------------ loading
 
     @classmethod
