@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 import transformdsl
 from transformdsl import ScriptError, TransformError, models
-from transformdsl.executor import history_of
+from transformdsl.history import history_of
 
 ROOT = Path(__file__).resolve().parent.parent
 RANK = 4
