@@ -90,7 +90,7 @@ class Lora(Transform):
         if other.verb != "lora" or other is self or other.statement.line < self.statement.line:
             return None
         if other.adapter_name == self.adapter_name and other.common.component == self.common.component \
-                and not (self.options.merge and other.options.merge):
+                and not self.options.merge and not other.options.merge:  # merged LoRAs leave no adapter
             return (f"two LoRAs named '{self.adapter_name}'; give one another name (name=...) so that "
                     "set_lora can tell them apart")
         return None

@@ -130,7 +130,7 @@ def delta(A: torch.Tensor, B: torch.Tensor, factor: float, weight_shape: torch.S
 class LoraAdapter(nn.Module):
     """``scale * (x @ A.T) @ B.T``: one named LoRA beside one layer (or its parts' beside a fused one)."""
 
-    def __init__(self, A: torch.Tensor, B: torch.Tensor, scale: float, start: int = 0, stop: int | None = None):
+    def __init__(self, A: torch.Tensor, B: torch.Tensor, scale: float):
         super().__init__()
         self.A = nn.Parameter(A, requires_grad=False)
         self.B = nn.Parameter(B, requires_grad=False)
