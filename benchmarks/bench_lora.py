@@ -12,10 +12,11 @@ feed-forward layer, one torch thread, in one process:
   layers: :func:`baselines.bnb_4bit`).  Load time = ``from_pretrained`` + LoRA + quantization; latency
   = one forward on the built-in sample input.  Both sides compute the same weights (the max difference
   of their outputs is shown).
-- **switchable**: the extra time per call of the adapters (``lora "X" merge=false``) against PEFT's
-  (``load_lora_adapter``, unfused: PEFT's ``LoraLayer``), each minus the same model without a LoRA;
-  and beside nf4 layers (ours: ``lora "X" merge=false; quantize nf4``; PEFT: its ``Linear4bit`` LoRA
-  layer on :func:`baselines.bnb_4bit`).
+- **switchable**: the time the adapters add to a call (``lora "X" merge=false``) against PEFT's
+  (``load_lora_adapter``, unfused: PEFT's ``LoraLayer``): on one model, a call with the adapters on
+  minus one with them off (``set_lora(enabled=...)``; PEFT: ``enable_lora``/``disable_lora``); and
+  beside nf4 layers (ours: ``lora "X" merge=false; quantize nf4``; PEFT: its ``Linear4bit`` LoRA layer
+  on :func:`baselines.bnb_4bit`).
 
 ``--compile`` adds a compiled model's scale changes and toggles (recompiles or not).
 
@@ -116,7 +117,7 @@ def compile_rows(rank: int) -> list[dict]:
     torch._dynamo.reset()
     model = models.tiny_flux()
     path = lora_file(model, rank, workloads.WORK / f"lora-tiny-r{rank}.safetensors")
-    transformdsl.transform(model, f'lora "{path}" merge=false\nfuse qkv\nquantize int8 weight_only=true\n'
+    transformdsl.transform(model, f'lora "{path}" merge=false name=style\nfuse qkv\nquantize int8 weight_only=true\n'
                                   "compile fullgraph=true")
     rows = []
     steps = [("first call (compiles)", None), ("second call", None), ("set_lora(scale=0.3)", {"scale": 0.3}),
@@ -165,26 +166,34 @@ def main() -> None:
              "by hand": f"{statistics.median(calls[b]) * 1e3:.1f} ms",
              "ratio": f"{statistics.median(x / y for x, y in zip(calls[a], calls[b])):.2f}×"}]
 
-    # switchable: overhead per call, each side over its own model without a LoRA
-    for label, script, nf4 in (("float", f'lora "{path}" merge=false', False),
-                               ("nf4", f'lora "{path}" merge=false\nquantize nf4', True)):
-        plain = workloads.read(workload)  # float: one base for both sides
-        sides = {"ours base": ours(workload, "quantize nf4") if nf4 else plain,
-                 "ours": ours(workload, script),
-                 "peft base": baselines.bnb_4bit("nf4")(workloads.read(workload)).eval() if nf4 else plain,
-                 "peft": peft(workload, path, nf4)}
-        if not nf4:
-            del sides["peft base"]
-        calls = rounds(sides, args.rounds, lambda model: latency(model, sample))
-        ours_over = statistics.median(o - n for o, n in zip(calls["ours"], calls["ours base"]))
-        peft_over = statistics.median(p - n for p, n in zip(calls["peft"], calls["peft base" if nf4 else "ours base"]))
+    # switchable: the time the adapters add to a call, each side measured on one model with its
+    # adapters on, then off (ours: set_lora(enabled=...); PEFT: enable_lora / disable_lora)
+    for label, script, nf4 in (("float", f'lora "{path}" merge=false name=style', False),
+                               ("nf4", f'lora "{path}" merge=false name=style\nquantize nf4', True)):
+        sides = {"ours": ours(workload, script), "peft": peft(workload, path, nf4)}
+
+        def toggle(name: str, on: bool) -> None:
+            if name == "ours":
+                transformdsl.set_lora(sides["ours"], "style", enabled=on)
+            elif on:
+                sides["peft"].enable_lora()
+            else:
+                sides["peft"].disable_lora()
+
+        def added(name: str) -> float:
+            toggle(name, True)
+            with_adapters = latency(sides[name], sample)
+            toggle(name, False)
+            without = latency(sides[name], sample)
+            toggle(name, True)
+            return with_adapters - without
+
+        over = rounds({name: name for name in sides}, args.rounds, added)
         with torch.inference_mode():
             check = (workloads.forward(sides["ours"], sample) - workloads.forward(sides["peft"], sample)).abs().max()
-        rows.append({"comparison": f"switchable adapters beside {label} layers: time added per call (bases: ours "
-                                   f"{statistics.median(calls['ours base']) * 1e3:.1f} ms, PEFT's "
-                                   f"{statistics.median(calls['peft base' if nf4 else 'ours base']) * 1e3:.1f} ms; "
-                                   "outputs differ by "
-                                   f"{check.item():.1e})",
+        ours_over, peft_over = statistics.median(over["ours"]), statistics.median(over["peft"])
+        rows.append({"comparison": f"switchable adapters beside {label} layers: time they add to a call (on "
+                                   f"minus off, same model; outputs of the two sides differ by {check.item():.1e})",
                      "transformdsl": f"{ours_over * 1e3:.2f} ms",
                      "by hand": f"{peft_over * 1e3:.2f} ms (PEFT)",
                      "ratio": f"{ours_over / peft_over:.2f}×" if peft_over > 0 else "-"})
