@@ -18,7 +18,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from . import quiet
 from .errors import LoadError, ScriptError, TransformError
+
+quiet.install()  # before anything imports bitsandbytes (diffusers and transformers do): see quiet.py
 
 __version__ = "0.1.0"
 

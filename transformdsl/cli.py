@@ -33,7 +33,8 @@ def _read_script(path: str):
     return parse_file(path)
 
 
-def _model(spec: str):
+def _model(spec: str, dtype: str = "auto"):
+    from .dtypes import parse_dtype
     from .models import resolve_model
 
     directory = os.path.expanduser(spec)
@@ -41,9 +42,12 @@ def _model(spec: str):
         # A transformdsl save (``apply --out``): loaded as `load` would, its transforms replayed.
         from .persist import load
 
+        if dtype != "auto":
+            raise TransformError(f"--model {spec}: a transformdsl save is read in the dtypes it was saved in; "
+                                 "drop --dtype")
         return load(directory)
     try:
-        return resolve_model(spec)
+        return resolve_model(spec, dtype=parse_dtype(dtype))
     except ValueError as exc:
         message = str(exc)  # resolve_model names the spec itself in most messages: not twice
         raise TransformError(message if message.startswith("--model ") else f"--model {spec}: {message}") from None
@@ -69,7 +73,7 @@ def cmd_check(args) -> int:
 def cmd_explain(args) -> int:
     from .planner import plan
 
-    the_plan = plan(_model(args.model), _read_script(args.file))
+    the_plan = plan(_model(args.model, args.dtype), _read_script(args.file))
     if args.json:
         print(json.dumps(the_plan.to_json(), indent=1))
     else:
@@ -82,7 +86,7 @@ def cmd_apply(args) -> int:
     from .persist import save
     from .planner import plan
 
-    model = _model(args.model)
+    model = _model(args.model, args.dtype)
     script = _read_script(args.file)
     the_plan = plan(model, script)
     if not args.quiet:
@@ -288,9 +292,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     model_help = ("a built-in tiny model (unet, sd3, flux, llama, gpt2, sd-pipeline), a local diffusers or "
                   "transformers directory, or package.module:factory")
+    dtype_help = ("floating dtype to read the model in: auto (default: a directory's checkpoint dtype; the built-ins "
+                  "are float32), float32, bfloat16 or float16; the plan's first line says which")
     p = sub.add_parser("explain", help="show what a script will do to a model")
     p.add_argument("file", metavar="FILE")
     p.add_argument("--model", required=True, metavar="SPEC", help=model_help)
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"), help=dtype_help)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("-q", "--quiet", action="store_true",
                    help="no warnings or progress bars from the model libraries")
@@ -299,6 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("apply", help="transform a model and save it")
     p.add_argument("file", metavar="FILE")
     p.add_argument("--model", required=True, metavar="SPEC", help=model_help)
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"), help=dtype_help)
     p.add_argument("--out", metavar="DIR", help="directory to save the transformed model to")
     p.add_argument("--format", default="transformdsl", choices=("transformdsl", "transformers", "diffusers", "compressed-tensors"),
                    help="layout of the save: transformdsl's (default), or one the library's stock from_pretrained "

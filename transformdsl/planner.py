@@ -133,6 +133,8 @@ class Plan:
     components: dict[str, str]
     module_count: int
     total_bytes: int
+    #: Component (``""`` for a plain module) -> the floating dtype holding most of its parameters.
+    dtypes: dict[str, str] = field(default_factory=dict)
 
     def __iter__(self):
         return iter(self.steps)
@@ -146,6 +148,7 @@ class Plan:
             "components": self.components,
             "modules": self.module_count,
             "bytes": self.total_bytes,
+            "dtypes": self.dtypes,
             "steps": [s.to_json(self.script.source) for s in self.steps],
         }
 
@@ -218,8 +221,11 @@ class Planner:
                            for n, m in self.components.items())
         total = sum(self.trees[n].total_bytes if n in self.trees else parameter_bytes(m)
                     for n, m in self.components.items())
+        from .dtypes import model_dtypes
+
         return Plan(self.script, steps, type(self.model).__name__,
-                    {name: type(m).__name__ for name, m in self.components.items()}, module_count, total)
+                    {name: type(m).__name__ for name, m in self.components.items()}, module_count, total,
+                    model_dtypes(self.model))
 
     def _component_problem(self, transform: Transform, component: str) -> None:
         statement = transform.statement

@@ -1,0 +1,134 @@
+"""What a new user meets in the first hour (round 3): the command line on real checkpoints.
+
+Each test reproduces one thing a newcomer ran into (a bf16 checkpoint read in float32, a
+library's log line about a package they do not need, a verify that silently compiles, ...)
+and checks what the command says or does now.  Commands run in-process through
+``transformdsl.cli.main``, except where the process itself is what is checked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from transformdsl.cli import main
+from transformdsl.models import tiny_flux, tiny_llama, tiny_sd_pipeline
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+
+
+def cli(capsys, *argv) -> tuple[int, str, str]:
+    try:
+        status = main([str(a) for a in argv])
+    except SystemExit as exit_:  # argparse: usage errors
+        status = exit_.code
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+@pytest.fixture(scope="module")
+def bf16_dirs(tmp_path_factory):
+    """A bf16 Flux (diffusers), a bf16 Llama (transformers) and a pipeline whose UNet is bf16."""
+    root = tmp_path_factory.mktemp("bf16")
+    tiny_flux().to(torch.bfloat16).save_pretrained(root / "flux")
+    tiny_llama().to(torch.bfloat16).save_pretrained(root / "llama")
+    pipe = tiny_sd_pipeline()
+    pipe.unet = pipe.unet.to(dtype=torch.bfloat16)
+    pipe.save_pretrained(root / "pipe")
+    return root
+
+
+# --------------------------------------------------------------------------- the checkpoint's dtype
+
+
+def test_explain_reads_a_bf16_diffusers_checkpoint_in_bf16_and_says_so(capsys, bf16_dirs):
+    status, out, _ = cli(capsys, "explain", EXAMPLES / "demo.tfm", "--model", bf16_dirs / "flux")
+    assert status == 0
+    first = out.splitlines()[0]
+    # 95.1 KiB in float32 (diffusers' default) before; the checkpoint's own dtype and size now
+    assert first == "model: FluxTransformer2DModel: 87 modules, 47.5 KiB of parameters in bfloat16"
+
+
+@pytest.mark.parametrize("name, dtype, size", [("float32", "float32", "95.1 KiB"), ("float16", "float16", "47.5 KiB")])
+def test_dtype_flag_reads_the_model_in_that_dtype(capsys, bf16_dirs, name, dtype, size):
+    status, out, _ = cli(capsys, "explain", EXAMPLES / "demo.tfm", "--model", bf16_dirs / "flux", "--dtype", name)
+    assert status == 0
+    assert out.splitlines()[0].endswith(f"{size} of parameters in {dtype}")
+
+
+def test_dtype_flag_casts_a_builtin(capsys):
+    status, out, _ = cli(capsys, "explain", EXAMPLES / "gpt2_int8.tfm", "--model", "gpt2", "--dtype", "bfloat16")
+    assert status == 0
+    assert out.splitlines()[0].endswith("of parameters in bfloat16")
+
+
+def test_a_transformers_and_a_pipeline_checkpoint_keep_their_dtypes(capsys, bf16_dirs):
+    status, out, _ = cli(capsys, "explain", EXAMPLES / "quantize_llm.tfm", "--model", bf16_dirs / "llama")
+    assert status == 0 and out.splitlines()[0].endswith("in bfloat16")
+    status, out, _ = cli(capsys, "explain", EXAMPLES / "sd_pipeline.tfm", "--model", bf16_dirs / "pipe")
+    assert status == 0
+    # the UNet was read in float32 before (diffusers' default), the text encoder in its own float32
+    assert out.splitlines()[0].endswith("of parameters in float32 (unet: bfloat16)")
+
+
+def test_apply_on_a_bf16_checkpoint_saves_a_smaller_model_than_its_input(capsys, bf16_dirs, tmp_path):
+    status, out, _ = cli(capsys, "apply", EXAMPLES / "demo.tfm", "--model", bf16_dirs / "flux",
+                         "--out", tmp_path / "out")
+    assert status == 0, out
+    source = sum(f.stat().st_size for f in (bf16_dirs / "flux").glob("*.safetensors"))
+    saved = sum(f.stat().st_size for f in (tmp_path / "out").glob("*.safetensors"))
+    assert saved < source  # before: 1.4x the input (every unquantized tensor written in float32)
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
+        assert f.get_slice("proj_out.weight").get_dtype() == "BF16"  # left unquantized: as it was read
+
+
+def test_dtype_is_refused_for_a_transformdsl_save(capsys, tmp_path):
+    assert cli(capsys, "apply", EXAMPLES / "gpt2_int8.tfm", "--model", "gpt2", "--out", tmp_path / "s", "-q")[0] == 0
+    status, _, err = cli(capsys, "explain", EXAMPLES / "gpt2_int8.tfm", "--model", tmp_path / "s",
+                         "--dtype", "float16")
+    assert status == 1
+    assert "read in the dtypes it was saved in; drop --dtype" in err
+
+
+def test_the_plan_json_names_the_dtype(capsys, bf16_dirs):
+    status, out, _ = cli(capsys, "explain", EXAMPLES / "demo.tfm", "--model", bf16_dirs / "flux", "--json")
+    assert status == 0
+    assert json.loads(out)["dtypes"] == {"": "bfloat16"}
+
+
+# --------------------------------------------------------------------------- bitsandbytes' import line
+
+
+def test_bitsandbytes_kernels_line_is_dropped_at_its_logger():
+    """The filter sits on bitsandbytes' logger from ``import transformdsl`` on, before diffusers or
+    transformers import bitsandbytes (on AVX512-BF16 CPUs without ``kernels`` it logs at import)."""
+    import logging
+
+    import transformdsl  # noqa: F401
+
+    logger = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    record = logger.makeRecord(logger.name, logging.WARNING, __file__, 1,
+                               "Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please make "
+                               "sure you already `pip install kernels`", ("No module named 'kernels'",), None)
+    assert not logger.filter(record)
+    other = logger.makeRecord(logger.name, logging.WARNING, __file__, 1, "something else", (), None)
+    assert logger.filter(other)
+
+
+def test_make_demo_prints_no_kernels_line():
+    """``make demo`` runs ``python -m transformdsl demo`` (Flux, LLM.int8): its whole output."""
+    done = subprocess.run([sys.executable, "-m", "transformdsl", "demo"], capture_output=True, text=True,
+                          env=ENV, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr
+    output = done.stdout + done.stderr
+    assert "-- save and reload" in output
+    assert "gemm_4bit_forward" not in output and "pip install kernels" not in output
