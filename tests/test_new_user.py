@@ -132,3 +132,33 @@ def test_make_demo_prints_no_kernels_line():
     output = done.stdout + done.stderr
     assert "-- save and reload" in output
     assert "gemm_4bit_forward" not in output and "pip install kernels" not in output
+
+
+# --------------------------------------------------------------------------- inspect: what the stock loader needs
+
+
+def test_inspect_says_a_quantized_diffusers_save_needs_a_gpu_for_the_stock_loader(capsys, tmp_path):
+    script = tmp_path / "q.tfm"
+    script.write_text("quantize int8 except norm, proj_out\n")
+    assert cli(capsys, "apply", script, "--model", "flux", "--out", tmp_path / "d", "--format", "diffusers", "-q")[0] == 0
+    status, out, _ = cli(capsys, "inspect", tmp_path / "d")
+    assert status == 0
+    # before: "saved in the diffusers layout: its stock from_pretrained loads it"
+    assert ("saved in the diffusers layout: its stock from_pretrained loads it only with a GPU (CUDA, XPU or MPS): "
+            "diffusers' bitsandbytes loader refuses without one") in out
+    status, out, _ = cli(capsys, "inspect", tmp_path / "d", "--json")
+    assert "GPU" in json.loads(out)["interop"]["stock_needs"]
+    if not (torch.cuda.is_available() or torch.xpu.is_available() or torch.mps.is_available()):
+        from diffusers import FluxTransformer2DModel
+
+        with pytest.raises(RuntimeError, match="No GPU found"):  # what the line warns of, on this machine
+            FluxTransformer2DModel.from_pretrained(str(tmp_path / "d"), local_files_only=True)
+
+
+def test_inspect_of_a_quantized_transformers_save_needs_nothing_more(capsys, tmp_path):
+    script = tmp_path / "q.tfm"
+    script.write_text("quantize int8\n")
+    assert cli(capsys, "apply", script, "--model", "llama", "--out", tmp_path / "t",
+               "--format", "transformers", "-q")[0] == 0
+    status, out, _ = cli(capsys, "inspect", tmp_path / "t")
+    assert "saved in the transformers layout: its stock from_pretrained loads it\n" in out

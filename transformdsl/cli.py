@@ -251,7 +251,11 @@ def _print_inspect(info: dict, human_bytes, indent: str) -> None:
     if interop.get("imported"):
         print(f"{indent}a {interop['imported']} checkpoint; layers it holds already quantized are listed as applied")
     elif interop.get("format"):
-        print(f"{indent}saved in the {interop['format']} layout: its stock from_pretrained loads it")
+        if interop.get("stock_needs"):
+            print(f"{indent}saved in the {interop['format']} layout: its stock from_pretrained loads it only with "
+                  f"{interop['stock_needs']}; transformdsl.load reads it on any machine")
+        else:
+            print(f"{indent}saved in the {interop['format']} layout: its stock from_pretrained loads it")
         for note in interop["notes"]:
             print(f"{indent}  {note}")
     if info["steps"]:
