@@ -162,3 +162,39 @@ def test_inspect_of_a_quantized_transformers_save_needs_nothing_more(capsys, tmp
                "--format", "transformers", "-q")[0] == 0
     status, out, _ = cli(capsys, "inspect", tmp_path / "t")
     assert "saved in the transformers layout: its stock from_pretrained loads it\n" in out
+
+
+# --------------------------------------------------------------------------- verify and compile
+
+
+def test_apply_verify_checks_before_compiling_and_compiles_nothing(capsys, tmp_path):
+    """Before: the verify samples ran through the compiled model (a full torch.compile of each, with
+    no word); now the check runs on the transformed model just before ``compile`` and says so."""
+    from torch._dynamo.utils import counters
+
+    script = tmp_path / "c.tfm"
+    script.write_text("fuse qkv in *Attention\ncompile fullgraph=false\n")
+    frames = counters["frames"]["total"]
+    status, out, _ = cli(capsys, "apply", script, "--model", "gpt2", "--verify")
+    assert status == 0, out
+    assert counters["frames"]["total"] == frames  # nothing was compiled during apply
+    lines = [line for line in out.splitlines() if line.startswith(("line ", "verify:"))]
+    assert lines[1].startswith("verify: relative error ")
+    assert lines[1].endswith("(checked before compile: it changes no weight, and would compile every sample)")
+    assert lines[2].startswith("line 2: compile fullgraph=false")
+
+
+def test_verify_before_compile_still_rolls_back(monkeypatch):
+    from transformdsl import TransformError, transform
+    from transformdsl.models import run, tiny_gpt2
+    from transformdsl.passes.quantize import Int8Quantization
+
+    model = tiny_gpt2()
+    before, output = {k: v.clone() for k, v in model.state_dict().items()}, run(model)
+    monkeypatch.setattr(Int8Quantization, "error_bound", 1e-6)
+    with pytest.raises(TransformError, match="more than the script's bound"):
+        transform(model, "quantize int8\ncompile fullgraph=false\n", verify=True)
+    assert getattr(model, "_compiled_call_impl", None) is None  # the compile statement never ran
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert torch.equal(run(model), output)
