@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -198,3 +199,32 @@ def test_verify_before_compile_still_rolls_back(monkeypatch):
     after = model.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     assert torch.equal(run(model), output)
+
+
+# --------------------------------------------------------------------------- the script caps count code, not comments
+
+
+def test_a_well_commented_script_is_not_refused():
+    from transformdsl.parser import parse
+
+    lines = []
+    for i in range(300):  # 300 comment lines (with commas and '=' in their prose) around 10 statements
+        lines.append(f"# step {i}: keep norm, embed and the head in float; threshold=6 is the default")
+        if i % 30 == 0:
+            lines.append(f"quantize int8 in layers.{i // 30} except norm  # trailing, comment = fine")
+    script = parse("\n".join(lines))  # before: "script has 310 statements or comments; the limit is 256"
+    assert len(script.statements) == 10
+
+
+@pytest.mark.parametrize("text, message", [
+    ("fuse qkv\n" * 257, "script has 257 statements; the limit is 256"),
+    ("quantize int8 except " + ", ".join(f"a{i}" for i in range(258)) + "\n", "script has 257 commas (selectors)"),
+    # '#' inside a quoted string is no comment: what follows it is counted
+    ("".join(f'quantize int8 in re:"a#{i}" component=x\n' for i in range(257)), "script has 257 statements"),
+])
+def test_the_caps_still_count_statements_selectors_and_options(text, message):
+    from transformdsl import ScriptError
+    from transformdsl.parser import parse
+
+    with pytest.raises(ScriptError, match=re.escape(message)):
+        parse(text)
