@@ -228,3 +228,53 @@ def test_the_caps_still_count_statements_selectors_and_options(text, message):
 
     with pytest.raises(ScriptError, match=re.escape(message)):
         parse(text)
+
+
+# --------------------------------------------------------------------------- --verify on every model kind
+
+
+@pytest.mark.parametrize("model_id", [
+    "transformers/ViT", "transformers/CLIP-vision", "transformers/SigLIP-vision", "transformers/Whisper",
+    "diffusers/UNet2DModel[UNetLDMModel]", "diffusers/UNet2DModel[NCSNppModel]", "transformers/BERT",
+])
+def test_sample_inputs_cover_vision_speech_and_unet2d_models(model_id):
+    """Before: 'not enough values to unpack' (input_ids given to ViT), Whisper's 'expects the mel input
+    features to be of length 60', 'no sample inputs for a UNet2DModel'."""
+    from tests.zoo import corpus
+
+    from transformdsl.models import run, sample_inputs_problem
+
+    model, _ = corpus.build(corpus.entry(model_id))
+    assert sample_inputs_problem(model) is None
+    assert torch.isfinite(run(model)).all()
+
+
+def test_apply_verify_on_a_saved_vision_model(capsys, tmp_path):
+    from tests.zoo import corpus
+
+    model, _ = corpus.build(corpus.entry("transformers/ViT"))
+    model.save_pretrained(tmp_path / "vit")
+    script = tmp_path / "q.tfm"
+    script.write_text("quantize int8\n")
+    status, out, err = cli(capsys, "apply", script, "--model", tmp_path / "vit", "--verify")
+    assert status == 0, err
+    assert "verify: relative error" in out and "within the bound" in out
+
+
+def test_apply_verify_on_a_model_without_sample_inputs_says_why_before_anything_runs(capsys, tmp_path):
+    from tests.zoo import corpus
+
+    model, _ = corpus.build(corpus.entry("diffusers/WanTransformer3DModel"))
+    model.save_pretrained(tmp_path / "wan")
+    status, out, err = cli(capsys, "apply", EXAMPLES / "demo.tfm", "--model", tmp_path / "wan", "--verify",
+                           "--out", tmp_path / "out")
+    assert (status, out) == (1, "")  # no plan printed, nothing transformed
+    assert not (tmp_path / "out").exists()
+    # before: "verify: cannot run the model on its sample input before transforming: ValueError: no sample
+    # inputs for a WanTransformer3DModel; supported: ..., PreTrainedModel, DiffusionPipeline and subclasses;
+    # drop --verify: the command line can feed only the models it knows their sample input ..."
+    assert err == ("error: --verify runs the model on a sample input, which the command line makes from the model's "
+                   "config for UNet2DConditionModel, UNet2DModel, SD3Transformer2DModel, FluxTransformer2DModel, "
+                   "transformers models whose main input is input_ids, pixel_values or input_features, and diffusers "
+                   "pipelines (and subclasses): not for a WanTransformer3DModel; drop --verify, or verify from "
+                   "Python, where transform() takes sample inputs of your own (nothing was changed)\n")

@@ -87,6 +87,8 @@ def cmd_apply(args) -> int:
     from .planner import plan
 
     model = _model(args.model, args.dtype)
+    if args.verify:
+        _check_verify(model)
     script = _read_script(args.file)
     the_plan = plan(model, script)
     if not args.quiet:
@@ -153,8 +155,22 @@ def _cli_words(message: str) -> str:
     """An error of the Python API, its fix said the way the command line can do it."""
     from .executor import VERIFY_INPUTS_HINT
 
-    return message.replace(VERIFY_INPUTS_HINT, "drop --verify: the command line can feed only the models it "
-                                               "knows their sample input (from Python, transform() takes yours)")
+    return message.replace(VERIFY_INPUTS_HINT, _VERIFY_FIX)
+
+
+#: How to do without the command line's sample inputs.
+_VERIFY_FIX = "drop --verify, or verify from Python, where transform() takes sample inputs of your own"
+
+
+def _check_verify(model) -> None:
+    """``--verify`` on a model the command line cannot make a sample input for: refused before anything runs."""
+    from .models import SAMPLE_KINDS, sample_inputs_problem
+
+    problem = sample_inputs_problem(model)
+    if problem:
+        raise TransformError(f"--verify runs the model on a sample input, which the command line makes from the "
+                             f"model's config for {SAMPLE_KINDS} (and subclasses): not for {problem}; "
+                             f"{_VERIFY_FIX} (nothing was changed)")
 
 
 def cmd_fmt(args) -> int:
