@@ -278,3 +278,50 @@ def test_apply_verify_on_a_model_without_sample_inputs_says_why_before_anything_
                    "transformers models whose main input is input_ids, pixel_values or input_features, and diffusers "
                    "pipelines (and subclasses): not for a WanTransformer3DModel; drop --verify, or verify from "
                    "Python, where transform() takes sample inputs of your own (nothing was changed)\n")
+
+
+# --------------------------------------------------------------------------- convert speaks like apply
+
+
+def test_convert_prints_the_plan_and_a_line_per_statement(capsys, bf16_dirs, tmp_path):
+    status, out, err = cli(capsys, "convert", EXAMPLES / "demo.tfm", "--model", bf16_dirs / "flux",
+                           "--out", tmp_path / "out")
+    assert status == 0, err
+    lines = out.splitlines()
+    # before: only "saved to DIR"; the plan counted the meta skeleton in float32 (95.1 KiB)
+    assert lines[0] == "model: FluxTransformer2DModel: 87 modules, 47.5 KiB of parameters in bfloat16"
+    assert "1. line 4: fuse qkv in *Attention" in lines
+    summary = [line for line in lines if line.startswith("line ")]
+    assert [line.split(":")[0] for line in summary] == ["line 4", "line 5"]
+    assert summary[1].startswith("line 5: quantize int8 except norm: 14 module(s), 25.1 KiB -> ")
+    assert lines[-2].startswith("done in ") and lines[-1] == f"saved to {tmp_path / 'out'}"
+
+
+def test_convert_quiet_prints_nothing(capsys, bf16_dirs, tmp_path):
+    assert cli(capsys, "convert", EXAMPLES / "demo.tfm", "--model", bf16_dirs / "flux", "--out", tmp_path / "o",
+               "-q")[:2] == (0, "")
+
+
+def test_convert_of_a_pipeline_points_component_lines_at_component_flag(capsys, bf16_dirs, tmp_path):
+    status, out, err = cli(capsys, "convert", EXAMPLES / "sd_pipeline.tfm", "--model", bf16_dirs / "pipe",
+                           "--out", tmp_path / "out")
+    assert (status, out) == (1, "")
+    assert not (tmp_path / "out").exists()
+    # before: "component= applies to pipelines; this model is a single module"
+    assert ("component=text_encoder: convert streams one pipeline component per run, and this run converts "
+            "'unet'") in err
+    assert "hint: convert text_encoder in a run of its own: --component text_encoder" in err
+
+
+def test_convert_accepts_component_lines_naming_the_converted_component(capsys, bf16_dirs, tmp_path):
+    script = tmp_path / "te.tfm"
+    script.write_text("quantize int8 except norm component=text_encoder\n")
+    status, out, err = cli(capsys, "convert", script, "--model", bf16_dirs / "pipe", "--component", "text_encoder",
+                           "--out", tmp_path / "out")
+    assert status == 0, err
+    assert "line 1: quantize int8 except norm component=text_encoder: 12 module(s)" in out
+    from transformdsl import load
+
+    pipe = load(tmp_path / "out")
+    assert any(p.dtype == torch.int8 for p in pipe.text_encoder.parameters())
+    assert not any(p.dtype == torch.int8 for p in pipe.unet.parameters())

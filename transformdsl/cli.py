@@ -130,7 +130,7 @@ def cmd_convert(args) -> int:
         warnings.simplefilter("always", NothingToDoWarning)
         convert(args.model, _read_script(args.file), args.out, component=args.component,
                 progress=not args.quiet and sys.stderr.isatty(), max_shard_size=args.max_shard_size,
-                strict=args.strict)
+                strict=args.strict, log=None if args.quiet else print)
     for warning in caught:
         if issubclass(warning.category, NothingToDoWarning):
             _err(f"warning: {warning.message} (--strict makes this an error)")

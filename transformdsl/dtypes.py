@@ -121,3 +121,22 @@ def cast(model: Any, dtype) -> Any:
     for module in modules:
         module.to(dtype=dtype)
     return model
+
+
+def meta_parameters_to(module: Any, dtype_name: str) -> None:
+    """Give ``module``'s floating meta-device parameters the dtype ``dtype_name`` (a skeleton whose
+    weights are read later, as they are: so that its plan counts the bytes the checkpoint holds).
+    Tied parameters stay tied; buffers (computed by the constructor) are left alone."""
+    import torch
+    from torch import nn
+
+    dtype = getattr(torch, dtype_name)
+    replaced: dict[int, nn.Parameter] = {}
+    for sub in module.modules():
+        for name, param in list(sub._parameters.items()):
+            if param is None or not param.is_meta or not param.dtype.is_floating_point or param.dtype == dtype:
+                continue
+            if id(param) not in replaced:
+                replaced[id(param)] = nn.Parameter(torch.empty_like(param, device="meta", dtype=dtype),
+                                                   requires_grad=param.requires_grad)
+            sub._parameters[name] = replaced[id(param)]

@@ -158,15 +158,21 @@ class Plan:
         return render_plan(self)
 
 
-def plan(model: Any, script: str | Path | Script | ValidatedScript) -> Plan:
+def plan(model: Any, script: str | Path | Script | ValidatedScript, *, component: str | None = None) -> Plan:
     """Validate ``script`` and resolve it against ``model`` (an ``nn.Module`` or a pipeline).
+
+    ``component``: ``model`` is that component of a pipeline, planned alone (``convert`` streams
+    one component per run): statements with ``component=`` that name it apply to it, those that
+    name another are problems saying how to convert that one.
 
     Raises :class:`ScriptError` for any problem: invalid script, a selector that matches
     nothing (with the nearest names), two statements changing the same module in ways
     that exclude each other, options that do not suit a selected module.
     """
     validated = script if isinstance(script, ValidatedScript) else validate(load_script(script))
-    return Planner(model, validated).run()
+    planner = Planner(model, validated)
+    planner.component_name = component if isinstance(model, nn.Module) else None
+    return planner.run()
 
 
 #: Selectors matching nothing for which the plan looks up the nearest names.
@@ -189,6 +195,8 @@ class Planner:
         self.claims: dict[tuple[str, str], dict[str, Step]] = {}
         #: Selectors that matched nothing so far (nearest names are looked for the first few).
         self.suggested = 0
+        #: The pipeline component ``model`` is, when it is planned alone (:func:`plan`'s ``component``).
+        self.component_name: str | None = None
 
     def tree(self, component: str) -> ModuleTree:
         if component not in self.trees:
@@ -201,6 +209,8 @@ class Planner:
         with regex_budget():
             for transform in self.validated.steps:
                 component = transform.common.component or default
+                if component == self.component_name:
+                    component = ""
                 if component not in self.components:
                     self._component_problem(transform, component)
                     continue
@@ -230,7 +240,13 @@ class Planner:
     def _component_problem(self, transform: Transform, component: str) -> None:
         statement = transform.statement
         span = next((o.span for o in statement.options if o.name == "component"), statement.span)
-        if isinstance(self.model, nn.Module):
+        if self.component_name is not None:
+            self.problems.append(Problem(
+                f"component={component}: convert streams one pipeline component per run, and this run converts "
+                f"'{self.component_name}'", [span],
+                hint=f"convert {component} in a run of its own: --component {component}, with a script of its "
+                     f"statements"))
+        elif isinstance(self.model, nn.Module):
             self.problems.append(Problem("component= applies to pipelines; this model is a single module",
                                          [span]))
         else:
