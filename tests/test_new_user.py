@@ -325,3 +325,54 @@ def test_convert_accepts_component_lines_naming_the_converted_component(capsys, 
     pipe = load(tmp_path / "out")
     assert any(p.dtype == torch.int8 for p in pipe.text_encoder.parameters())
     assert not any(p.dtype == torch.int8 for p in pipe.unet.parameters())
+
+
+# --------------------------------------------------------------------------- plan() on a meta-device model
+
+
+def _meta_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from transformdsl.models import LLAMA_CONFIG
+
+    with torch.device("meta"):
+        return LlamaForCausalLM(LlamaConfig(**LLAMA_CONFIG))
+
+
+def test_plan_on_a_meta_model_counts_original_and_fused_layers_alike():
+    """Before: the fused qkv layers counted (2) and every original Linear was skipped as 'on the meta
+    device' (8); a 96-layer Llama showed 96 quantized layers instead of 480."""
+    from transformdsl import plan
+    from transformdsl.models import tiny_llama
+
+    meta = plan(_meta_llama(), "fuse qkv in *Attention\nquantize int8")
+    real = plan(tiny_llama(), "fuse qkv in *Attention\nquantize int8")
+    assert meta.steps[1].targets == real.steps[1].targets and len(meta.steps[1].targets) == 10
+    assert not meta.steps[1].skipped
+    assert meta.skeletons == [""] and real.skeletons == []
+    assert str(meta).splitlines()[1] == ("weights: on the meta device, none loaded: planned as they will be once "
+                                         "loaded (transform needs them loaded)")
+
+
+def test_transform_refuses_a_model_with_no_weight_loaded():
+    from transformdsl import TransformError, transform
+
+    model = _meta_llama()
+    with pytest.raises(TransformError, match="weights are all on the meta device .none loaded.: load them before "
+                                             "transforming"):
+        transform(model, "quantize int8")
+    assert type(model.model.layers[0].mlp.up_proj) is torch.nn.Linear
+
+
+def test_a_partly_loaded_model_skips_its_meta_layers_fused_or_not():
+    from transformdsl import plan
+    from transformdsl.models import tiny_llama
+
+    model = tiny_llama()
+    model.model.layers[1].to_empty(device="meta")  # as an offloaded block: no data here
+    the_plan = plan(model, "fuse qkv in *Attention\nquantize int8")
+    skipped = {path: reason for path, reason in the_plan.steps[1].skipped}
+    meta = "its weight is on the meta device (not loaded)"
+    assert skipped["model.layers.1.self_attn.qkv_proj"] == meta  # before: the fused one was quantized
+    assert skipped["model.layers.1.mlp.up_proj"] == meta
+    assert "model.layers.0.self_attn.qkv_proj" in the_plan.steps[1].targets

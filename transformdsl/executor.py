@@ -160,6 +160,10 @@ def transform(model: Any, script: str | Path | Script | ValidatedScript | Plan, 
     """
     check_undo_options(undo, undo_budget)
     the_plan = script if isinstance(script, Plan) else plan(model, script)
+    if the_plan.skeletons:
+        which = "the model's" if the_plan.skeletons == [""] else f"{', '.join(the_plan.skeletons)}'s"
+        raise TransformError(f"{which} weights are all on the meta device (none loaded): load them before "
+                             "transforming (plan() and explain show what the script would do); nothing was changed")
     idle = idle_statements(the_plan)
     if idle and strict:
         raise TransformError("; ".join(idle) + " (strict: nothing was changed)")

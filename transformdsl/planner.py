@@ -24,7 +24,7 @@ from .passes.base import Transform
 from .regexes import SelectorTooSlow, regex_budget
 from .registry import key_matches
 from .selectors import matches, select, suggestions, topmost
-from .tree import ModuleTree, below_any, parameter_bytes
+from .tree import WEIGHTS_PENDING, ModuleTree, below_any, is_skeleton, parameter_bytes
 from .validate import ValidatedScript, validate
 
 #: Pipeline components that hold the denoiser, in the order they are looked for.
@@ -135,6 +135,8 @@ class Plan:
     total_bytes: int
     #: Component (``""`` for a plain module) -> the floating dtype holding most of its parameters.
     dtypes: dict[str, str] = field(default_factory=dict)
+    #: Components whose weights are all on the meta device (none loaded): planned as they will be.
+    skeletons: list[str] = field(default_factory=list)
 
     def __iter__(self):
         return iter(self.steps)
@@ -149,6 +151,7 @@ class Plan:
             "modules": self.module_count,
             "bytes": self.total_bytes,
             "dtypes": self.dtypes,
+            "skeletons": self.skeletons,
             "steps": [s.to_json(self.script.source) for s in self.steps],
         }
 
@@ -233,9 +236,11 @@ class Planner:
                     for n, m in self.components.items())
         from .dtypes import model_dtypes
 
+        skeletons = [name for name, m in self.components.items()
+                     if not m.__dict__.get(WEIGHTS_PENDING) and is_skeleton(m)]
         return Plan(self.script, steps, type(self.model).__name__,
                     {name: type(m).__name__ for name, m in self.components.items()}, module_count, total,
-                    model_dtypes(self.model))
+                    model_dtypes(self.model), skeletons)
 
     def _component_problem(self, transform: Transform, component: str) -> None:
         statement = transform.statement

@@ -162,12 +162,14 @@ class _Quantize(Transform):
         dtype = info.facts.get("dtype")
         if dtype is not None and dtype not in FLOAT_DTYPES:
             return f"its weight is {str(dtype).removeprefix('torch.')}; quantization reads float32/bf16/fp16 weights"
+        # A model with no weight loaded (a skeleton) is planned as it will be; on a partly loaded one
+        # (modules offloaded to meta), the layers without weights are not, fused ones included.
+        if info.facts.get("meta") and not (tree.weights_pending or tree.all_meta):
+            return "its weight is on the meta device (not loaded)"
         if info.module is not None:
             weight = info.module._parameters.get("weight")
             if weight is None or weight.dim() != 2:
                 return "no 2-D weight to quantize"
-            if weight.is_meta and not tree.weights_pending:
-                return "its weight is on the meta device (not loaded)"
             bias = info.module._parameters.get("bias")
             if bias is not None and bias.dtype not in FLOAT_DTYPES:
                 return f"its bias is {str(bias.dtype).removeprefix('torch.')}; expected float32/bf16/fp16"
