@@ -376,3 +376,23 @@ def test_a_partly_loaded_model_skips_its_meta_layers_fused_or_not():
     assert skipped["model.layers.1.self_attn.qkv_proj"] == meta  # before: the fused one was quantized
     assert skipped["model.layers.1.mlp.up_proj"] == meta
     assert "model.layers.0.self_attn.qkv_proj" in the_plan.steps[1].targets
+
+
+# --------------------------------------------------------------------------- small things
+
+
+def test_a_shape_mismatch_in_a_bf16_save_is_said_in_bf16(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from transformdsl import LoadError, load
+
+    tiny_llama().to(torch.bfloat16).save_pretrained(tmp_path / "m")
+    path = tmp_path / "m" / "model.safetensors"
+    tensors = load_file(str(path))
+    tensors["lm_head.weight"] = tensors["lm_head.weight"][:, :32].contiguous()
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    with pytest.raises(LoadError) as caught:
+        load(tmp_path / "m")
+    # before: "... but the model expects float32[256, 64]" (the skeleton's precision, not the file's)
+    assert ("tensor 'lm_head.weight' is bfloat16[256, 32] in the file but the model expects bfloat16[256, 64]"
+            in str(caught.value))
