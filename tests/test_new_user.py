@@ -396,3 +396,15 @@ def test_a_shape_mismatch_in_a_bf16_save_is_said_in_bf16(tmp_path):
     # before: "... but the model expects float32[256, 64]" (the skeleton's precision, not the file's)
     assert ("tensor 'lm_head.weight' is bfloat16[256, 32] in the file but the model expects bfloat16[256, 64]"
             in str(caught.value))
+
+
+def test_pyproject_license_is_an_spdx_string_with_a_setuptools_that_reads_it():
+    """setuptools warned that ``license = {text = ...}`` stops building after 2027-02-18; the SPDX
+    string form needs setuptools 77 (checked: ``pip wheel --no-deps .`` builds with no license warning)."""
+    import tomllib
+
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert data["project"]["license"] == "Apache-2.0"
+    assert not any(c.startswith("License ::") for c in data["project"].get("classifiers", []))
+    (requirement,) = [r for r in data["build-system"]["requires"] if r.startswith("setuptools")]
+    assert requirement.replace(" ", "") == "setuptools>=77"
