@@ -401,10 +401,30 @@ def test_a_shape_mismatch_in_a_bf16_save_is_said_in_bf16(tmp_path):
 def test_pyproject_license_is_an_spdx_string_with_a_setuptools_that_reads_it():
     """setuptools warned that ``license = {text = ...}`` stops building after 2027-02-18; the SPDX
     string form needs setuptools 77 (checked: ``pip wheel --no-deps .`` builds with no license warning)."""
-    import tomllib
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert data["project"]["license"] == "Apache-2.0"
     assert not any(c.startswith("License ::") for c in data["project"].get("classifiers", []))
     (requirement,) = [r for r in data["build-system"]["requires"] if r.startswith("setuptools")]
     assert requirement.replace(" ", "") == "setuptools>=77"
+
+
+@pytest.mark.parametrize("fmt, model, text", [
+    ("transformers", "llama", "quantize int8 weight_only=true"),
+    ("diffusers", "flux", "quantize int8 weight_only=true except norm, proj_out"),
+    ("compressed-tensors", "llama", "quantize int8 weight_only=true")])
+def test_the_interchange_matrix_has_the_weight_only_int8_row_and_it_holds(fmt, model, text, tmp_path):
+    """spec.md 'Interchange': the row says each format refuses weight-only int8; so does save."""
+    from transformdsl import TransformError, save, transform
+    from transformdsl.models import resolve_model
+
+    spec = (ROOT / "spec.md").read_text()
+    table = spec[spec.index("What each transform becomes"):spec.index("One `quantization_config` per checkpoint")]
+    (row,) = [line for line in table.splitlines() if line.startswith("| `quantize int8 weight_only=true` |")]
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert all(cell.startswith("refused") for cell in cells[1:]), row
+    quantized = transform(resolve_model(model), text)
+    with pytest.raises(TransformError, match="weight-only int8|carries fp8 layers|cannot carry"):
+        save(quantized, tmp_path / "out", format=fmt)
+    assert not (tmp_path / "out").exists()
