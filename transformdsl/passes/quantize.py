@@ -294,6 +294,13 @@ def _size(dtype_name: str | torch.dtype) -> int:
 # --------------------------------------------------------------------------- int8
 
 
+#: The plan's note on ``quantize int8`` without ``threshold=``: where the default differs from the libraries
+#: users come from (spec.md "quantize", the measurements behind the choice).
+THRESHOLD_NOTE = ("threshold 0, bitsandbytes' default (no outlier decomposition); transformers' and diffusers' "
+                  "BitsAndBytesConfig(load_in_8bit=True) use 6: more quality on models with outlier activations "
+                  "(large LLMs), more time per call; threshold=6 matches them")
+
+
 @register
 class Int8Quantization(_Quantize):
     mode = "int8"
@@ -318,6 +325,13 @@ class Int8Quantization(_Quantize):
 
         device = targets_device_type(tree, targets)
         return int8_note(device) if device else None
+
+    def notes(self, tree: ModuleTree, targets: list[str]) -> list[str]:
+        notes = super().notes(tree, targets)
+        given = {option.name for option in self.statement.options}
+        if targets and not self.options.weight_only and "threshold" not in given:
+            notes.append(THRESHOLD_NOTE)
+        return notes
 
     @classmethod
     def backend(cls, options):
