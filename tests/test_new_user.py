@@ -473,3 +473,20 @@ def test_threshold_6_keeps_more_quality_with_outlier_activations_and_changes_not
     assert all(b < a for a, b in zip(at_0, at_6)), (at_0, at_6)
     # threshold 0 moves the output past LLM.int8's declared bound (0.05); 6 stays within it
     assert max(at_6) < 0.05 < max(at_0), (at_0, at_6)
+
+
+# --------------------------------------------------------------------------- how to run the command
+
+
+def test_readme_and_first_hour_say_how_to_reach_the_command():
+    """``make demo`` installs ``transformdsl`` into .venv/bin, which is not on PATH: the first command a
+    newcomer typed failed ('transformdsl: command not found') and neither page said why."""
+    makefile = (ROOT / "Makefile").read_text()
+    assert "VENV := .venv" in makefile and "-e '.[test,bench]'" in makefile  # the script lands in .venv/bin
+    assert 'transformdsl = "transformdsl.cli:main"' in (ROOT / "pyproject.toml").read_text()
+    readme = (ROOT / "README.md").read_text()
+    setup = readme[readme.index("## Set-up"):readme.index("## Command line")]
+    assert ". .venv/bin/activate" in setup and ".venv/bin/transformdsl" in setup
+    first_hour = (ROOT / "docs" / "FIRST-HOUR.md").read_text()
+    activate, first_command = first_hour.index("$ . .venv/bin/activate"), first_hour.index("$ transformdsl ")
+    assert activate < first_command
