@@ -188,7 +188,7 @@ def test_apply_verify_checks_before_compiling_and_compiles_nothing(capsys, tmp_p
 def test_verify_before_compile_still_rolls_back(monkeypatch):
     from transformdsl import TransformError, transform
     from transformdsl.models import run, tiny_gpt2
-    from transformdsl.passes.quantize import Int8Quantization
+    from transformdsl.transforms.quantize.quantization import Int8Quantization
 
     model = tiny_gpt2()
     before, output = {k: v.clone() for k, v in model.state_dict().items()}, run(model)
@@ -438,7 +438,7 @@ def test_the_interchange_matrix_has_the_weight_only_int8_row_and_it_holds(fmt, m
     ("quantize int8 weight_only=true", False)])
 def test_the_plan_says_where_int8_default_differs_from_transformers(text, noted):
     from transformdsl import plan
-    from transformdsl.passes.quantize import THRESHOLD_NOTE
+    from transformdsl.transforms.quantize.quantization import THRESHOLD_NOTE
 
     assert (THRESHOLD_NOTE in plan(tiny_llama(), text).steps[0].notes) is noted
     assert "BitsAndBytesConfig(load_in_8bit=True) use 6" in THRESHOLD_NOTE

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..quiet import install as _quiet_bitsandbytes
+from ...quiet import install as _quiet_bitsandbytes
 
 _quiet_bitsandbytes()  # before bitsandbytes is imported (transformdsl's import did it too)
 
