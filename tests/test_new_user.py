@@ -241,7 +241,6 @@ def test_sample_inputs_cover_vision_speech_and_unet2d_models(model_id):
     """Before: 'not enough values to unpack' (input_ids given to ViT), Whisper's 'expects the mel input
     features to be of length 60', 'no sample inputs for a UNet2DModel'."""
     from tests.zoo import corpus
-
     from transformdsl.models import run, sample_inputs_problem
 
     model, _ = corpus.build(corpus.entry(model_id))

@@ -764,16 +764,31 @@ def _checkpoint_dtype(path: Path, dtype: torch.dtype | None) -> torch.dtype | No
     return getattr(torch, name) if name else None
 
 
+#: Components of a pipeline whose checkpoint dtype is looked up (a pipeline has a handful).
+_MAX_COMPONENTS = 64
+#: A pipeline index longer than this is not read for dtypes (real ones are under 1 KiB).
+_MAX_INDEX_BYTES = 1 << 20
+
+
 def _pipeline_dtypes(path: Path, dtype: torch.dtype | None) -> dict[str, torch.dtype] | torch.dtype | None:
     """``torch_dtype=`` of a pipeline: ``dtype``, else each component folder's checkpoint dtype."""
     if dtype is not None:
         return dtype
+    try:
+        with open(path / "model_index.json", "rb") as f:
+            index = json.loads(f.read(_MAX_INDEX_BYTES))
+    except (OSError, ValueError):
+        return None  # the pipeline loader says what is wrong with it
+    if not isinstance(index, dict):
+        return None
+    names = [k for k, v in index.items() if not k.startswith("_") and isinstance(v, list)]
     found = {}
-    for child in sorted(path.iterdir()):
-        if child.is_dir() and not child.is_symlink() and not child.name.startswith("."):
+    for name in names[:_MAX_COMPONENTS]:
+        child = path / name
+        if "/" not in name and name not in (".", "..") and child.is_dir() and not child.is_symlink():
             found_dtype = _checkpoint_dtype(child, None)
             if found_dtype is not None:
-                found[child.name] = found_dtype
+                found[name] = found_dtype
     # diffusers reads a component missing from the dict in ``default`` (float32 if none is given)
     return {**found, "default": torch.float32} if found else None
 
