@@ -87,7 +87,7 @@ def test_apply_on_a_bf16_checkpoint_saves_a_smaller_model_than_its_input(capsys,
     assert status == 0, out
     source = sum(f.stat().st_size for f in (bf16_dirs / "flux").glob("*.safetensors"))
     saved = sum(f.stat().st_size for f in (tmp_path / "out").glob("*.safetensors"))
-    assert saved < source  # before: 1.4x the input (every unquantized tensor written in float32)
+    assert saved < source  # before: 1.32x the input (74,496 B for 56,512: unquantized tensors in float32)
     with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
         assert f.get_slice("proj_out.weight").get_dtype() == "BF16"  # left unquantized: as it was read
 
