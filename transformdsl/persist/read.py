@@ -67,6 +67,9 @@ def load(directory: str | os.PathLike, model: nn.Module | Callable[[], nn.Module
     if device is not None:
         raise LoadError("load(device=..., device_map=...): give one of device= and device_map= "
                         "(device_map={'': 'cuda:0'} is device='cuda:0')")
+    if offload_folder is not None and Path(offload_folder).resolve().is_relative_to(directory.resolve()):
+        raise LoadError(f"load(offload_folder={str(offload_folder)!r}): inside the directory being loaded, "
+                        f"{directory}; offloading there would write into it: give a directory of its own")
     loaded = _load(directory, model, torch.device("cpu"), mmap)
     if not isinstance(loaded, nn.Module):
         raise LoadError(f"{directory}: device_map= places one model; this is a pipeline: load it, then place "
@@ -527,6 +530,8 @@ def _assign(skeleton: nn.Module, tensors: dict[str, torch.Tensor], meta: dict, d
     layout = meta["tensors"]
     aliases: dict[str, str] = layout.get("aliases", {})
     nonpersistent = set(layout.get("nonpersistent", []))
+    if only is not None:  # the other parts may be written and dropped already (convert): not looked at
+        nonpersistent = {name for name in nonpersistent if only(name)}
     expected = dict(skeleton.state_dict(keep_vars=True))
     buffers = dict(skeleton.named_buffers(remove_duplicate=False))
     for name in nonpersistent:
@@ -536,7 +541,6 @@ def _assign(skeleton: nn.Module, tensors: dict[str, torch.Tensor], meta: dict, d
     if only is not None:
         expected = {key: value for key, value in expected.items() if only(key)}
         aliases = {key: target for key, target in aliases.items() if only(key)}
-        nonpersistent = {name for name in nonpersistent if only(name)}
     for key, target in aliases.items():
         if target not in tensors:
             raise LoadError(f"{directory}: alias '{key}' points to missing tensor '{target}'")

@@ -127,7 +127,7 @@ class _Located:
 
             meta, skeleton = library_skeleton(self.folder)
             return open_module(self.folder, meta, lambda: skeleton)
-        if self.meta["tensors"].get("layout"):
+        if "layout" in self.meta["tensors"]:  # even an empty one: the files are in the library's layout
             raise LoadError(f"{self.folder.path}: a save in a library's layout cannot be converted; load and save "
                             "it (transformdsl format) first")
         return open_module(self.folder, self.meta, None)

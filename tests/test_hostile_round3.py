@@ -1,0 +1,169 @@
+"""Hostile inputs, round 3: what a party sharing a model directory could still do to convert,
+imports of stock checkpoints, placement, saves and the command line's ``--model DIR``.
+
+Each test is one attack, with its exact input: it gets a clear ``LoadError``/``TransformError``
+or bounded work, runs no code from the directory, opens no socket, writes nothing outside the
+output and loses none of the user's files.  Real diffusers/transformers classes built from
+small configurations; a sentinel module records any execution; a socket guard any connection.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import transformdsl
+from transformdsl import LoadError, TransformError, models
+
+ROOT = Path(__file__).resolve().parent.parent
+SENTINEL_CODE = "import pathlib\npathlib.Path({marker!r}).write_text('ran')\n"
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Every socket connection attempt is recorded and refused."""
+    attempts: list = []
+
+    def refuse(self, address, *args, **kwargs):
+        attempts.append(address)
+        raise OSError("network use during a hostile-input test")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket.socket, "connect_ex", refuse)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # the library must force it itself
+    yield attempts
+
+
+def files_under(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+# --------------------------------------------------------------------------- convert of our own saves
+
+
+def test_convert_of_a_save_of_an_untied_lm_matches_load_transform_save(tmp_path):
+    """A transformdsl save of an LM with untied embeddings (lm_head after the rotary table) converts:
+    before, 'saved buffer model.rotary_emb.inv_freq does not exist in this architecture'."""
+    model = models.tiny_llama()
+    assert not model.config.tie_word_embeddings
+    transformdsl.save(model, tmp_path / "save")
+    converted = transformdsl.convert(tmp_path / "save", "quantize int8", tmp_path / "converted")
+    reference = transformdsl.transform(transformdsl.load(tmp_path / "save"), "quantize int8")
+    assert torch.equal(models.run(transformdsl.load(converted)), models.run(reference))
+
+
+def test_convert_refuses_a_save_in_a_librarys_layout(tmp_path):
+    """``save(format="transformers")`` holds the library's key layout (here an empty mapping: int8
+    keeps bitsandbytes' names): documented as refused, it was converted silently."""
+    model = transformdsl.transform(models.tiny_llama(), "quantize int8")
+    transformdsl.save(model, tmp_path / "exported", format="transformers")
+    with pytest.raises(LoadError, match="in a library's layout cannot be converted; load and save it"):
+        transformdsl.convert(tmp_path / "exported", "fp8 storage", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------- offload folders
+
+
+@pytest.fixture(scope="module")
+def small_save(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("small") / "save"
+    transformdsl.save(models.tiny_llama(), directory)
+    return directory
+
+
+DISK_MAP = {"": "cpu", "model.layers.1": "disk"}
+
+
+def test_offload_folder_that_is_the_save_itself_is_refused_and_the_save_kept(small_save, copy_of):
+    """``load(save, device_map=..., offload_folder=save)`` overwrote the save's model.safetensors."""
+    save = copy_of(small_save)
+    before = files_under(save)
+    with pytest.raises(LoadError, match="inside the directory being loaded"):
+        transformdsl.load(save, device_map=DISK_MAP, offload_folder=save)
+    assert files_under(save) == before
+    transformdsl.load(save)
+
+
+def test_offload_folder_that_is_another_save_is_refused_and_that_save_kept(small_save, tmp_path):
+    """The offload folder being another model of the user's: it was overwritten."""
+    other = tmp_path / "other"
+    transformdsl.save(models.tiny_llama(seed=1), other)
+    library = tmp_path / "library"
+    models.tiny_gpt2().save_pretrained(library, safe_serialization=True)
+    for victim in (other, library, other / "sub"):
+        before = files_under(victim.parent if victim.name == "sub" else victim)
+        with pytest.raises(LoadError, match="is a saved model, and offloading there would write into it"):
+            transformdsl.load(small_save, device_map=DISK_MAP, offload_folder=victim)
+        assert files_under(victim.parent if victim.name == "sub" else victim) == before
+    assert not (other / "sub").exists()
+
+
+def test_offload_files_go_to_a_fresh_subfolder_and_replace_nothing(small_save, tmp_path):
+    """A folder holding the user's files, named as an offload file would be: untouched."""
+    folder = tmp_path / "offload"
+    folder.mkdir()
+    (folder / "model.layers.1.safetensors").write_bytes(b"the user's file")
+    reference = transformdsl.load(small_save)
+    placed = transformdsl.load(small_save, device_map=DISK_MAP, offload_folder=folder)
+    assert (folder / "model.layers.1.safetensors").read_bytes() == b"the user's file"
+    [fresh] = [p for p in folder.iterdir() if p.is_dir()]
+    assert fresh.name.startswith("transformdsl-offload-") and (fresh / "model.layers.1.safetensors").is_file()
+    assert torch.equal(models.run(placed), models.run(reference))
+
+
+def test_offload_folder_that_is_a_file_or_under_one_is_a_load_error(small_save, tmp_path):
+    """Raw FileExistsError / NotADirectoryError before."""
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(LoadError, match="exists and is not a directory"):
+        transformdsl.load(small_save, device_map=DISK_MAP, offload_folder=tmp_path / "a_file")
+    with pytest.raises(LoadError, match="a part of the path is a file"):
+        transformdsl.load(small_save, device_map=DISK_MAP, offload_folder=tmp_path / "a_file" / "sub")
+    assert (tmp_path / "a_file").read_text() == "x"
+
+
+# --------------------------------------------------------------------------- save's siblings
+
+
+def test_save_leaves_sibling_directories_that_only_look_like_its_temporaries(tmp_path):
+    """``save(model, "t")`` deleted ``.t.old-2024``, ``.t.tmp-123.zzzzzz.notes`` and
+    ``.t.tmp-999999.<this boot>.x``: the user's, with no marker inside."""
+    from transformdsl.persist.atomic import _boot_tag
+
+    names = [".t.old-2024", ".t.tmp-123.zzzzzz.notes", f".t.tmp-999999.{_boot_tag()}.x",
+             f".t.tmp-999999.{_boot_tag()}.abcdefgh", ".t.old-999999"]
+    for name in names:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "notes.txt").write_text("mine")
+    transformdsl.save(torch.nn.Linear(2, 2), tmp_path / "t")
+    transformdsl.save(torch.nn.Linear(2, 2), tmp_path / "t")  # replacing a save cleans up too
+    for name in names:
+        assert (tmp_path / name / "notes.txt").read_text() == "mine", name
+
+
+def test_save_removes_what_its_killed_runs_left(tmp_path):
+    """What a killed save leaves (a temporary with the marker, an empty temporary killed before
+    the marker, a previous copy being removed with its marker) is still removed."""
+    from transformdsl.persist.atomic import _TMP_MARKER, _boot_id, _boot_tag
+
+    dead = 999999  # no such process
+    marked = tmp_path / f".t.tmp-{dead}.{_boot_tag()}.k2j4h5g6"
+    marked.mkdir()
+    (marked / "model.safetensors").write_bytes(b"partial")
+    (marked / _TMP_MARKER).write_text(f"{dead} {_boot_id()}\n")
+    empty = tmp_path / f".t.tmp-{dead}.{_boot_tag()}.a1b2c3d4"
+    empty.mkdir()
+    old = tmp_path / f".t.old-{dead}"
+    old.mkdir()
+    (old / _TMP_MARKER).write_text(f"{dead} {_boot_id()}\n")
+    transformdsl.save(torch.nn.Linear(2, 2), tmp_path / "t")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t"]
+    assert not (tmp_path / "t" / _TMP_MARKER).exists()
