@@ -167,3 +167,145 @@ def test_save_removes_what_its_killed_runs_left(tmp_path):
     transformdsl.save(torch.nn.Linear(2, 2), tmp_path / "t")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t"]
     assert not (tmp_path / "t" / _TMP_MARKER).exists()
+
+
+# --------------------------------------------------------------------------- --model DIR
+
+
+def _edit_json(path: Path, change) -> None:
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("stock") / "gpt2"
+    models.tiny_gpt2().save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+def custom_code_dir(source: Path, target: Path, marker: Path) -> Path:
+    """A checkpoint whose config.json sends transformers to ``target/evil.py`` (``auto_map``), the way
+    a shared directory would: transformers asks "Do you wish to run the custom code? [y/N]"."""
+    shutil.copytree(source, target)
+
+    def change(config):
+        config.update({"architectures": ["AutoModelForCausalLM"], "model_type": "evil",
+                       "auto_map": {"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel"}})
+
+    _edit_json(target / "config.json", change)
+    (target / "evil.py").write_text(SENTINEL_CODE.format(marker=str(marker)) + (
+        "from transformers import GPT2Config, GPT2LMHeadModel\n"
+        "class EvilConfig(GPT2Config):\n    model_type = 'evil'\n"
+        "class EvilModel(GPT2LMHeadModel):\n    config_class = EvilConfig\n"))
+    return target
+
+
+def run_cli(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "transformdsl", *args], input=stdin, capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=300)
+
+
+def test_model_dir_never_runs_custom_code_even_when_the_user_answers_yes(gpt2_dir, tmp_path):
+    """``explain``/``apply --model DIR`` asked "Do you wish to run the custom code? [y/N]" and ran
+    ``DIR/evil.py`` on a "y"."""
+    marker = tmp_path / "ran"
+    evil = custom_code_dir(gpt2_dir, tmp_path / "evil", marker)
+    (tmp_path / "s.tfm").write_text("quantize int8\n")
+    for command in (["explain", "--model", str(evil), str(tmp_path / "s.tfm")],
+                    ["apply", "--model", str(evil), str(tmp_path / "s.tfm"), "--out", str(tmp_path / "out")]):
+        result = run_cli(*command, stdin="y\ny\n")
+        assert result.returncode == 1, result.stdout + result.stderr
+        assert "an Auto class" in result.stderr and "custom code" not in result.stdout
+        assert "Do you wish" not in result.stdout + result.stderr
+        assert not marker.exists()
+    assert not (tmp_path / "out").exists()
+
+
+def test_model_dir_with_code_fields_is_refused_from_python_without_a_prompt(gpt2_dir, tmp_path, monkeypatch,
+                                                                            no_network):
+    marker = tmp_path / "ran"
+    evil = custom_code_dir(gpt2_dir, tmp_path / "evil", marker)
+
+    def no_prompt(*args, **kwargs):
+        raise AssertionError("asked a question")
+
+    monkeypatch.setattr("builtins.input", no_prompt)
+    with pytest.raises(LoadError, match="an Auto class"):
+        models.resolve_model(str(evil))
+    with pytest.raises(LoadError, match="not a transformers model class"):
+        transformdsl.convert(evil, "quantize int8", tmp_path / "out")
+    # a model class of transformers' own, with the auto_map still there: the code fields are refused
+    _edit_json(evil / "config.json", lambda c: c.update({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(LoadError, match="names code to run"):
+        models.resolve_model(str(evil))
+    assert not marker.exists() and not (tmp_path / "out").exists()
+    assert no_network == []
+
+
+@pytest.fixture(scope="module")
+def upernet_dir(tmp_path_factory) -> Path:
+    from transformers import ConvNextConfig, UperNetConfig, UperNetForSemanticSegmentation
+
+    directory = tmp_path_factory.mktemp("upernet") / "upernet"
+    backbone = ConvNextConfig(depths=[1, 1, 1, 1], hidden_sizes=[8, 8, 8, 8],
+                              out_features=["stage1", "stage2", "stage3", "stage4"])
+    config = UperNetConfig(backbone_config=backbone, hidden_size=8, auxiliary_in_channels=8, auxiliary_channels=8,
+                           pool_scales=[1, 2], num_labels=2)
+    UperNetForSemanticSegmentation(config).save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+@pytest.mark.parametrize("backbone", ["some-org/some-backbone", "some-backbone"])
+def test_model_dir_naming_a_hub_backbone_is_refused_without_network(upernet_dir, tmp_path, backbone, no_network):
+    """A UperNet ``config.json`` naming its backbone made HfApi calls and an HTTP request (it failed
+    only because the hub was offline), and resolve_model raised a raw ValueError."""
+    directory = Path(shutil.copytree(upernet_dir, tmp_path / "upernet"))
+    assert isinstance(models.resolve_model(str(directory)), torch.nn.Module)  # the pristine one loads
+
+    def change(config):
+        config.pop("backbone_config", None)
+        config.update({"backbone": backbone, "use_pretrained_backbone": False})
+
+    _edit_json(directory / "config.json", change)
+    with pytest.raises(LoadError, match="backbone"):
+        models.resolve_model(str(directory))
+    with pytest.raises(LoadError, match="backbone"):
+        transformdsl.load(directory)
+    assert no_network == []
+
+
+def test_model_dir_refuses_weights_linked_from_outside(gpt2_dir, tmp_path):
+    """``model.safetensors`` a symbolic link to another model's file: it was read (and apply wrote
+    that model to --out)."""
+    outside = tmp_path / "outside"
+    models.tiny_gpt2(seed=1).save_pretrained(outside, safe_serialization=True)
+    linked = Path(shutil.copytree(gpt2_dir, tmp_path / "linked"))
+    (linked / "model.safetensors").unlink()
+    (linked / "model.safetensors").symlink_to(outside / "model.safetensors")
+    with pytest.raises(LoadError, match="symbolic link.*cp -rL"):
+        models.resolve_model(str(linked))
+    (tmp_path / "s.tfm").write_text("quantize int8\n")
+    result = run_cli("apply", "--model", str(linked), str(tmp_path / "s.tfm"), "--out", str(tmp_path / "out"))
+    assert result.returncode == 1 and "symbolic link" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", ["GPT2Config", "pipeline", "AutoModel", "PreTrainedModel"])
+def test_model_dir_naming_a_class_that_is_not_a_model_is_a_clear_error(gpt2_dir, tmp_path, name):
+    """``architectures: ["GPT2Config"]`` gave "'GPT2Config' object has no attribute 'components'";
+    ``["pipeline"]`` "'function' object has no attribute 'from_pretrained'"."""
+    directory = Path(shutil.copytree(gpt2_dir, tmp_path / "dir"))
+    _edit_json(directory / "config.json", lambda c: c.update({"architectures": [name]}))
+    with pytest.raises(LoadError, match=f"names '{name}', .*--model DIR loads a diffusers model class"):
+        models.resolve_model(str(directory))
+
+
+def test_model_dir_still_loads_stock_models_and_pipelines_with_the_same_outputs(gpt2_dir, tmp_path):
+    loaded = models.resolve_model(str(gpt2_dir))
+    assert torch.equal(models.run(loaded), models.run(models.tiny_gpt2()))
+    pipe = models.tiny_sd_pipeline()
+    pipe.save_pretrained(tmp_path / "pipe", safe_serialization=True)
+    assert torch.equal(models.run(models.resolve_model(str(tmp_path / "pipe"))), models.run(pipe))

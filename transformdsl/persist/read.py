@@ -159,7 +159,9 @@ def load_module(folder: SaveDir, meta: dict, model: Any, device: torch.device, m
     if meta["tensors"].get("layout"):
         from ..interop import layout
 
-        tensors = layout.to_own(tensors, meta["tensors"]["layout"], folder.path)
+        expected = {key: tuple(t.shape) for key, t in skeleton.state_dict(keep_vars=True).items()
+                    if isinstance(t, torch.Tensor)}
+        tensors = layout.to_own(tensors, meta["tensors"]["layout"], folder.path, expected)
     _assign(skeleton, tensors, meta, folder.path)
     plain_tensors.restore(skeleton, attributes, attribute_tensors, folder.path)
     opened.finalize()
@@ -442,6 +444,22 @@ class _TensorFiles:
                 raise LoadError(f"{path}: corrupt or truncated safetensors file: {exc}") from None
             counts.append(count)
         return counts
+
+    def shapes(self) -> dict[str, tuple[str, list[int]]]:
+        """Saved tensor name → (safetensors dtype, shape), from the headers (each parsed once)."""
+        from safetensors import safe_open
+
+        shapes: dict[str, tuple[str, list[int]]] = {}
+        for name, _, source in self.opened:
+            try:
+                with safe_open(source, framework="pt") as f:
+                    for key in f.keys():
+                        if not is_padding(key):
+                            piece = f.get_slice(key)
+                            shapes[key] = (piece.get_dtype(), list(piece.get_shape()))
+            except Exception as exc:
+                raise LoadError(f"{self.folder.path / name}: corrupt or truncated safetensors file: {exc}") from None
+        return shapes
 
     def sizes(self) -> dict[str, tuple[int, int]]:
         """Saved tensor name → (its file's position in :attr:`opened`, bytes), from the headers."""
