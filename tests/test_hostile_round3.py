@@ -22,6 +22,7 @@ import torch
 
 import transformdsl
 from transformdsl import LoadError, TransformError, models
+from transformdsl.persist import inspect
 
 ROOT = Path(__file__).resolve().parent.parent
 SENTINEL_CODE = "import pathlib\npathlib.Path({marker!r}).write_text('ran')\n"
@@ -203,7 +204,7 @@ def custom_code_dir(source: Path, target: Path, marker: Path) -> Path:
 
 
 def run_cli(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(Path(transformdsl.__file__).resolve().parent.parent)}
     return subprocess.run([sys.executable, "-m", "transformdsl", *args], input=stdin, capture_output=True, text=True,
                           env=env, cwd=ROOT, timeout=300)
 
@@ -309,3 +310,228 @@ def test_model_dir_still_loads_stock_models_and_pipelines_with_the_same_outputs(
     pipe = models.tiny_sd_pipeline()
     pipe.save_pretrained(tmp_path / "pipe", safe_serialization=True)
     assert torch.equal(models.run(models.resolve_model(str(tmp_path / "pipe"))), models.run(pipe))
+
+
+# --------------------------------------------------------------------------- sizes checked before allocating
+
+
+def _peak_growth_mb(action) -> tuple[float, BaseException | None]:
+    """How much the process's peak memory grew (MiB) while ``action`` ran, and what it raised."""
+    def status(field: str) -> float:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+        raise AssertionError(field)
+
+    Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) starts again from here
+    base = status("VmRSS")
+    error = None
+    try:
+        action()
+    except Exception as exc:  # noqa: BLE001 - returned to the test
+        error = exc
+    return status("VmHWM") - base, error
+
+
+@pytest.fixture(scope="module")
+def inflated(tmp_path_factory) -> dict[str, Path]:
+    """A BERT with ``max_position_embeddings: 1e8`` and an SD3 with ``pos_embed_max_size: 2048`` in
+    their config.json, next to the weights of the small models they were."""
+    from transformers import BertConfig, BertModel
+
+    root = tmp_path_factory.mktemp("inflated")
+    BertModel(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=64, max_position_embeddings=32)).save_pretrained(root / "bert")
+    _edit_json(root / "bert" / "config.json", lambda c: c.update({"max_position_embeddings": 100_000_000}))
+    models.tiny_sd3().save_pretrained(root / "sd3")
+    _edit_json(root / "sd3" / "config.json", lambda c: c.update({"pos_embed_max_size": 2048}))
+    return {"bert": root / "bert", "sd3": root / "sd3"}
+
+
+@pytest.mark.parametrize("how", ["load", "resolve_model", "convert"])
+@pytest.mark.parametrize("name", ["bert", "sd3"])
+def test_a_configuration_inflated_past_its_weights_is_refused_before_allocating(inflated, tmp_path, name, how):
+    """Before: 2.3 GB (BERT, load and convert), 13.7 GB (BERT, --model DIR), 2.1 GB (SD3) of peak
+    memory for an error that came after."""
+    actions = {"load": lambda: transformdsl.load(inflated[name]),
+               "resolve_model": lambda: models.resolve_model(str(inflated[name])),
+               "convert": lambda: transformdsl.convert(inflated[name], "quantize int8", tmp_path / "out")}
+    growth, error = _peak_growth_mb(actions[how])
+    assert growth < 200, growth
+    assert isinstance(error, LoadError) and "the configuration makes" in str(error), error
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_layout_entry_with_a_huge_run_of_zeros_is_refused_before_allocating(tmp_path):
+    """``{"op": "cat", "zeros": [[1, 134217728]]}`` allocated 512 MiB before the shape was refused."""
+    model = transformdsl.transform(models.tiny_flux(), "fuse qkv")
+    transformdsl.save(model, tmp_path / "save", format="diffusers")
+
+    def change(meta):
+        entry = next(e for e in meta["tensors"]["layout"] if e["key"].endswith("to_qkv.bias"))
+        entry["zeros"] = [[1, 134_217_728]]
+
+    _edit_json(tmp_path / "save" / "transformdsl.json", change)
+    growth, error = _peak_growth_mb(lambda: transformdsl.load(tmp_path / "save"))
+    assert growth < 100, growth
+    assert isinstance(error, LoadError) and "refusing to allocate it" in str(error), error
+
+
+# --------------------------------------------------------------------------- bounded work
+
+
+def test_zero_size_tensors_do_not_enlarge_the_budget_of_a_library_directory(gpt2_dir, tmp_path):
+    """100,000 zero-size tensors beside ``n_layer: 100000`` let convert build 40,000 blocks (400,000
+    tensors: past 120 s); the budget counts tensors that hold something."""
+    from safetensors import safe_open
+
+    from transformdsl.safetensors_io import save_aligned
+
+    directory = Path(shutil.copytree(gpt2_dir, tmp_path / "gpt2"))
+    with safe_open(str(directory / "model.safetensors"), "pt") as f:
+        tensors = {key: f.get_tensor(key) for key in f.keys()}
+    real = len(tensors)
+    tensors.update({f"junk.{i}": torch.empty(0) for i in range(100_000)})
+    save_aligned(tensors, directory / "new.safetensors", metadata={"format": "pt"})
+    os.replace(directory / "new.safetensors", directory / "model.safetensors")  # the old one is mapped
+    _edit_json(directory / "config.json", lambda c: c.update({"n_layer": 100_000}))
+    for action in (lambda: transformdsl.convert(directory, "quantize int8", tmp_path / "out"),
+                   lambda: transformdsl.load(directory)):
+        with pytest.raises(LoadError, match="far more modules") as caught:
+            action()
+        limit = int(str(caught.value).split("(over ")[1].split(")")[0])
+        assert limit <= 4 * real + 256
+    assert not (tmp_path / "out").exists()
+
+
+def test_regex_budget_covers_the_plans_its_hints_make():
+    """40 conflicting statements with a slow pattern: each hint planned the script again with a fresh
+    0.5 s of matching (42 s on the UNet); the whole plan now has one budget."""
+    from transformdsl import regexes
+    from transformdsl.errors import ScriptError
+
+    spent = [0.0]
+    original = regexes.search
+
+    def timed(compiled, path):
+        import time
+
+        started = time.monotonic()
+        try:
+            return original(compiled, path)
+        finally:
+            spent[0] += time.monotonic() - started
+
+    script = "\n".join([r"fp8 storage re:^(\w|\w\w|\w\w\w)+$"] * 40) + "\n"
+    model = models.tiny_unet()
+    import transformdsl.selectors as selectors
+
+    saved = selectors.search
+    selectors.search = timed
+    try:
+        with pytest.raises(ScriptError):
+            transformdsl.plan(model, script)
+    finally:
+        selectors.search = saved
+    assert spent[0] < regexes.REGEX_BUDGET_S + 1.0, spent[0]
+
+
+@pytest.fixture(scope="module")
+def stock_quantized(tmp_path_factory) -> dict[str, Path]:
+    """transformers quantizes a Llama of 12 layers (84 Linear layers) with bitsandbytes and saves it."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
+
+    from stock_kernels import stock_runs_portable_4bit
+
+    root = tmp_path_factory.mktemp("stockq")
+    config = LlamaConfig(**{**models.LLAMA_CONFIG, "num_hidden_layers": 12})
+    LlamaForCausalLM(config).save_pretrained(root / "plain")
+    out = {}
+    for mode, quant in {"int8": BitsAndBytesConfig(load_in_8bit=True),
+                        "nf4": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")}.items():
+        model = stock_runs_portable_4bit(
+            AutoModelForCausalLM.from_pretrained(root / "plain", quantization_config=quant, device_map="cpu"))
+        model.save_pretrained(root / mode)
+        out[mode] = root / mode
+    return out
+
+
+@pytest.mark.parametrize("mode", ["int8", "nf4"])
+def test_a_stock_quantized_directory_has_its_header_parsed_once(stock_quantized, monkeypatch, mode):
+    """Each layer opened the file and parsed its whole header again: 1,500 layers took 17 s, 3,000
+    layers 77 s.  Counted here: safetensors files opened to read the headers (84 layers)."""
+    import safetensors
+
+    opened = []
+    original = safetensors.safe_open
+
+    def counting(path, *args, **kwargs):
+        opened.append(path)
+        return original(path, *args, **kwargs)
+
+    monkeypatch.setattr(safetensors, "safe_open", counting)
+    summary = inspect(stock_quantized[mode])
+    assert summary["steps"][0]["key"] == f"quantize {mode}"
+    assert len(opened) <= 3, len(opened)
+
+
+def test_a_deeply_nested_quant_state_is_a_load_error(stock_quantized, tmp_path):
+    """A 30,000-deep JSON array as an nf4 quant state gave RecursionError."""
+    from safetensors import safe_open
+
+    from transformdsl.safetensors_io import save_aligned
+
+    directory = Path(shutil.copytree(stock_quantized["nf4"], tmp_path / "nf4"))
+    with safe_open(str(directory / "model.safetensors"), "pt") as f:
+        tensors = {key: f.get_tensor(key) for key in f.keys()}
+    key = next(k for k in sorted(tensors) if k.endswith("quant_state.bitsandbytes__nf4"))
+    tensors[key] = torch.frombuffer(bytearray(b"[" * 30_000), dtype=torch.uint8)
+    save_aligned(tensors, directory / "new.safetensors", metadata={"format": "pt"})
+    os.replace(directory / "new.safetensors", directory / "model.safetensors")  # the old one is mapped
+    for action in (transformdsl.load, inspect):
+        with pytest.raises(LoadError, match="nested too deeply"):
+            action(directory)
+
+
+def test_inspect_of_pipelines_nested_a_thousand_deep_is_a_load_error(tmp_path):
+    """A pipeline whose component is a pipeline, 1,200 deep: RecursionError."""
+    from transformdsl.persist import META_FILE
+
+    folder = tmp_path / "deep"
+    node = folder
+    for _ in range(1200):
+        node.mkdir()
+        (node / META_FILE).write_text(json.dumps({
+            "format": "transformdsl", "format_version": 1, "kind": "pipeline",
+            "pipeline_class": "StableDiffusionPipeline", "components": {"u": "transformdsl"}}))
+        node = node / "u"
+    with pytest.raises(LoadError, match="itself a pipeline"):
+        inspect(folder)
+
+
+# --------------------------------------------------------------------------- sparse files
+
+
+def test_convert_copies_a_sparse_component_file_sparsely(tmp_path):
+    """A 1 GiB sparse file in a pipeline component (4 KiB on disk) became 1 GiB of writes."""
+    pipe = models.tiny_sd_pipeline()
+    pipe.save_pretrained(tmp_path / "pipe", safe_serialization=True)
+    sparse = tmp_path / "pipe" / "tokenizer" / "huge.bin"
+    with open(sparse, "wb") as f:
+        f.seek(2**30 - 5)
+        f.write(b"tail!")
+        f.seek(12345)
+        f.write(b"data")
+    if sparse.stat().st_blocks * 512 > 2**20:
+        pytest.skip("this file system does not keep holes")
+    transformdsl.convert(tmp_path / "pipe", "quantize int8", tmp_path / "out")
+    copied = tmp_path / "out" / "tokenizer" / "huge.bin"
+    assert copied.stat().st_size == 2**30
+    assert copied.stat().st_blocks * 512 <= 2**20  # its data, not its size
+    with open(copied, "rb") as f:
+        f.seek(12345)
+        assert f.read(4) == b"data"
+        f.seek(2**30 - 5)
+        assert f.read() == b"tail!"
+        f.seek(0)
+        assert f.read(12345) == bytes(12345)
