@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import transformdsl
-from transformdsl import LoadError, TransformError, models
+from transformdsl import LoadError, models
 from transformdsl.persist import inspect
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -385,7 +385,7 @@ def test_zero_size_tensors_do_not_enlarge_the_budget_of_a_library_directory(gpt2
     tensors: past 120 s); the budget counts tensors that hold something."""
     from safetensors import safe_open
 
-    from transformdsl.safetensors_io import save_aligned
+    from transformdsl.persist.safetensors_io import save_aligned
 
     directory = Path(shutil.copytree(gpt2_dir, tmp_path / "gpt2"))
     with safe_open(str(directory / "model.safetensors"), "pt") as f:
@@ -439,9 +439,8 @@ def test_regex_budget_covers_the_plans_its_hints_make():
 @pytest.fixture(scope="module")
 def stock_quantized(tmp_path_factory) -> dict[str, Path]:
     """transformers quantizes a Llama of 12 layers (84 Linear layers) with bitsandbytes and saves it."""
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
-
     from stock_kernels import stock_runs_portable_4bit
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
 
     root = tmp_path_factory.mktemp("stockq")
     config = LlamaConfig(**{**models.LLAMA_CONFIG, "num_hidden_layers": 12})
@@ -479,7 +478,7 @@ def test_a_deeply_nested_quant_state_is_a_load_error(stock_quantized, tmp_path):
     """A 30,000-deep JSON array as an nf4 quant state gave RecursionError."""
     from safetensors import safe_open
 
-    from transformdsl.safetensors_io import save_aligned
+    from transformdsl.persist.safetensors_io import save_aligned
 
     directory = Path(shutil.copytree(stock_quantized["nf4"], tmp_path / "nf4"))
     with safe_open(str(directory / "model.safetensors"), "pt") as f:

@@ -4,7 +4,7 @@ library with the guards :func:`transformdsl.load` has.
 ``from_pretrained`` on a directory someone shared would run its custom code on a "y" (an
 ``auto_map`` naming ``DIR/evil.py``), look a named ``backbone`` up on the hub, follow a
 ``model.safetensors`` linked to a file outside the directory, and build whatever class a file
-names.  Here, as for a pipeline component of a save (:func:`..persist.pipelines._load_library_component`):
+names.  Here, as for a pipeline component of a save (:func:`transformdsl.persist.pipelines.load_library_component`):
 
 - the directory is opened once and handed to the library as ``/proc/self/fd/N``; every entry in it
   must be a regular file or folder (no symbolic link: a hub cache snapshot, whose files link to its
@@ -27,9 +27,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .. import guard
 from ..errors import LoadError
-from ..savedir import SaveDir
+from ..persist import guard
+from ..persist.savedir import SaveDir
 
 
 def load_directory(cls: Any, path: Path, load_kwargs: dict[str, Any]) -> Any:
@@ -50,7 +50,7 @@ def _model(cls: Any, folder: SaveDir, dtype: Any) -> Any:
     import diffusers
     import transformers
 
-    from ..persist.pipelines import _load_library_component
+    from ..persist.pipelines import load_library_component
 
     config_path = folder.path / "config.json"
     name = getattr(cls, "__name__", type(cls).__name__)
@@ -73,17 +73,17 @@ def _model(cls: Any, folder: SaveDir, dtype: Any) -> Any:
     if getattr(diffusers if library == "diffusers" else transformers, name, None) is not cls:
         raise LoadError(f"{config_path}: {name!r} is not one of {library}'s own model classes")
     extra = {"dtype": dtype} if dtype is not None else None
-    return _load_library_component(library, name, folder, config_path, extra)
+    return load_library_component(library, name, folder, config_path, extra)
 
 
 def _pipeline(folder: SaveDir, dtype: Any) -> Any:
     import torch
 
-    from ..persist.checks import _read_json
-    from ..persist.pipelines import _load_pipeline
+    from ..persist.checks import read_json
+    from ..persist.pipelines import load_pipeline
 
     index_path = folder.path / "model_index.json"
-    index = _read_json(folder, "model_index.json", "pipeline index")
+    index = read_json(folder, "model_index.json", "pipeline index")
     name = index.get("_class_name") if isinstance(index, dict) else None
     if not isinstance(name, str):
         # a [file, class] pair is a custom pipeline: code diffusers would import from the directory
@@ -98,4 +98,4 @@ def _pipeline(folder: SaveDir, dtype: Any) -> Any:
         return {"dtype": wanted} if isinstance(wanted, torch.dtype) else {}
 
     meta = {"pipeline_class": name, "components": components}
-    return _load_pipeline(folder, meta, torch.device("cpu"), True, library_kwargs=kwargs)
+    return load_pipeline(folder, meta, torch.device("cpu"), True, library_kwargs=kwargs)

@@ -32,10 +32,10 @@ def check_shapes(cls: type, library: str, config: Any, shapes: dict[str, tuple[s
     describes far more elements than the files hold (over theirs plus 64 Mi).  ``shapes``: tensor name →
     (safetensors dtype, shape), from the headers.  A configuration the library cannot build on the
     meta device is left to the real build to report."""
-    from ..persist.read import _module_limit, _no_weight_init
+    from ..persist.read import module_limit, no_weight_init
 
     try:
-        with torch.device("meta"), _module_limit(max_modules, path), _no_weight_init():
+        with torch.device("meta"), module_limit(max_modules, path), no_weight_init():
             if library == "diffusers":
                 model = cls.from_config(config)
             else:
