@@ -271,7 +271,12 @@ def _swap_into_place(new: Path, final: Path) -> None:
     # every moment one complete save exists (at `final` or at `old`).
     old = final.with_name(f".{final.name}.old-{os.getpid()}")
     (final / _TMP_MARKER).write_text(f"{os.getpid()} {_boot_id()}\n")  # the old copy carries the proof
-    os.rename(final, old)
+    try:
+        os.rename(final, old)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            (final / _TMP_MARKER).unlink()
+        raise
     try:
         os.rename(new, final)
     except BaseException:
