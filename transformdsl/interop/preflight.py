@@ -21,7 +21,7 @@ import torch
 from ..errors import LoadError
 
 #: safetensors dtypes whose shapes are the model's own (packed or quantized data is not compared).
-_FLOATS = ("F64", "F32", "F16", "BF16")
+_FLOATS = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 #: Elements a configuration may describe beyond what the files hold (buffers computed at build time).
 _UNBACKED_SLACK = 64 * 2**20
 
@@ -54,9 +54,10 @@ def check_shapes(cls: type, library: str, config: Any, shapes: dict[str, tuple[s
             continue
         dtype, shape = found
         if dtype in _FLOATS and tensor.is_floating_point() and list(tensor.shape) != list(shape):
-            raise LoadError(f"{path}: the configuration makes '{key}' {list(tensor.shape)}, but the weights hold "
-                            f"{list(shape)}; refusing to build it (was the configuration edited, or does it belong "
-                            "to another checkpoint?)")
+            name = _FLOATS[dtype]  # the file's precision on both sides: the model is read in it
+            raise LoadError(f"{path}: tensor '{key}' is {name}{list(shape)} in the file but the model expects "
+                            f"{name}{list(tensor.shape)} (from the configuration, checked before building it); was "
+                            "the configuration edited, or does it belong to another checkpoint?")
     if unbacked > saved + _UNBACKED_SLACK:
         raise LoadError(f"{path}: the configuration describes {unbacked:,} elements that the weights files do not "
                         f"hold (they hold {saved:,}); refusing to build it")
