@@ -246,7 +246,7 @@ def run_cell(model_id: str, script_name: str) -> dict:
         difference = (reloaded.float() - output.float()).abs().max().item() if reloaded.shape == output.shape else None
         return done("reload mismatch", f"max |reloaded - transformed| = {difference}")
     cell["reload"] = "bit-identical"
-    cell["formats"] = save_formats(model, entry, inputs, reference, tolerance, metric)
+    cell["formats"] = save_formats(model, entry, inputs, reference, tolerance, metric, cell["error"])
     if past:
         return done("past bound silently", past)
     return done("ok")
@@ -272,8 +272,15 @@ def not_fused(model, plan) -> dict[str, str]:
     return out
 
 
-def save_formats(model, entry: dict, inputs, reference, tolerance, metric: str = "rms") -> dict[str, dict]:
-    """Step 6 of the module docstring: ``format -> {"status", "detail", "error"}``."""
+#: A stock model whose 4-bit rows bitsandbytes misreads on this CPU, and whose error is this many times
+#: the error of the same save read back by transformdsl, is ``written`` (misread), not ``ok``.
+MISREAD_RATIO = 1.5
+
+
+def save_formats(model, entry: dict, inputs, reference, tolerance, metric: str = "rms",
+                 own_error: float | None = None) -> dict[str, dict]:
+    """Step 6 of the module docstring: ``format -> {"status", "detail", "error"}`` (``own_error``: the
+    transformed model's error on ``inputs``, in ``metric``)."""
     import importlib
     import importlib.util
 
@@ -312,7 +319,10 @@ def save_formats(model, entry: dict, inputs, reference, tolerance, metric: str =
                 result.update(status="stock load fails", detail=_exception(exc))
                 continue
             result["error"] = measure(metric, reference, output)
-            if tolerance is not None and not result["error"] <= tolerance and misread:
+            # a misread shows as an error past the bound, or (the bounds being set for trained models,
+            # loose on these tiny ones) as one measurably above the same model read back by transformdsl
+            worse = own_error is not None and result["error"] > MISREAD_RATIO * own_error
+            if misread and (worse or tolerance is not None and not result["error"] <= tolerance):
                 result.update(status="written", detail=f"stock bitsandbytes misreads this CPU's 4-bit rows of "
                               f"{misread} weights (not whole blocks; error {result['error']:.3g}); the file "
                               "is what transformdsl reads back exactly")
