@@ -46,7 +46,7 @@ from common import RESULTS, header  # noqa: E402
 
 import transformdsl  # noqa: E402
 from transformdsl import models, registry  # noqa: E402
-from transformdsl.passes.base import Transform  # noqa: E402
+from transformdsl.extend import Transform  # noqa: E402
 
 #: The blocks ``compile regional`` compiles, per model.
 BLOCKS = {"unet": "BasicTransformerBlock", "sd3": "*TransformerBlock", "flux": "*TransformerBlock",

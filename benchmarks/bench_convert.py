@@ -93,9 +93,9 @@ def _job(way: str, source: str, script: str, out: str, writer) -> None:
 
     import transformdsl
     import transformdsl.persist  # noqa: F401
-    from transformdsl.passes import load_all
+    from transformdsl import registry
 
-    load_all()
+    registry.transforms()
     torch.set_num_threads(1)
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:

@@ -33,8 +33,8 @@ from torch import nn  # noqa: E402
 
 import transformdsl  # noqa: E402
 from transformdsl import models  # noqa: E402
-from transformdsl.passes import fp8  # noqa: E402
-from transformdsl.passes.fp8 import FP8Linear, FP8Module  # noqa: E402
+from transformdsl.transforms import fp8  # noqa: E402
+from transformdsl.transforms.fp8.layers import FP8Linear, FP8Module  # noqa: E402
 
 #: (in_features, out_features) of FLUX.1 projections: attention (q/k/v/out) and MLP up.
 LAYERS = [(3072, 3072), (3072, 12288)]
@@ -104,7 +104,7 @@ def _dtype(layer: nn.Module) -> torch.dtype:
 
 def _cpu_mm(call, enabled: bool):
     def run():
-        with fp8.cpu_scaled_mm(enabled):
+        with fp8.CPU_SCALED_MM.turned(enabled):
             return call()
     return run
 

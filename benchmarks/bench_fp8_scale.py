@@ -8,7 +8,7 @@ four 3072x3072 projections, the 3072x12288 and 12288x3072 MLP), one torch thread
 - ``scale=none``: ``weight.to(float8_e4m3fn)``, diffusers' layerwise cast;
 - the largest magnitude of each row, then the same plain cast: the lower bound of any per-row
   scaling (what the extra pass over each weight costs, with nothing divided);
-- ``scale=row`` and ``scale=tensor``: :func:`transformdsl.passes.fp8.quantize_weight`.
+- ``scale=row`` and ``scale=tensor``: :func:`transformdsl.transforms.fp8.numerics.quantize_weight`.
 
 The ways run in turn, round after round (both see the same machine), the minimum of each kept;
 ratios are against the plain cast.  This is the one-off cost of applying the script (reloading a
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from common import header, table, write  # noqa: E402
 
-from transformdsl.passes import fp8  # noqa: E402
+from transformdsl.transforms.fp8 import numerics  # noqa: E402
 
 SHAPES = [(3072, 3072)] * 4 + [(12288, 3072), (3072, 12288)]
 FORMAT = torch.float8_e4m3fn
@@ -43,10 +43,10 @@ def weights() -> list[torch.Tensor]:
 def amax_then_cast(weight: torch.Tensor) -> torch.Tensor:
     """The rows' largest magnitudes (block by block, as quantize does), then the plain cast."""
     rows = weight.reshape(weight.shape[0], -1)
-    step = max(1, fp8._CHUNK_ELEMENTS // rows.shape[1])
+    step = max(1, numerics._CHUNK_ELEMENTS // rows.shape[1])
     values = torch.empty(rows.shape, dtype=FORMAT)
     for start in range(0, rows.shape[0], step):
-        fp8._amax_rows(rows[start:start + step])
+        numerics._amax_rows(rows[start:start + step])
         values[start:start + step].copy_(rows[start:start + step])
     return values
 
@@ -54,8 +54,8 @@ def amax_then_cast(weight: torch.Tensor) -> torch.Tensor:
 WAYS = {
     "scale=none (plain cast, as diffusers)": lambda w: w.to(FORMAT),
     "largest magnitude per row, then the plain cast": amax_then_cast,
-    "scale=row": lambda w: fp8.quantize_weight(w, FORMAT, (1,), "row"),
-    "scale=tensor": lambda w: fp8.quantize_weight(w, FORMAT, (1,), "tensor"),
+    "scale=row": lambda w: numerics.quantize_weight(w, FORMAT, (1,), "row"),
+    "scale=tensor": lambda w: numerics.quantize_weight(w, FORMAT, (1,), "tensor"),
 }
 
 

@@ -10,7 +10,7 @@ Writes ``benchmarks/results/upcast.md``.  Layers of FLUX.1's width (3072, its ML
   past ``_blocked.BLOCKED_BYTES``);
 - ``fp8 storage`` (bfloat16, e4m3, per-row scales): torch's float8 conversion of the whole weight,
   and the layer as it runs now (e4m3 decoded through its bits, block by block past
-  ``fp8.BLOCKED_FROM``);
+  ``layers.BLOCKED_FROM``);
 
 each against the float layer it replaced.  The ways run in turn, round after round, the minimum
 of each kept.
@@ -28,8 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from common import header, table, write  # noqa: E402
 
-from transformdsl.passes import _blocked, fp8  # noqa: E402
-from transformdsl.passes import _int8_weight_only as w8  # noqa: E402
+from transformdsl.transforms.common import blocked as _blocked  # noqa: E402
+from transformdsl.transforms.fp8 import layers as fp8_layers  # noqa: E402
+from transformdsl.transforms.fp8 import numerics as fp8_numerics  # noqa: E402
+from transformdsl.transforms.quantize import int8_weight_only as w8  # noqa: E402
 
 SHAPES = [(3072, 768), (3072, 3072), (12288, 3072), (3072, 12288)]
 TOKENS = 48
@@ -60,8 +62,8 @@ def measure(rounds: int) -> list[dict]:
                 layer = w8.Int8WeightOnlyLinear.build(linear.weight.detach(), linear.bias.detach())
                 ways = {"whole": {(_blocked, "BLOCKED_BYTES"): NEVER}, "now": {}}
             else:
-                layer = fp8.FP8Linear.from_linear(linear, torch.float8_e4m3fn, torch.bfloat16)
-                ways = {"whole": {(fp8, "BLOCKED_FROM"): NEVER, (fp8, "_DECODE_MIN"): NEVER}, "now": {}}
+                layer = fp8_layers.FP8Linear.from_linear(linear, torch.float8_e4m3fn, torch.bfloat16)
+                ways = {"whole": {(fp8_layers, "BLOCKED_FROM"): NEVER, (fp8_numerics, "_DECODE_MIN"): NEVER}, "now": {}}
             x = torch.randn(1, TOKENS, in_features, dtype=dtype)
             best: dict[str, float] = {}
             with torch.no_grad():

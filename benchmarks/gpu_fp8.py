@@ -33,8 +33,10 @@ import torch  # noqa: E402
 from common import header, table, write  # noqa: E402
 from torch import nn  # noqa: E402
 
-from transformdsl.passes import fp8  # noqa: E402
-from transformdsl.passes.fp8 import FP8Linear  # noqa: E402
+from transformdsl.transforms import fp8  # noqa: E402
+from transformdsl.transforms.fp8 import cuda as fp8_cuda  # noqa: E402
+from transformdsl.transforms.fp8 import numerics  # noqa: E402
+from transformdsl.transforms.fp8.layers import FP8Linear  # noqa: E402
 
 #: (in_features, out_features)
 LAYERS = [(3072, 3072), (3072, 12288), (12288, 3072)]
@@ -79,10 +81,10 @@ def weight_bytes(module: nn.Module) -> int:
 
 def kernel_only(layer: FP8Linear, x: torch.Tensor):
     """``torch._scaled_mm`` alone on operands prepared once, checked against the CUDA rules."""
-    a8, scale_a = fp8.quantize_activation(x.reshape(-1, layer.in_features), layer.scaling)
+    a8, scale_a = numerics.quantize_activation(x.reshape(-1, layer.in_features), layer.scaling)
     b, scale_b = layer.weight.t(), layer.weight_scale.t()
     bias = layer.bias.to(torch.bfloat16) if layer.bias is not None else None
-    problems = fp8.cuda_scaled_mm_problems(a8, b, scale_a, scale_b, bias, torch.bfloat16)
+    problems = fp8_cuda.cuda_scaled_mm_problems(a8, b, scale_a, scale_b, bias, torch.bfloat16)
     if problems:
         raise SystemExit(f"operands the kernel would reject: {problems}")
     return lambda: torch._scaled_mm(a8, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=torch.bfloat16)
@@ -170,7 +172,7 @@ def dry_run(args) -> int:
     """The whole measurement path on the CPU with small layers: catches a broken script before GPU time."""
     global DEVICE, LAYERS
     DEVICE, LAYERS = "cpu", [(64, 64), (64, 256)]
-    with fp8.cpu_scaled_mm():
+    with fp8.CPU_SCALED_MM.turned(True):
         for k, n in LAYERS:
             rows = bench_layer(k, n, 32, 2, args.compile)
             print(table(rows, list(rows[0])) + "\n")

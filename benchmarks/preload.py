@@ -38,9 +38,9 @@ def warm() -> None:
     import transformdsl
 
     transformdsl.parse("fuse qkv")  # builds the LALR parser once
-    from transformdsl.passes import load_all
+    from transformdsl import registry
 
-    load_all()  # the passes' modules, which transform() and load() import on first use
+    registry.transforms()  # the passes' modules, which transform() and load() import on first use
     # Move the millions of objects the imports made out of the collector's sight: each
     # gc.collect() in a job would otherwise take half a second scanning them.
     gc.collect()

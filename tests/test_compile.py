@@ -15,9 +15,9 @@ from torch import nn
 import transformdsl
 from transformdsl import models
 from transformdsl.errors import ScriptError
-from transformdsl.passes import compile as compile_pass
-from transformdsl.passes.base import Transform
-from transformdsl.passes.compile import is_compiled
+from transformdsl.extend import Transform
+from transformdsl.transforms.compile import run as compile_pass
+from transformdsl.transforms.compile.run import is_compiled
 
 
 def compiled_paths(root: nn.Module) -> list[str]:

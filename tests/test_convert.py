@@ -180,7 +180,7 @@ def test_tied_weights_are_one_unit(sources, tmp_path):
 
 def test_a_failing_statement_writes_nothing(sources, tmp_path, monkeypatch):
     """A statement failing in the third unit (after two were written): no output at all."""
-    from transformdsl.passes.quantize import Int8Quantization
+    from transformdsl.transforms.quantize.quantization import Int8Quantization
 
     real, calls = Int8Quantization.apply, []
 

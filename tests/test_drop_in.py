@@ -151,8 +151,9 @@ def test_a_saved_attribute_must_be_a_tensor_attribute_of_the_architecture(tmp_pa
 
 
 def _replacements(linear: nn.Linear) -> dict[str, nn.Module]:
-    from transformdsl.passes import _quantized, fp8
-    from transformdsl.passes._int8_weight_only import Int8WeightOnlyLinear
+    from transformdsl.transforms.fp8 import layers as fp8_layers
+    from transformdsl.transforms.quantize import layers as _quantized
+    from transformdsl.transforms.quantize.int8_weight_only import Int8WeightOnlyLinear
 
     weight, bias = linear.weight.detach(), linear.bias.detach()
     return {
@@ -160,8 +161,8 @@ def _replacements(linear: nn.Linear) -> dict[str, nn.Module]:
         "int8 weight_only": Int8WeightOnlyLinear.build(weight, bias),
         "nf4": _quantized.FourBitLinear.build(weight, bias, "nf4", 64, False, torch.float32),
         "hqq": _quantized.HQQLayer.build(weight, bias, 8, 16, 1, torch.float32),
-        "fp8 storage": fp8.FP8Linear.from_linear(linear, torch.float8_e4m3fn, torch.bfloat16),
-        "fp8 native": fp8.FP8Linear.from_linear(linear, torch.float8_e4m3fn, torch.bfloat16, native=True,
+        "fp8 storage": fp8_layers.FP8Linear.from_linear(linear, torch.float8_e4m3fn, torch.bfloat16),
+        "fp8 native": fp8_layers.FP8Linear.from_linear(linear, torch.float8_e4m3fn, torch.bfloat16, native=True,
                                                 scaling="tensor"),
     }
 
@@ -309,7 +310,7 @@ def test_bitsandbytes_layers_are_what_transformers_bitsandbytes_models_hold(tmp_
         if mode == "nf4":
             assert layer.weight.quant_state.shape == other.weight.quant_state.shape == (layer.out_features,
                                                                                         layer.in_features)
-    from transformdsl.passes._quantized import cpu_kernel_misreads_crossing_blocks
+    from transformdsl.transforms.quantize.layers import cpu_kernel_misreads_crossing_blocks
 
     if mode == "nf4" and cpu_kernel_misreads_crossing_blocks():
         # This T5's rows are 32 weights, blocks 64: on this CPU bitsandbytes' native dequantization

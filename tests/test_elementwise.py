@@ -12,8 +12,9 @@ from torch import nn
 
 import transformdsl
 from transformdsl import models
-from transformdsl.passes import elementwise
-from transformdsl.passes.elementwise import FusedModule, activation_kind, set_fused, unfused
+from transformdsl.transforms.elementwise import FUSED
+from transformdsl.transforms.elementwise import patterns as elementwise
+from transformdsl.transforms.elementwise.patterns import FusedModule, activation_kind
 
 EAGER = " kernel=eager"
 
@@ -44,9 +45,9 @@ def run_bert(model: nn.Module) -> torch.Tensor:
 
 @pytest.fixture(autouse=True)
 def _switch_default():
-    set_fused(None)
+    FUSED.set(None)
     yield
-    set_fused(None)
+    FUSED.set(None)
 
 
 # --------------------------------------------------------------------------- matching and numerics
@@ -75,7 +76,7 @@ def test_bias_act_dropout_on_builtin_models(name):
     assert len(paths) == count and type(model.get_submodule(paths[0])).__name__ == cls_name
     assert {k: v.shape for k, v in model.state_dict().items()} == keys  # same keys, same order, same shapes
     torch.testing.assert_close(models.run(model), want, rtol=1e-5, atol=1e-5)
-    with unfused():  # the runtime switch: the original forward, bit for bit
+    with FUSED.turned(False):  # the runtime switch: the original forward, bit for bit
         assert torch.equal(models.run(model), want)
 
 
@@ -209,12 +210,12 @@ def test_switch_environment_and_function(monkeypatch):
                         lambda self, x: calls.append(1) or original(self, x))
     models.run(model)
     assert len(calls) == 2
-    monkeypatch.setenv(elementwise.ENV_VAR, "1")
-    set_fused(None)  # re-read the environment
-    assert not elementwise.fused_enabled()
+    monkeypatch.setenv(FUSED.environment, "1")
+    FUSED.set(None)  # re-read the environment
+    assert not FUSED.enabled
     models.run(model)
     assert len(calls) == 2  # no fused call: the unfused path
-    set_fused(True)
+    FUSED.set(True)
     models.run(model)
     assert len(calls) == 4
 
@@ -263,13 +264,13 @@ def test_pickle_and_deepcopy():
     torch.save(model, buffer)
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=False)
-    with unfused():  # no compiling here; the fused path is checked elsewhere
+    with FUSED.turned(False):  # no compiling here; the fused path is checked elsewhere
         assert torch.equal(models.run(loaded), models.run(model))
 
 
 def test_fused_then_quantized_saves_and_reloads(tmp_path):
     """quantize runs after the fusion and swaps the projections inside fused modules: they run whole."""
-    from transformdsl.passes.base import Transform
+    from transformdsl.extend import Transform
 
     if transformdsl.registry.get("quantize int8").apply is Transform.apply:
         pytest.skip("the quantize pass has not landed yet")
@@ -293,7 +294,7 @@ def test_inductor_kernels_and_whole_model_compile():
     torch.testing.assert_close(models.run(model), want, rtol=1e-5, atol=1e-5)
     transformdsl.transform(model, "compile fullgraph=true backend=aot_eager")
     torch.testing.assert_close(models.run(model), want, rtol=1e-5, atol=1e-5)
-    with unfused():  # the switch is a guard: flipping it retraces, it does not go stale
+    with FUSED.turned(False):  # the switch is a guard: flipping it retraces, it does not go stale
         torch.testing.assert_close(models.run(model), want, rtol=1e-5, atol=1e-5)
 
 

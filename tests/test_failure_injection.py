@@ -29,13 +29,14 @@ from torch import nn
 import transformdsl
 from transformdsl import TransformError, models, registry
 from transformdsl.edit import Edit
-from transformdsl.executor import history_of, relative_error, script_error_bound
-from transformdsl.passes import qkv
-from transformdsl.passes.base import Transform
-from transformdsl.passes.quantize import Int8Quantization
+from transformdsl.executor import relative_error, script_error_bound
+from transformdsl.extend import Transform
+from transformdsl.history import history_of
 from transformdsl.persist import atomic as persist_atomic
 from transformdsl.persist import write as persist_write
 from transformdsl.planner import module_components
+from transformdsl.transforms.qkv import fusion as qkv
+from transformdsl.transforms.quantize.quantization import Int8Quantization
 from transformdsl.verification import token_kl
 
 # --------------------------------------------------------------------------- snapshots

@@ -21,7 +21,7 @@ import pytest
 from golden import EXAMPLES
 
 import transformdsl
-from transformdsl import catalog
+from transformdsl import registry
 from transformdsl.cli import main
 from transformdsl.errors import ScriptError
 from transformdsl.parser import parse, parse_file
@@ -63,7 +63,7 @@ sys.exit(status)
     (["--help"], 0),
     (["--version"], 0),
     (["check", "--help"], 0),
-    (["check", "TYPO"], 1),  # the error path too: near-miss suggestions come from the catalog
+    (["check", "TYPO"], 1),  # the error path too: near-miss suggestions come from the registry's keys
     (["fmt", "-"], 0),
 ], ids=["check", "fmt", "help", "version", "check-help", "check-typo", "fmt-stdin"])
 def test_light_commands_import_no_model_library(argv, status, tmp_path):
@@ -113,12 +113,12 @@ def test_fp8_marks_its_capability_check_constant_as_torch_does():
     the one ``torch.compiler.assume_constant_result`` sets, or compile would trace the check."""
     import torch
 
-    from transformdsl.passes import fp8
+    from transformdsl.transforms.fp8 import cuda as fp8_cuda
 
     marked = torch.compiler.assume_constant_result(lambda: None)
     attributes = {name for name in vars(marked) if name.startswith("_dynamo")}
     assert attributes == {"_dynamo_marked_constant"}
-    assert fp8._cuda_has_fp8_matmul._dynamo_marked_constant is True
+    assert fp8_cuda._cuda_has_fp8_matmul._dynamo_marked_constant is True
 
 
 def test_import_transformdsl_imports_no_torch():
@@ -160,13 +160,21 @@ def test_version(capsys):
     assert (status, out) == (0, f"transformdsl {transformdsl.__version__}\n")
 
 
-# --------------------------------------------------------------------------- the catalog `check` uses
+# --------------------------------------------------------------------------- the declarations `check` uses
+
+#: What a declaration states (what `check` validates with), which its implementation must not restate.
+DECLARED = ("verb", "mode", "summary", "Options", "default_target", "default_except", "honoured_declarations",
+            "runs_after", "runs_before", "exclusive", "overrides", "changes_weights", "requires_scope",
+            "record_version", "switches", "incompatible", "error_bound")
 
 
-def test_catalog_matches_the_registry():
-    on_disk = json.loads(catalog.PATH.read_text(encoding="utf-8"))
-    assert on_disk == json.loads(json.dumps(catalog.generate())), (
-        "transformdsl/catalog.json is out of date: run `python -m transformdsl.catalog --write`")
+@pytest.mark.parametrize("key", registry.keys())
+def test_implementations_add_nothing_to_their_declarations(key):
+    declared, implemented = registry.declaration(key), registry.get(key)
+    assert issubclass(implemented, declared)
+    assert declared.__module__.startswith("transformdsl.transforms.")
+    restated = [name for name in DECLARED if getattr(implemented, name) is not getattr(declared, name)]
+    assert restated == [], f"{implemented.__module__}.{implemented.__qualname__} restates {restated}"
 
 
 _SCRIPTS = [
@@ -183,7 +191,7 @@ _SCRIPTS = [
 
 
 @pytest.mark.parametrize("text", _SCRIPTS + [p.read_text() for p in sorted(EXAMPLES.glob("*.tfm"))])
-def test_catalog_validates_exactly_as_the_registry(text):
+def test_declarations_validate_exactly_as_the_implementations(text):
     def outcome(transforms):
         try:
             validated = validate(parse(text), transforms)
@@ -191,7 +199,7 @@ def test_catalog_validates_exactly_as_the_registry(text):
             return str(exc)
         return [(t.key(), dataclasses.asdict(t.options), t.common, t.statement) for t in validated.steps]
 
-    declared = outcome(catalog.transforms())
+    declared = outcome(registry.declarations())
     assert declared == outcome(None)
 
 

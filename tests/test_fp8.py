@@ -18,10 +18,15 @@ import transformdsl
 from transformdsl import models
 from transformdsl.edit import Edit
 from transformdsl.errors import ScriptError, TransformError
-from transformdsl.passes import fp8
-from transformdsl.passes.base import ApplyContext
-from transformdsl.passes.fp8 import FP8Conv, FP8Embedding, FP8Linear, FP8Module, cuda_scaled_mm_problems
+from transformdsl.extend import ApplyContext
 from transformdsl.planner import plan
+from transformdsl.transforms import fp8
+from transformdsl.transforms.fp8 import apply as fp8_apply
+from transformdsl.transforms.fp8 import cuda as fp8_cuda
+from transformdsl.transforms.fp8 import layers as fp8_modules
+from transformdsl.transforms.fp8 import numerics
+from transformdsl.transforms.fp8.cuda import cuda_scaled_mm_problems
+from transformdsl.transforms.fp8.layers import FP8Conv, FP8Embedding, FP8Linear, FP8Module
 
 #: Relative L2 error bounds against the bfloat16 model (spec.md "fp8"; measured worst ~0.10 / 0.20 / 0.04).
 BOUND = {"storage": 0.15, "storage-e5m2": 0.30, "native": 0.06, "both": 0.15}
@@ -82,12 +87,12 @@ def same(a: dict, b: dict) -> bool:
 def test_docstring_examples():
     import doctest
 
-    assert doctest.testmod(fp8).failed == 0
+    assert doctest.testmod(fp8_cuda).failed == 0
 
 
 def test_quantize_round_trips_to_within_one_e4m3_step():
     w = torch.randn(64, 128) * 0.02
-    values, scale = fp8.quantize(w, E4M3, dims=(1,))
+    values, scale = numerics.quantize(w, E4M3, dims=(1,))
     assert values.dtype == E4M3 and scale.shape == (64, 1) and scale.dtype == torch.float32
     back = values.float() * scale
     # 3 mantissa bits: relative rounding error at most 2^-4 for normal values (the scale keeps them normal).
@@ -97,7 +102,7 @@ def test_quantize_round_trips_to_within_one_e4m3_step():
 
 def test_quantize_e5m2_saturates_instead_of_overflowing_and_zero_rows_stay_zero():
     w = torch.tensor([[1e6, -3.0, 0.5], [0.0, 0.0, 0.0]])
-    values, scale = fp8.quantize(w, torch.float8_e5m2, dims=(1,))
+    values, scale = numerics.quantize(w, torch.float8_e5m2, dims=(1,))
     back = values.float() * scale
     assert torch.isfinite(back).all() and torch.equal(back[1], torch.zeros(3))
     assert back[0, 0].item() == pytest.approx(1e6, rel=0.25)
@@ -106,7 +111,7 @@ def test_quantize_e5m2_saturates_instead_of_overflowing_and_zero_rows_stay_zero(
 def test_quantize_leaves_the_input_untouched():
     w = torch.randn(8, 16, dtype=torch.bfloat16)
     before = w.clone()
-    fp8.quantize(w, E4M3, dims=None)
+    numerics.quantize(w, E4M3, dims=None)
     assert torch.equal(w, before)
 
 
@@ -191,13 +196,13 @@ def test_the_cpu_kernel_accepts_them_which_is_why_the_rules_are_ours(name):
 ])
 @pytest.mark.parametrize("scaling", ["tensor", "row"])
 def test_layer_shapes_are_checked_with_the_same_rules(shape, expected, scaling):
-    assert fp8.native_layer_problems(*shape, scaling, torch.bfloat16, bias=True) == expected
+    assert fp8_cuda.native_layer_problems(*shape, scaling, torch.bfloat16, bias=True) == expected
 
 
 def test_the_cpu_reference_path_refuses_operands_a_gpu_would_reject():
     layer = FP8Linear.from_linear(nn.Linear(40, 64), E4M3, torch.bfloat16, native=True, scaling="tensor")
     x = torch.randn(4, 40)
-    with fp8.cpu_scaled_mm():
+    with fp8.CPU_SCALED_MM.turned(True):
         with pytest.raises(RuntimeError, match="inner dimension K=40"):
             layer(x)
     assert layer(x).shape == (4, 64)  # upcast path: fine on CPU
@@ -208,7 +213,7 @@ def test_the_cpu_reference_path_refuses_operands_a_gpu_would_reject():
 
 def test_fp8_linear_keeps_the_input_dtype_and_handles_empty_batches():
     layer = FP8Linear.from_linear(nn.Linear(32, 16), E4M3, torch.bfloat16, native=True, scaling="row")
-    with fp8.cpu_scaled_mm():
+    with fp8.CPU_SCALED_MM.turned(True):
         assert layer(torch.randn(2, 3, 32)).dtype == torch.float32
         assert layer(torch.randn(2, 3, 32)).shape == (2, 3, 16)
         assert layer(torch.randn(0, 32)).shape == (0, 16)
@@ -223,7 +228,7 @@ def test_native_layers_match_the_upcast_within_activation_quantization_error():
     for scaling in ("tensor", "row"):
         layer = FP8Linear.from_linear(linear, E4M3, torch.bfloat16, native=True, scaling=scaling)
         upcast = layer(x)
-        with fp8.cpu_scaled_mm():
+        with fp8.CPU_SCALED_MM.turned(True):
             native = layer(x)
         assert rel_error(upcast, ref) < 0.04
         assert rel_error(native, ref) < 0.06
@@ -234,7 +239,7 @@ def test_strict_native_layers_refuse_to_upcast_at_runtime():
     layer = FP8Linear.from_linear(nn.Linear(32, 32), E4M3, torch.bfloat16, native=True, strict=True)
     with pytest.raises(RuntimeError, match="strict=true.*cpu has no fp8 matmul"):
         layer(torch.randn(2, 32))
-    with fp8.cpu_scaled_mm():
+    with fp8.CPU_SCALED_MM.turned(True):
         layer(torch.randn(2, 32))
 
 
@@ -323,7 +328,7 @@ def test_layers_that_cannot_run_natively_fall_back_to_upcast_and_are_listed():
     transformdsl.transform(model, "fp8 native")
     assert [model[k].native for k in ("fits", "odd_in", "odd_out")] == [True, False, False]
     assert model["odd_in"].weight_scale.shape == (32, 1)  # stored like fp8 storage: one scale per row
-    with fp8.cpu_scaled_mm():
+    with fp8.CPU_SCALED_MM.turned(True):
         assert model["odd_in"](torch.randn(3, 40)).shape == (3, 32)
 
 
@@ -333,7 +338,7 @@ def test_strict_makes_each_fallback_an_error_naming_the_layer():
     text = str(info.value)
     assert "odd_in: inner dimension K=40" in text and "odd_out: outer dimension N=24" in text
     assert "fits: cpu has no fp8 matmul" in text
-    with fp8.cpu_scaled_mm():  # the CPU reference is a real _scaled_mm: only the shapes fail now
+    with fp8.CPU_SCALED_MM.turned(True):  # the CPU reference is a real _scaled_mm: only the shapes fail now
         with pytest.raises(ScriptError) as info:
             plan(_odd_model(), "fp8 native strict=true")
         assert "fits" not in str(info.value)
@@ -387,10 +392,10 @@ def test_outputs_stay_within_bounds_of_the_bf16_model(bf16_models, name, mode):
     out_model = transformed(model, SCRIPTS[mode])
     layers = fp8_layers(out_model)
     assert layers
-    expected = fp8.FP8_DTYPES["e5m2"] if mode == "storage-e5m2" else E4M3
+    expected = numerics.FP8_DTYPES["e5m2"] if mode == "storage-e5m2" else E4M3
     assert {m.fp8_weight.dtype for m in layers.values()} == {expected}
     for cpu_mm in ((False, True) if mode in ("native", "both") else (False,)):
-        with fp8.cpu_scaled_mm(cpu_mm):
+        with fp8.CPU_SCALED_MM.turned(cpu_mm):
             error = rel_error(models.run(out_model), ref)
         assert error < BOUND[mode], f"{name} {mode} cpu_mm={cpu_mm}: {error:.4f}"
 
@@ -438,7 +443,7 @@ def test_save_and_reload_bit_exactly(bf16_models, tmp_path, name, script):
     with safe_open(str(tmp_path / name / "model.safetensors"), "pt") as f:
         stored = {f.get_slice(k).get_dtype() for k in f.keys() if k.endswith(".weight")}
     assert {"F8_E4M3"} <= stored
-    with fp8.cpu_scaled_mm():
+    with fp8.CPU_SCALED_MM.turned(True):
         assert torch.equal(models.run(loaded), models.run(model))
 
 
@@ -495,7 +500,7 @@ def test_transform_rolls_back_every_statement_when_a_later_one_fails(bf16_models
     model = copy.deepcopy(bf16_models["flux"][0])
     before = snapshot(model)
     calls = []
-    convert = fp8._convert
+    convert = fp8_apply._convert
 
     def failing(*args):
         calls.append(1)
@@ -503,7 +508,7 @@ def test_transform_rolls_back_every_statement_when_a_later_one_fails(bf16_models
             raise Boom("injected in fp8 storage")
         return convert(*args)
 
-    monkeypatch.setattr(fp8, "_convert", failing)
+    monkeypatch.setattr(fp8_apply, "_convert", failing)
     with pytest.raises(TransformError, match="'fp8 storage' failed.*left unchanged"):
         transformdsl.transform(model, "fp8 storage; fp8 native in transformer_blocks.*")
     assert same(before, snapshot(model))
@@ -516,7 +521,7 @@ def test_transform_rolls_back_every_statement_when_a_later_one_fails(bf16_models
 def test_eager_and_compiled_agree_fullgraph_true_and_false(bf16_models):
     """One model, one script covering both module types and both native paths; inductor on CPU."""
     model = transformed(bf16_models["flux"][0], "fp8 storage; fp8 native in transformer_blocks.*")
-    with fp8.cpu_scaled_mm():
+    with fp8.CPU_SCALED_MM.turned(True):
         eager = models.run(model)
         outputs = {}
         for fullgraph in (True, False):
@@ -535,7 +540,7 @@ def test_no_graph_break_on_either_path():
     transformdsl.transform(layer, "fp8 native in 0; fp8 storage in 2")
     x = torch.randn(4, 32, dtype=torch.bfloat16)
     for cpu_mm in (False, True):
-        with fp8.cpu_scaled_mm(cpu_mm):
+        with fp8.CPU_SCALED_MM.turned(cpu_mm):
             torch._dynamo.reset()
             compiled = torch.compile(layer, fullgraph=True, backend="eager")
             assert torch.equal(compiled(x), layer(x))
@@ -587,30 +592,30 @@ def test_e4m3_decoded_through_its_bits_is_torchs_conversion_bit_for_bit(dtype, s
     values = codes.view(E4M3)
     scale = {"row": torch.rand(256, 1) * 4, "tensor": torch.tensor([[0.37]]), "none": None}[scaled]
     expected = values.to(dtype) if scale is None else values.to(dtype) * scale.to(dtype)
-    assert fp8._decode_e4m3(values, scale, dtype) is not None
-    assert torch.equal(fp8.dequantize(values, scale, dtype).view(wide), expected.view(wide))
+    assert numerics._decode_e4m3(values, scale, dtype) is not None
+    assert torch.equal(numerics.dequantize(values, scale, dtype).view(wide), expected.view(wide))
     with_nan = codes.clone()
     with_nan[7, 3] = 0xFF
-    assert fp8._decode_e4m3(with_nan.view(E4M3), scale, dtype) is None
-    got = fp8.dequantize(with_nan.view(E4M3), scale, dtype)
+    assert numerics._decode_e4m3(with_nan.view(E4M3), scale, dtype) is None
+    got = numerics.dequantize(with_nan.view(E4M3), scale, dtype)
     assert got[7, 3].isnan() and got.isnan().sum() == 1
     if scale is not None:
-        assert fp8._decode_e4m3(values, scale * 1e4, dtype) is None  # times 2^120 it would overflow
+        assert numerics._decode_e4m3(values, scale * 1e4, dtype) is None  # times 2^120 it would overflow
 
 
 @pytest.mark.parametrize("lead", [(5,), (2, 3)])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("scale", ["row", "tensor", "none"])
 def test_a_large_fp8_linear_upcasts_block_by_block_to_the_same_output(monkeypatch, lead, bias, scale):
-    from transformdsl.passes import _blocked
+    from transformdsl.transforms.common import blocked as _blocked
 
     torch.manual_seed(0)
     linear = torch.nn.Linear(128, 200, bias=bias).to(torch.bfloat16)
-    layer = fp8.FP8Linear.from_linear(linear, E4M3, torch.bfloat16, scale=scale)
+    layer = fp8_modules.FP8Linear.from_linear(linear, E4M3, torch.bfloat16, scale=scale)
     x = torch.randn(*lead, 128, dtype=torch.bfloat16)
     with torch.no_grad():
         whole = layer(x)
-        monkeypatch.setattr(fp8, "BLOCKED_FROM", 0)
+        monkeypatch.setattr(fp8_modules, "BLOCKED_FROM", 0)
         monkeypatch.setattr(_blocked, "BLOCK_BYTES", 64 * 128 * 2)  # blocks of 64 rows: 64, 64, 64, 8
         blocks = layer(x)
     assert blocks.shape == whole.shape == (*lead, 200) and blocks.is_contiguous() and blocks.dtype == x.dtype
@@ -620,13 +625,13 @@ def test_a_large_fp8_linear_upcasts_block_by_block_to_the_same_output(monkeypatc
 def test_layers_upcast_by_blocks_still_differentiate(monkeypatch):
     """Where autograd records the call (grad mode, a bias or input that requires grad) the layer
     takes the whole upcast: the ``out=`` products of the blocks are not differentiable."""
-    from transformdsl.passes import _blocked
-    from transformdsl.passes._int8_weight_only import Int8WeightOnlyLinear
+    from transformdsl.transforms.common import blocked as _blocked
+    from transformdsl.transforms.quantize.int8_weight_only import Int8WeightOnlyLinear
 
-    monkeypatch.setattr(fp8, "BLOCKED_FROM", 0)
+    monkeypatch.setattr(fp8_modules, "BLOCKED_FROM", 0)
     monkeypatch.setattr(_blocked, "BLOCKED_BYTES", 0)
     linear = torch.nn.Linear(64, 96).to(torch.bfloat16)
-    for layer in (fp8.FP8Linear.from_linear(linear, E4M3, torch.bfloat16),
+    for layer in (fp8_modules.FP8Linear.from_linear(linear, E4M3, torch.bfloat16),
                   Int8WeightOnlyLinear.build(linear.weight.detach(), linear.bias.detach())):
         x = torch.randn(3, 64, dtype=torch.bfloat16, requires_grad=True)
         layer(x).sum().backward()
@@ -639,10 +644,10 @@ def test_decoding_steps_aside_when_subnormals_are_flushed():
     codes = torch.arange(0, 0x7F, dtype=torch.uint8).repeat(200).reshape(127, 200).view(E4M3)
     try:
         torch.set_flush_denormal(True)
-        assert fp8._decode_e4m3(codes, None, torch.bfloat16) is None
+        assert numerics._decode_e4m3(codes, None, torch.bfloat16) is None
     finally:
         torch.set_flush_denormal(False)
-    assert fp8._decode_e4m3(codes, None, torch.bfloat16) is not None
+    assert numerics._decode_e4m3(codes, None, torch.bfloat16) is not None
 
 
 @pytest.mark.parametrize("script", ["fp8 storage", "fp8 storage scale=none"])

@@ -11,9 +11,10 @@ import torch  # noqa: E402
 
 import transformdsl  # noqa: E402
 from transformdsl import models  # noqa: E402
-from transformdsl.passes import fp8  # noqa: E402
-from transformdsl.passes.fp8 import FP8Module  # noqa: E402
 from transformdsl.planner import plan  # noqa: E402
+from transformdsl.transforms.fp8 import layers as fp8_layers  # noqa: E402
+from transformdsl.transforms.fp8 import numerics  # noqa: E402
+from transformdsl.transforms.fp8.layers import FP8Module  # noqa: E402
 
 #: Worst of seeds 0-2 against the bfloat16 model, e4m3 (spec.md): row / tensor / none.
 MEASURED = {"flux": (0.0286, 0.0298, 0.0280), "llama": (0.0503, 0.0577, 0.0671), "gpt2": (0.0323, 0.0306, 0.0507)}
@@ -48,16 +49,16 @@ def test_each_scale_mode_within_bound_and_reloads_bit_exactly(name, mode, tmp_pa
     saved, again = model.state_dict(), loaded.state_dict()
     assert list(saved) == list(again)
     assert all(saved[k].dtype == again[k].dtype and torch.equal(saved[k].view(torch.uint8) if saved[k].dtype
-                                                                 in fp8.FP8_DTYPES.values() else saved[k],
+                                                                 in numerics.FP8_DTYPES.values() else saved[k],
                                                                  again[k].view(torch.uint8) if again[k].dtype
-                                                                 in fp8.FP8_DTYPES.values() else again[k])
+                                                                 in numerics.FP8_DTYPES.values() else again[k])
                for k in saved)
 
 
 def test_scale_none_is_the_plain_cast():
     torch.manual_seed(0)
     linear = torch.nn.Linear(32, 16).to(torch.bfloat16)
-    layer = fp8.FP8Linear.from_linear(linear, torch.float8_e4m3fn, torch.bfloat16, scale="none")
+    layer = fp8_layers.FP8Linear.from_linear(linear, torch.float8_e4m3fn, torch.bfloat16, scale="none")
     assert torch.equal(layer.fp8_weight.view(torch.uint8),
                        linear.weight.detach().to(torch.float8_e4m3fn).view(torch.uint8))
 
@@ -79,9 +80,9 @@ def test_blocked_scales_equal_the_one_piece_computation(monkeypatch, dims, dtype
     weight = (torch.randn(shape) * torch.logspace(-3, 1, 37).reshape(-1, *[1] * (len(shape) - 1))).to(dtype)
     weight[2] = 0
     before = weight.clone()
-    monkeypatch.setattr(fp8, "_CHUNK_ELEMENTS", 5 * weight[0].numel())  # 5 rows a block, last one partial
-    values, scale = fp8.quantize(weight, torch.float8_e4m3fn, dims)
-    whole_values, whole_scale = fp8._quantize_whole(weight, torch.float8_e4m3fn, dims, 448.0)
+    monkeypatch.setattr(numerics, "_CHUNK_ELEMENTS", 5 * weight[0].numel())  # 5 rows a block, last one partial
+    values, scale = numerics.quantize(weight, torch.float8_e4m3fn, dims)
+    whole_values, whole_scale = numerics._quantize_whole(weight, torch.float8_e4m3fn, dims, 448.0)
     assert torch.equal(weight, before)
     assert torch.equal(values.view(torch.uint8), whole_values.view(torch.uint8))
     assert torch.equal(scale, whole_scale) and scale.shape == whole_scale.shape
@@ -91,7 +92,7 @@ def test_blocked_scales_equal_the_one_piece_computation(monkeypatch, dims, dtype
 def test_row_magnitudes_from_the_bits_equal_amax_of_abs(dtype):
     """The per-row maximum magnitude read from the bits with the sign cleared (one integer
     reduction) is exactly ``abs().amax()``, infinities included; NaN stays NaN."""
-    from transformdsl.passes.fp8 import _amax_rows
+    from transformdsl.transforms.fp8.numerics import _amax_rows
 
     torch.manual_seed(0)
     rows = (torch.randn(64, 300) * torch.logspace(-30, 4, 64)[:, None]).to(dtype)

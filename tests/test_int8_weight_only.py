@@ -20,8 +20,8 @@ from torch import nn  # noqa: E402
 import transformdsl  # noqa: E402
 from transformdsl import models  # noqa: E402
 from transformdsl.errors import ScriptError  # noqa: E402
-from transformdsl.passes._int8_weight_only import Int8WeightOnlyLinear, quantize_rows  # noqa: E402
 from transformdsl.planner import plan  # noqa: E402
+from transformdsl.transforms.quantize.int8_weight_only import Int8WeightOnlyLinear, quantize_rows  # noqa: E402
 
 SCRIPT = "quantize int8 weight_only=true"
 FACTORIES = {"llama": models.tiny_llama, "flux": models.tiny_flux, "unet": models.tiny_unet,
@@ -93,7 +93,7 @@ def test_rounding_is_half_a_step_per_row_and_source_untouched():
 
 
 def test_chunked_quantization_matches_one_pass(monkeypatch):
-    import transformdsl.passes._int8_weight_only as wo
+    import transformdsl.transforms.quantize.int8_weight_only as wo
 
     weight = torch.randn(100, 64)
     whole = quantize_rows(weight)
@@ -108,7 +108,7 @@ def test_chunked_quantization_matches_one_pass(monkeypatch):
 def test_large_weights_cast_block_by_block_compute_the_same(monkeypatch, dtype, lead, bias):
     """Past BLOCKED_BYTES the weight is cast and multiplied a block of rows at a time (the last
     block partial): the same product as the cast of the whole weight, row-major, every shape."""
-    from transformdsl.passes import _blocked
+    from transformdsl.transforms.common import blocked as _blocked
 
     torch.manual_seed(0)
     linear = nn.Linear(48, 70, bias=bias).to(dtype)

@@ -13,11 +13,11 @@ from torch import nn
 import transformdsl
 from transformdsl import models
 from transformdsl.errors import LoadError, TransformError
-from transformdsl.executor import history_of
+from transformdsl.history import history_of
 from transformdsl.models import run
-from transformdsl.passes import qkv
-from transformdsl.passes._qkv_shared import ProjectionSlice
 from transformdsl.planner import plan
+from transformdsl.transforms.qkv import fusion as qkv
+from transformdsl.transforms.qkv.shared_projection import ProjectionSlice
 from transformdsl.tree import ModuleTree, parameter_bytes
 
 ARCHS = ["unet", "sd3", "flux", "llama"]

@@ -20,11 +20,12 @@ import transformdsl  # noqa: E402
 from transformdsl import models  # noqa: E402
 from transformdsl.edit import Edit  # noqa: E402
 from transformdsl.errors import LoadError, ScriptError, TransformError  # noqa: E402
-from transformdsl.executor import history_of  # noqa: E402
-from transformdsl.passes import quantize as q  # noqa: E402
-from transformdsl.passes.base import ApplyContext  # noqa: E402
+from transformdsl.extend import ApplyContext  # noqa: E402
+from transformdsl.history import history_of  # noqa: E402
 from transformdsl.persist import meta_copy  # noqa: E402
 from transformdsl.planner import plan  # noqa: E402
+from transformdsl.transforms.quantize import Int8Options  # noqa: E402
+from transformdsl.transforms.quantize import quantization as q  # noqa: E402
 from transformdsl.validate import check_text  # noqa: E402
 
 FACTORIES = {"llama": models.tiny_llama, "flux": models.tiny_flux, "unet": models.tiny_unet,
@@ -123,7 +124,7 @@ def test_four_bit_layer_computes_blocks_that_cross_rows_exactly(quant_type, doub
     file order) straight into the compute dtype, as bitsandbytes' matmul does, whatever the dtype
     of the weight it replaced, on every CPU (bitsandbytes' native CPU kernel misreads such rows on
     some)."""
-    from transformdsl.passes._quantized import FourBitLinear
+    from transformdsl.transforms.quantize.layers import FourBitLinear
 
     torch.manual_seed(0)
     weight, bias, x = torch.randn(48, in_features) * 0.05, torch.randn(48), torch.randn(5, in_features)
@@ -146,7 +147,7 @@ def test_four_bit_layer_computes_blocks_that_cross_rows_exactly(quant_type, doub
 def test_four_bit_probe_ignores_a_meta_device_context():
     """Layers built inside ``with torch.device("meta")`` (skeletons, accelerate's init_empty_weights)
     probe the CPU kernel on the CPU: the answer, kept for the process, is the CPU's."""
-    from transformdsl.passes import _quantized
+    from transformdsl.transforms.quantize import layers as _quantized
 
     for probe in (_quantized.cpu_kernel_misreads_crossing_blocks, _quantized.int_mm_misreads_one_input_column):
         expected = probe.__wrapped__()
@@ -161,7 +162,7 @@ def test_int8_layer_with_one_input_feature_is_right_on_every_cpu(out_features):
     """ConsisID's perceiver has Linear(1, 16) layers: where torch._int_mm misreads the transposed
     one-column weight (relative error ~10^4 on an AMD EPYC with VNNI), the layer multiplies in float,
     which is what LLM.int8 computes for one input feature (each activation is its own +-127 * scale)."""
-    from transformdsl.passes._quantized import Int8Linear
+    from transformdsl.transforms.quantize.layers import Int8Linear
 
     torch.manual_seed(0)
     weight, bias = torch.randn(out_features, 1), torch.randn(out_features)
@@ -428,7 +429,7 @@ def test_int8_outlier_threshold_compiles_with_fullgraph():
 
 def test_rebuild_rejects_a_malformed_record():
     skeleton = meta_copy(models.tiny_llama())
-    options = q.Int8Options()
+    options = Int8Options()
     with pytest.raises(LoadError, match="malformed layer entry"):
         q.Int8Quantization.rebuild(skeleton, {"layers": [{"path": "lm_head", "in": -1}]}, options)
     with pytest.raises(LoadError, match="which this architecture does not have"):
@@ -507,7 +508,7 @@ def test_pipeline_denoiser_and_text_encoder(tmp_path):
 def test_hqq_structure_on_meta_is_what_hqq_builds(bits, axis):
     """Reloading builds the empty layer from the shapes alone: the same tensors, dtypes and
     meta data (values aside) that hqq's own quantizer gives for a real weight."""
-    from transformdsl.passes import _quantized
+    from transformdsl.transforms.quantize import layers as _quantized
 
     torch.manual_seed(0)
     weight = torch.randn(48, 80)

@@ -18,8 +18,8 @@ from diffusers import FluxTransformer2DModel
 
 import transformdsl
 from transformdsl import TransformError, models
-from transformdsl.passes import fp8
 from transformdsl.spill import AUTO_MAX, AUTO_MIN, auto_budget
+from transformdsl.transforms.fp8 import apply as fp8_apply
 
 #: The built-in Flux at width 128: layers of 64 KiB and more, so whole pages are at stake.
 WIDE_FLUX = {**models.FLUX_CONFIG, "attention_head_dim": 32, "num_attention_heads": 4, "axes_dims_rope": (8, 12, 12)}
@@ -53,7 +53,7 @@ def assert_same(before: dict, after: dict) -> None:
 
 def fail_at_conversion(monkeypatch, n: int, exc: type[BaseException] = RuntimeError, during=None) -> None:
     """Make the fp8 pass raise ``exc`` when it converts its ``n``-th layer (a failure on a later module)."""
-    convert = fp8._convert
+    convert = fp8_apply._convert
     calls = []
 
     def failing(*args, **kwargs):
@@ -64,7 +64,7 @@ def fail_at_conversion(monkeypatch, n: int, exc: type[BaseException] = RuntimeEr
             raise exc(f"injected at layer {n}")
         return convert(*args, **kwargs)
 
-    monkeypatch.setattr(fp8, "_convert", failing)
+    monkeypatch.setattr(fp8_apply, "_convert", failing)
 
 
 def undo_files(directory: Path) -> list[str]:

@@ -498,17 +498,17 @@ def sample_inputs(
     raise AssertionError(kind)  # pragma: no cover
 
 
-def _one_tensor(output: Any) -> torch.Tensor:
+def one_tensor(output: Any) -> torch.Tensor:
     if isinstance(output, torch.Tensor):
         return output
     for attribute in ("sample", "logits", "last_hidden_state", "images"):
         value = getattr(output, attribute, None)
         if value is not None:
             if isinstance(value, (tuple, list)):  # e.g. Z-Image: one sample tensor per batch item
-                return _one_tensor(value)
+                return one_tensor(value)
             return value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
     if isinstance(output, (tuple, list)) and output:
-        return _one_tensor(output[0])
+        return one_tensor(output[0])
     raise TypeError(f"cannot find the output tensor in a {type(output).__name__}")
 
 
@@ -523,7 +523,7 @@ def run(model: Any, seed: int = 0) -> torch.Tensor:
         model = resolve_model(model)
     args, kwargs = sample_inputs(model, seed)
     with torch.no_grad():
-        return _one_tensor(model(*args, **kwargs))
+        return one_tensor(model(*args, **kwargs))
 
 
 # --------------------------------------------------------------------------- --model SPEC
@@ -645,7 +645,7 @@ def _from_directory(path: Path) -> Any:
     if not isinstance(config, dict):
         raise ValueError(f"--model {path}: {config_file} is not a JSON object")
     if (path / "transformdsl.json").is_file() or isinstance(config.get("quantization_config"), dict):
-        from .persist import load  # our save in a library's layout, or a quantized checkpoint: our layers
+        from .persist.api import load  # our save in a library's layout, or a quantized checkpoint: our layers
 
         return load(path)
     if "_class_name" in config:

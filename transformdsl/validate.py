@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 from . import registry
 from .errors import Problem, ScriptError, did_you_mean
+from .extend import Transform
 from .ir import Script, Statement
 from .options import build_options
-from .passes.base import Transform
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ def validate(script: Script, transforms: Mapping[str, type[Transform]] | None = 
     """Bind every statement, check pairwise rules and order the statements.
 
     ``transforms`` (registry key → class) defaults to the registry; ``transformdsl check`` passes
-    :func:`transformdsl.catalog.transforms`, the same declarations without torch.
+    :func:`transformdsl.registry.declarations`, the same classes before their implementations (no torch).
     Raises :class:`ScriptError` listing every problem found.  Work is linear in the
     number of statements (times the number of registered transforms).
     """

@@ -272,7 +272,7 @@ def _one_output(raw: Any) -> tuple[torch.Tensor, str]:
     logits = getattr(raw, "logits", None)
     if isinstance(logits, torch.Tensor) and getattr(raw, "sample", None) is None:
         return logits, "logits"
-    return models._one_tensor(raw), "tensor"
+    return models.one_tensor(raw), "tensor"
 
 
 def describe_inputs(args: tuple, kwargs: dict) -> str:

@@ -255,7 +255,7 @@ def run_cell(model_id: str, script_name: str) -> dict:
 def not_fused(model, plan) -> dict[str, str]:
     """Modules with separate q/k/v projections that ``plan`` does not fuse -> why (the plan's near
     miss, or the analysis of a module the default target does not select)."""
-    from transformdsl.passes import qkv
+    from transformdsl.transforms.qkv import fusion as qkv
 
     steps = [step for step in plan.steps if step.transform.key() == "fuse qkv"]
     fused = {path for step in steps for path in step.targets}
@@ -346,7 +346,7 @@ def _portable_4bit(stock) -> int | None:
         if hasattr(module, "support_avx512bf16_for_cpu") and state is not None and state.shape[-1] % state.blocksize:
             misread = misread or int(state.shape[-1])
     if misread is not None:
-        from transformdsl.passes._quantized import cpu_kernel_misreads_crossing_blocks
+        from transformdsl.transforms.quantize.layers import cpu_kernel_misreads_crossing_blocks
 
         return misread if cpu_kernel_misreads_crossing_blocks() else None
     return None

@@ -1,8 +1,8 @@
-"""``quantize int8|nf4|fp4|hqq``: weight quantization with bitsandbytes and hqq.
+"""``quantize int8|nf4|fp4|hqq``: weight quantization with bitsandbytes and hqq (implementation).
 
 Each selected linear layer (``nn.Linear``, or GPT-2's ``Conv1D`` whose weight is stored
 transposed) is replaced, through the edit log, by a quantized layer built from its weight
-(see ``_quantized.py``; bitsandbytes and hqq are imported only there, when a script runs).
+(see ``layers.py``; bitsandbytes and hqq are imported only there, when a script runs).
 The source tensors are read, never written, so a failed run rolls back bit-exactly.
 
 The record returned by ``apply`` lists, per layer, its path, dimensions and dtypes: enough
@@ -19,56 +19,42 @@ themselves are saved and reloaded as they are (never quantized again).
 from __future__ import annotations
 
 import math
-import weakref
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..errors import LoadError
-from ..explain import human_bytes
-from ..options import DTYPES, option
-from ..registry import register
-from ..tree import ModuleInfo, ModuleTree
-from .base import ApplyContext, Transform
-from .option_rules import HQQOptions, Int8Options  # torch-free: `check` runs their rules
+from ...errors import LoadError
+from ...explain import human_bytes
+from ...extend import ApplyContext
+from ...options import DTYPES
+from ...tree import ModuleInfo, ModuleTree
+from ..common.modules import is_conv1d, put_module, tied_weights
+from . import QUANTIZED_CLASS_NAMES, HQQOptions
+from . import FP4Quantization as FP4Declaration
+from . import HQQQuantization as HQQDeclaration
+from . import Int8Quantization as Int8Declaration
+from . import NF4Quantization as NF4Declaration
 
-#: Linear layers (GPT-2's transposed ``Conv1D`` included).
-LINEAR_TARGETS = ("Linear", "Conv1D")
-#: The layers quantization hurts most for the least memory, as diffusers/transformers users
-#: and GGUF/quanto recipes skip them: norms (with the modulation linears inside AdaLayerNorm*),
-#: embeddings and embedders (timestep/text embedders, a DiT's ``x_embedder`` and
-#: ``context_embedder`` input projections) and output heads (``lm_head``; the final
-#: ``proj_out`` of DiT-style denoisers, not the ``proj_out`` inside blocks).  spec.md has the
-#: measurements.
-DEFAULT_EXCEPT = ("norm", "embed", "embedding", "embedder", "lm_head", "re:^proj_out$")
 #: Weight dtypes the backends quantize from.
 FLOAT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-#: Class names of layers that already hold quantized weights (ours derive from these).
-QUANTIZED_CLASS_NAMES = frozenset({"Linear8bitLt", "Linear4bit", "HQQLinear", "Int8WeightOnlyLinear"})
 
 
 def _backend():
     """The quantized layer classes (imports bitsandbytes and hqq: seconds, so only when needed)."""
-    from . import _quantized
+    from . import layers
 
-    return _quantized
+    return layers
 
 
 # --------------------------------------------------------------------------- layers
-
-
-def _is_conv1d(module: nn.Module | None, cls: type) -> bool:
-    """GPT-2's ``Conv1D``: a linear layer whose weight is stored (in_features, out_features)."""
-    return cls.__name__ == "Conv1D" and (module is None or hasattr(module, "nf"))
 
 
 def linear_dims(info: ModuleInfo) -> tuple[int, int] | None:
     """(in_features, out_features) of a linear layer on the planning snapshot, if known."""
     shape = info.facts.get("weight_shape")
     if shape is not None and len(shape) == 2:
-        return (shape[0], shape[1]) if _is_conv1d(info.module, info.cls) else (shape[1], shape[0])
+        return (shape[0], shape[1]) if is_conv1d(info.cls, info.module) else (shape[1], shape[0])
     in_f, out_f = info.facts.get("in_features"), info.facts.get("out_features")
     return (in_f, out_f) if isinstance(in_f, int) and isinstance(out_f, int) else None
 
@@ -76,7 +62,7 @@ def linear_dims(info: ModuleInfo) -> tuple[int, int] | None:
 def float_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The layer's weight as (out_features, in_features) and its bias: views, no copy."""
     weight = module.weight
-    if _is_conv1d(module, type(module)):
+    if is_conv1d(type(module), module):
         weight = weight.t()
     return weight.detach(), None if module.bias is None else module.bias.detach()
 
@@ -87,21 +73,6 @@ def state_bytes(module: nn.Module) -> int:
 
 
 #: Planning snapshot → its tied weights: one walk per snapshot, not one per candidate.
-_TIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _tied_weights(tree: ModuleTree) -> dict[int, list[str]]:
-    """id(weight) → the paths of the modules holding it, for weights held by several."""
-    if tree not in _TIED:
-        owners: dict[int, list[str]] = {}
-        for info in tree:
-            weight = info.module._parameters.get("weight") if info.module is not None else None
-            if weight is not None:
-                owners.setdefault(id(weight), []).append(info.path)
-        _TIED[tree] = {key: paths for key, paths in owners.items() if len(paths) > 1}
-    return _TIED[tree]
-
-
 def _read_by_parent(info: ModuleInfo, tree: ModuleTree) -> bool:
     """``nn.MultiheadAttention.out_proj`` (SigLIP's and CLIP's pooling heads): the parent passes
     ``out_proj.weight`` to ``F.multi_head_attention_forward`` and never calls the layer."""
@@ -120,30 +91,12 @@ def targets_device_type(tree: ModuleTree, targets: list[str]) -> str | None:
     return None
 
 
-def _put(root: nn.Module, path: str, module: nn.Module) -> None:
-    """Place ``module`` at ``path`` of a skeleton being rebuilt (no undo needed there)."""
-    parent_path, _, name = path.rpartition(".")
-    parent = root.get_submodule(parent_path) if parent_path else root
-    if name not in parent._modules:
-        raise LoadError(f"quantize: the saved model has a quantized layer at '{path}', which this "
-                        "architecture does not have")
-    parent._modules[name] = module
-
-
 # --------------------------------------------------------------------------- the transforms
 
 
-class _Quantize(Transform):
-    verb = "quantize"
-    default_target = LINEAR_TARGETS
-    default_except = DEFAULT_EXCEPT
-    #: The modules transformers and diffusers keep in float32, as their own bitsandbytes
-    #: integrations leave them unquantized (T5 casts ``wo``'s input to ``wo.weight.dtype``, packed
-    #: uint8 for a 4-bit layer: relative error > 1 in nf4 otherwise).
-    honoured_declarations = ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict")
-    runs_after = ("fuse *",)
-    exclusive = "weights"
-    summed_record_fields = ("bytes_before", "bytes_after")
+class QuantizeBehaviour:
+    """What every quantization does (mixed into each declaration)."""
+
     #: Whether the quantized layer's ``.weight`` reads as a float weight (then a parent that
     #: reads its child's weight instead of calling it still works).
     float_weight: bool = False
@@ -157,7 +110,7 @@ class _Quantize(Transform):
         if not self.float_weight and _read_by_parent(info, tree):
             return ("nn.MultiheadAttention reads out_proj.weight itself and never calls out_proj; a quantized "
                     "weight would reach its matmul")
-        if info.cls.__name__ == "Conv1D" and not _is_conv1d(info.module, info.cls):
+        if info.cls.__name__ == "Conv1D" and not is_conv1d(info.cls, info.module):
             return "a Conv1D that is not GPT-2's transposed linear layer"
         dtype = info.facts.get("dtype")
         if dtype is not None and dtype not in FLOAT_DTYPES:
@@ -171,7 +124,7 @@ class _Quantize(Transform):
             bias = info.module._parameters.get("bias")
             if bias is not None and bias.dtype not in FLOAT_DTYPES:
                 return f"its bias is {str(bias.dtype).removeprefix('torch.')}; expected float32/bf16/fp16"
-            shared = _tied_weights(tree).get(id(weight))
+            shared = tied_weights(tree).get(id(weight))
             if shared:
                 others = ", ".join(p for p in shared if p != info.path)
                 return f"its weight is tied to {others}; quantizing it would untie them"
@@ -257,6 +210,14 @@ class _Quantize(Transform):
             "source": type(old).__name__,
         }
 
+    # -- other formats -------------------------------------------------------------
+
+    @classmethod
+    def export(cls, step, out) -> None:
+        from .export import export_bitsandbytes
+
+        export_bitsandbytes(step, out)
+
     # -- loading ------------------------------------------------------------------
 
     @classmethod
@@ -266,7 +227,7 @@ class _Quantize(Transform):
             with torch.device("meta"):
                 weight = torch.empty(layer["out"], layer["in"], dtype=DTYPES[layer["dtype"]])
                 bias = None if layer["bias"] is None else torch.empty(layer["out"], dtype=DTYPES[layer["bias"]])
-            _put(root, layer["path"], cls.build(backend, options, weight, bias, layer))
+            put_module(root, layer["path"], cls.build(backend, options, weight, bias, layer), cls.key())
 
 
 def _checked_layers(record: dict, key: str) -> list[dict]:
@@ -292,28 +253,11 @@ def _size(dtype_name: str | torch.dtype) -> int:
 # --------------------------------------------------------------------------- int8
 
 
-@register
-class Int8Quantization(_Quantize):
-    mode = "int8"
-    summary = "bitsandbytes LLM.int8 (Linear8bitLt)"
-    Options = Int8Options
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        if self.options is not None and self.options.weight_only:
-            self.summary = "weight-only int8 (W8A16): int8 weights, float activations and matmul"
-
-    @property
-    def error_bound(self) -> dict:  # depends on the options (see Transform.error_bound)
-        # Per metric; measured on trained weights and the corpus: spec.md "Numerical guard".
-        if self.options.weight_only:
-            return {"kl": 0.2, "top1": 0.15, "rms": 0.05, "max": 0.03}
-        return {"kl": 0.4, "top1": 0.2, "rms": 0.1, "max": 0.05}
-
+class Int8Quantization(QuantizeBehaviour, Int8Declaration):
     def device_note(self, tree: ModuleTree, targets: list[str]) -> str | None:
         if self.options.weight_only:  # the float matmul: fast wherever float is
             return None
-        from ..capabilities import int8_note
+        from ...capabilities import int8_note
 
         device = targets_device_type(tree, targets)
         return int8_note(device) if device else None
@@ -321,9 +265,9 @@ class Int8Quantization(_Quantize):
     @classmethod
     def backend(cls, options):
         if options.weight_only:  # plain torch: no bitsandbytes import
-            from . import _int8_weight_only
+            from . import int8_weight_only
 
-            return _int8_weight_only
+            return int8_weight_only
         return _backend()
 
     @classmethod
@@ -342,16 +286,7 @@ class Int8Quantization(_Quantize):
 # --------------------------------------------------------------------------- nf4 / fp4
 
 
-@dataclass(frozen=True)
-class FourBitOptions:
-    compute: str = option("float32", "dtype the matmul runs in", kind="dtype")
-    double_quant: bool = option(False, "quantize the quantization constants too")
-    blocksize: int = option(64, "elements per quantization block",
-                            choices=(32, 64, 128, 256, 512, 1024, 2048, 4096))
-
-
-class _FourBit(_Quantize):
-    Options = FourBitOptions
+class FourBitBehaviour(QuantizeBehaviour):
 
     @classmethod
     def build(cls, backend, options, weight, bias, layer=None):
@@ -363,7 +298,7 @@ class _FourBit(_Quantize):
                                            DTYPES[options.compute], nested_offset=offset)
 
     def device_note(self, tree: ModuleTree, targets: list[str]) -> str | None:
-        from ..capabilities import four_bit_note
+        from ...capabilities import four_bit_note
 
         device = targets_device_type(tree, targets)
         return four_bit_note(device, self.options.compute) if device else None
@@ -388,20 +323,12 @@ class _FourBit(_Quantize):
         return total + (out_features * _size(options.compute) if bias else 0)
 
 
-@register
-class NF4Quantization(_FourBit):
-    mode = "nf4"
-    summary = "bitsandbytes 4-bit NormalFloat (Linear4bit)"
-    #: Per metric; measured on trained weights and the corpus: spec.md "Numerical guard".
-    error_bound = {"kl": 1.2, "top1": 0.5, "rms": 0.4, "max": 0.4}
+class NF4Quantization(FourBitBehaviour, NF4Declaration):
+    pass
 
 
-@register
-class FP4Quantization(_FourBit):
-    mode = "fp4"
-    summary = "bitsandbytes 4-bit float (Linear4bit)"
-    #: Per metric; measured on trained weights and the corpus: spec.md "Numerical guard".
-    error_bound = {"kl": 1.5, "top1": 0.55, "rms": 0.5, "max": 0.5}
+class FP4Quantization(FourBitBehaviour, FP4Declaration):
+    pass
 
 
 # --------------------------------------------------------------------------- hqq
@@ -412,22 +339,14 @@ _HQQ_ROWS_PER_PACK = {1: 8, 2: 4, 3: 10, 4: 2, 8: 1}
 AUTO_GROUP_SIZES = (128, 64, 32, 16, 8)
 
 
-@register
-class HQQQuantization(_Quantize):
-    mode = "hqq"
-    summary = "half-quadratic quantization (hqq HQQLinear)"
-    Options = HQQOptions
+class HQQQuantization(QuantizeBehaviour, HQQDeclaration):
     float_weight = True  # HQQLayer.weight: the dequantized weight
 
-    #: Bounds per bit width and metric (spec.md "Numerical guard").  1 and 2 bits have none: the
-    #: output of a tiny random model is noise.
-    BOUNDS = {8: {"kl": 0.2, "top1": 0.15, "rms": 0.05, "max": 0.03},
-              4: {"kl": 1.0, "top1": 0.45, "rms": 0.4, "max": 0.4},
-              3: {"kl": 2.5, "top1": 0.75, "rms": 0.8, "max": 0.8}, 2: None, 1: None}
+    @classmethod
+    def export(cls, step, out) -> None:
+        from .export import refuse_hqq
 
-    @property
-    def error_bound(self) -> dict | None:  # depends on the options (see Transform.error_bound)
-        return self.BOUNDS[self.options.bits]
+        refuse_hqq(step, out)
 
     def candidate(self, info: ModuleInfo, tree: ModuleTree) -> str | None:
         """A layer the group size does not suit is a near miss (the others are quantized)."""
@@ -453,7 +372,7 @@ class HQQQuantization(_Quantize):
         return backend.HQQLayer.build(weight, bias, options.bits, size, options.axis, DTYPES[options.compute])
 
     def device_note(self, tree: ModuleTree, targets: list[str]) -> str | None:
-        from ..capabilities import hqq_note
+        from ...capabilities import hqq_note
 
         device = targets_device_type(tree, targets)
         return hqq_note(device) if device else None

@@ -1,4 +1,4 @@
-"""``compile`` and ``compile regional``: torch.compile, whole-model or per block.
+"""``compile`` and ``compile regional``: torch.compile, whole-model or per block (implementation).
 
 Both compile in place with ``nn.Module.compile``: the module object, its class, its
 state_dict keys and the pipeline holding it stay the same; only the module's
@@ -17,28 +17,19 @@ and :meth:`finalize` compiles them again after ``load()``.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
-from ..options import option
-from ..registry import register
-from ..tree import ModuleInfo, ModuleTree
-from .base import ApplyContext, Transform
+from ...extend import ApplyContext
+from ...tree import ModuleInfo, ModuleTree
+from . import CompileOptions
+from . import RegionalCompile as RegionalCompileDeclaration
+from . import WholeCompile as WholeCompileDeclaration
 
-MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 _DYNAMIC = {"auto": None, "true": True, "false": False}
 #: Containers without a forward of their own: compiling them compiles nothing.
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
-
-
-@dataclass(frozen=True)
-class CompileOptions:
-    fullgraph: bool = option(False, "fail on graph breaks instead of falling back to Python")
-    mode: str = option("default", "torch.compile mode", choices=MODES)
-    dynamic: str = option("auto", "dynamic shapes: auto, true or false", choices=("auto", "true", "false"))
-    backend: str = option("inductor", "torch.compile backend", choices=("inductor", "eager", "aot_eager"))
 
 
 def compile_kwargs(options: Any) -> dict:
@@ -61,17 +52,8 @@ def compile_in_place(module: nn.Module, kwargs: dict) -> None:
     module.compile(**kwargs)
 
 
-class _Compile(Transform):
-    verb = "compile"
-    Options = CompileOptions
-    default_target = None
-    runs_after = ("*",)
-    changes_weights = False
-
-    def incompatible(self, other):
-        if other.verb == "compile" and other is not self:
-            return "a model is compiled once; keep one compile statement"
-        return None
+class CompileBehaviour:
+    """What both compile statements do (mixed into each declaration)."""
 
     def candidate(self, info: ModuleInfo, tree: ModuleTree) -> str | None:
         if issubclass(info.cls, _CONTAINERS):
@@ -104,6 +86,12 @@ class _Compile(Transform):
         """Nothing structural: compiling changes no module and no state_dict key."""
 
     @classmethod
+    def export(cls, step, out) -> None:
+        """Nothing to store: compiled code is not portable."""
+        out.notes.append(f"{out.where(step)}: not stored ({out.library} keeps no compiled code); call "
+                         "torch.compile after from_pretrained; transformdsl.load compiles again")
+
+    @classmethod
     def finalize(cls, root: nn.Module, record: dict, options: Any) -> None:
         """Compile the recorded modules again (compiled artefacts are never saved)."""
         kwargs = compile_kwargs(record.get("options") or options)
@@ -111,16 +99,11 @@ class _Compile(Transform):
             compile_in_place(root.get_submodule(path), kwargs)
 
 
-@register
-class WholeCompile(_Compile):
-    summary = "torch.compile the denoiser (or the model)"
+class WholeCompile(CompileBehaviour, WholeCompileDeclaration):
+    pass
 
 
-@register
-class RegionalCompile(_Compile):
-    mode = "regional"
-    summary = "torch.compile each selected block; repeated blocks share one graph"
-    requires_scope = True
+class RegionalCompile(CompileBehaviour, RegionalCompileDeclaration):
 
     def candidate(self, info: ModuleInfo, tree: ModuleTree) -> str | None:
         if info.path == "":

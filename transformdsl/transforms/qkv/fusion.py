@@ -1,4 +1,4 @@
-"""``fuse qkv``: one projection (and one matmul) instead of separate q, k and v.
+"""``fuse qkv``: one projection (and one matmul) instead of separate q, k and v (implementation).
 
 What users may rely on (spec.md, "fuse qkv"):
 
@@ -27,7 +27,7 @@ How a fused module computes, per layout (:data:`LAYOUTS`):
   the three projections (grouped-query attention included: the split sizes differ).
 - every other module with projections named in :data:`PROJECTIONS` (all of transformers, and
   diffusers processors without an exact fused counterpart, e.g. qk-norm joint attention): a
-  *shared fused projection* (:mod:`._qkv_shared`): the old attributes become parameter-free
+  *shared fused projection* (:mod:`.shared_projection`): the old attributes become parameter-free
   slices of the fused Linear and the module's own forward runs unchanged.
 
 Cross-attention (q reads other states than k/v) is decided from what the model declares, never
@@ -49,19 +49,16 @@ from fnmatch import fnmatchcase
 import torch
 from torch import nn
 
-from ..edit import Edit
-from ..errors import LoadError, TransformError
-from ..options import option
-from ..registry import register
-from ..selectors import select, topmost
-from ..tree import ModuleInfo, ModuleTree, below_any
-from . import _qkv_shared
-from .base import ApplyContext, Transform
+from ...edit import Edit
+from ...errors import LoadError, TransformError
+from ...extend import ApplyContext
+from ...selectors import select, topmost
+from ...tree import ModuleInfo, ModuleTree, below_any
+from . import QKVFusion as declared_fusion
+from . import QKVOptions, shared_projection
 
-#: Version of the record :meth:`QKVFusion.apply` returns (bump on any change of its layout).
-#: 2: adds ``forward: "shared"`` and the group names of :data:`PROJECTIONS`; version 1
-#: records (saved before) still load: every entry they can hold means the same in version 2.
-RECORD_VERSION = 2
+#: Record versions :meth:`QKVFusion.rebuild` reads (the declaration's ``record_version`` is the newest):
+#: every entry a version 1 record can hold means the same in version 2.
 READABLE_VERSIONS = (1, 2)
 
 DIFFUSERS_ATTENTION = "diffusers.models.attention_processor.Attention"
@@ -134,12 +131,6 @@ LLAMA_FORWARD_FINGERPRINT = "5cab7e5f7ca737e5"
 
 
 
-@dataclass(frozen=True)
-class QKVOptions:
-    cross: str = option("kv", "cross-attention: fuse k/v only ('kv') or leave it alone ('skip')",
-                        choices=("kv", "skip"))
-
-
 # --------------------------------------------------------------------------- what a fusion is
 
 
@@ -178,7 +169,7 @@ class Fusion:
     #: whether ``fused_projections = True`` is set (diffusers' own flag).
     fused_projections: bool = False
     #: ``"llama"``: the module's class becomes one whose forward reads ``qkv_proj``;
-    #: ``"shared"``: the sources become slices of the fused Linear (:mod:`._qkv_shared`).
+    #: ``"shared"``: the sources become slices of the fused Linear (:mod:`.shared_projection`).
     forward: str | None = None
 
     @property
@@ -463,7 +454,7 @@ def _llama_attention(module: nn.Module, options: QKVOptions) -> Fusion | str:
     klass = _base_class(module, LLAMA_ATTENTION)
     if _fingerprint(klass.forward) != LLAMA_FORWARD_FINGERPRINT:
         return (f"{klass.__name__}.forward of this transformers version differs from the one this pass "
-                "mirrors (transformers 5.24): fusing could change outputs")
+                "mirrors: fusing could change outputs")
     groups = _groups(module, ["qkv_proj"], equal=False)
     if isinstance(groups, str):
         return groups
@@ -530,7 +521,7 @@ def _install(edit: Edit, module: nn.Module, fusion: Fusion,
     fused = {g.name: make([module._modules[s] for s in g.sources], g) for g in fusion.groups}
     if fusion.forward == "shared":
         for group in fusion.groups:
-            _qkv_shared.install(edit, module, group.name, group.sources, group.splits, fused[group.name],
+            shared_projection.install(edit, module, group.name, group.sources, group.splits, fused[group.name],
                                 group.zero_bias)
         return
     for group in fusion.groups:
@@ -624,14 +615,7 @@ def __getattr__(name: str):
 # --------------------------------------------------------------------------- the transform
 
 
-@register
-class QKVFusion(Transform):
-    verb = "fuse"
-    mode = "qkv"
-    summary = "concatenate q/k/v projection weights into one Linear"
-    Options = QKVOptions
-    default_target = ("*Attention",)
-    runs_before = ("quantize *", "fp8 *", "compile*")
+class QKVFusion(declared_fusion):
 
     def _planned(self, path: str, module: nn.Module) -> Fusion | str:
         """:func:`analyse`, once per module while planning (``apply`` analyses afresh)."""
@@ -647,7 +631,7 @@ class QKVFusion(Transform):
         fusion = self._planned(info.path, info.module)
         if isinstance(fusion, str):
             return fusion
-        if any(tree.get(f"{info.path}.{s}") is None or tree[f"{info.path}.{s}"].cls is _qkv_shared.ProjectionSlice
+        if any(tree.get(f"{info.path}.{s}") is None or tree[f"{info.path}.{s}"].cls is shared_projection.ProjectionSlice
                for g in fusion.groups for s in g.sources):
             # The live module is still unfused, but an earlier statement's plan effect fused it.
             return "already fused by an earlier statement"
@@ -696,7 +680,7 @@ class QKVFusion(Transform):
                 for source, size in zip(sources, group.splits):
                     if fusion.forward == "shared":
                         # The projection stays, as a parameter-free slice of the fused Linear.
-                        tree.replace(source.path, _qkv_shared.ProjectionSlice, own_bytes=0, out_features=size)
+                        tree.replace(source.path, shared_projection.ProjectionSlice, own_bytes=0, out_features=size)
                         tree[source.path].facts.pop("weight_shape", None)
                     else:
                         tree.remove(source.path)
@@ -707,7 +691,7 @@ class QKVFusion(Transform):
                          dtype=sources[0].facts.get("dtype"))
 
     def apply(self, ctx: ApplyContext, targets: list[str]) -> dict:
-        """Fuse each target; returns ``{"version", "modules": [{"path", **Fusion.to_json()}]}``."""
+        """Fuse each target; returns ``{"modules": [{"path", **Fusion.to_json()}]}``."""
         fused = []
         for path in ctx.progress(targets, total=len(targets), desc="fuse qkv"):
             module = ctx.root.get_submodule(path)
@@ -716,7 +700,13 @@ class QKVFusion(Transform):
                 raise TransformError(f"fuse qkv: {path or '<root>'}: {fusion} (the model changed after planning)")
             _install(ctx.edit, module, fusion, _concatenated)
             fused.append({"path": path, **fusion.to_json()})
-        return {"version": RECORD_VERSION, "modules": fused}
+        return {"modules": fused}
+
+    @classmethod
+    def export(cls, step, out) -> None:
+        from .export import export_unfused
+
+        export_unfused(step, out)
 
     @classmethod
     def rebuild(cls, root: nn.Module, record: dict, options: QKVOptions) -> None:
@@ -726,7 +716,8 @@ class QKVFusion(Transform):
         architecture, or a library version whose attention this pass no longer mirrors, is a
         :class:`LoadError`, never a model that loads and then computes something else.
         """
-        if record.get("version") not in READABLE_VERSIONS:
+        # Saves made before record versions were saved beside the step carried theirs here.
+        if record.get("version", 1) not in READABLE_VERSIONS:
             raise LoadError(f"fuse qkv: record version {record.get('version')!r}, expected one of "
                             f"{', '.join(map(str, READABLE_VERSIONS))} (saved by a newer transformdsl?)")
         edit = Edit()   # nothing to roll back on a skeleton; the Edit just carries the changes

@@ -8,7 +8,7 @@ ordinary matmul and multiplies the *output* by the per-channel scales,
 
 which is exact algebra (the scale is constant along each output column) and costs one
 elementwise pass over the output instead of one over the full-size weight.  A large weight
-is cast and multiplied a block of rows at a time (:mod:`._blocked`: at width 3072 and 48 tokens
+is cast and multiplied a block of rows at a time (:mod:`..common.blocked`: at width 3072 and 48 tokens
 the whole cast took 2.3-4.6x the float layer's time, block by block 0.84-1.35x;
 benchmarks/results/upcast.md).  Activations are
 never quantized, so the error is the weight rounding alone (half a step of ``amax / 127`` per
@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import _blocked
-from ._stored_weight import StoredWeight
+from ..common import blocked
+from ..common.stored_weight import StoredWeight
 
 #: Largest int8 magnitude used: symmetric, so -128 is never produced.
 QMAX = 127
@@ -41,15 +41,15 @@ _TINY = 1e-12
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight.to(x.dtype))`` for an int8 ``weight``, without a float copy of all of
-    it where that copy is what costs (:mod:`._blocked`); ``bias`` (added by the caller) only says
+    it where that copy is what costs (:mod:`..common.blocked`); ``bias`` (added by the caller) only says
     whether autograd records the call."""
-    if not _blocked.by_blocks(x, weight.shape[0], x.dtype, bias=bias):
+    if not blocked.by_blocks(x, weight.shape[0], x.dtype, bias=bias):
         return F.linear(x, weight.to(x.dtype))  # under compile, the cast fuses into the matmul
 
     def cast(start: int, end: int, buffer: torch.Tensor) -> torch.Tensor:
         return buffer.copy_(weight[start:end])
 
-    return _blocked.linear_by_blocks(x, weight.shape[0], x.dtype, cast)
+    return blocked.linear_by_blocks(x, weight.shape[0], x.dtype, cast)
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

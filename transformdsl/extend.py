@@ -1,10 +1,23 @@
-"""The contract every transform implements.
+"""The public API for writing a transform: what the built-in transforms use, and what a plugin uses.
 
-A transform is one subclass of :class:`Transform` in one file under ``passes/``,
-registered with :func:`transformdsl.registry.register`.  It declares:
+A transform is a :class:`Transform` subclass.  Its *declaration* (class attributes, ``Options``,
+:meth:`Transform.incompatible`) is all that ``transformdsl check`` reads, so the module defining it
+should import no torch.  Its behaviour (:meth:`~Transform.candidate`, :meth:`~Transform.apply`,
+:meth:`~Transform.rebuild`...) may live in the same class, importing torch inside the methods, or
+in a subclass in another module named by :attr:`Transform.implementation` (``".run:WholeCompile"``),
+imported only when a model is planned, transformed or loaded.
+
+The registry finds transforms by key (``"verb mode"``): the built-ins in its table, third-party
+ones through the entry-point group ``transformdsl.transforms`` (spec.md, "Writing a transform")::
+
+    [project.entry-points."transformdsl.transforms"]
+    "scale weights" = "my_package.scale:ScaleWeights"
+
+A declaration states:
 
 - its ``verb`` and ``mode`` (the registry key is ``"verb mode"``), a one-line ``summary``;
-- ``Options``: a frozen dataclass of typed options (:func:`transformdsl.options.option`);
+- ``Options``: a frozen dataclass of typed options (:func:`option`), whose ``__post_init__`` may
+  check fields against each other (``check`` runs it: raise ``ValueError`` with the fix);
 - ``default_target`` / ``default_except``: selector text used when a statement gives none
   (``default_target = None`` means "the modules the ``in`` clause names, or the root"), and
   ``honoured_declarations``: the model's own declarations (``_keep_in_fp32_modules``...) whose
@@ -13,14 +26,18 @@ registered with :func:`transformdsl.registry.register`.  It declares:
 - ``exclusive``: a group name; two statements of the same group may not touch the same
   module (e.g. two quantizations), unless one ``overrides`` the other, in which case the
   overridden statement gives the shared modules up;
-- and behaviour, all optional except :meth:`apply`:
-  :meth:`candidate` (can this module be transformed? else the reason, shown in the plan),
-  :meth:`check` (options valid for this module? else an error naming it),
-  :meth:`incompatible` (a rule against another statement of the script),
-  :meth:`plan_effect` (the structural change, on the planning snapshot),
-  :meth:`apply` (do it, through an :class:`~transformdsl.edit.Edit`),
-  :meth:`rebuild` (replay the structure on a skeleton when loading a saved model) and
-  :meth:`finalize` (after the saved tensors are loaded, e.g. compile again).
+- ``record_version``: the version of the record :meth:`Transform.apply` returns, saved with it;
+  a save whose record is newer than this is refused on load with a :class:`LoadError` naming both;
+- and behaviour, all optional except :meth:`Transform.apply`:
+  :meth:`~Transform.candidate` (can this module be transformed? else the reason, shown in the plan),
+  :meth:`~Transform.check` (options valid for this module? else an error naming it),
+  :meth:`~Transform.incompatible` (a rule against another statement of the script, which may
+  depend on both statements' options: ``check`` runs it),
+  :meth:`~Transform.plan_effect` (the structural change, on the planning snapshot),
+  :meth:`~Transform.apply` (do it, through an :class:`~transformdsl.edit.Edit`; raise
+  :class:`TransformError` for a failure the user can act on),
+  :meth:`~Transform.rebuild` (replay the structure on a skeleton when loading a saved model) and
+  :meth:`~Transform.finalize` (after the saved tensors are loaded, e.g. compile again).
 """
 
 from __future__ import annotations
@@ -28,14 +45,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ..ir import Statement
-from ..options import CommonOptions, NoOptions
+from .errors import LoadError, TransformError
+from .ir import Statement
+from .options import CommonOptions, NoOptions, option
 
 if TYPE_CHECKING:  # pragma: no cover  (the declarations import no torch: `check` validates without it)
     from torch import nn
 
-    from ..edit import Edit
-    from ..tree import ModuleInfo, ModuleTree
+    from .edit import Edit
+    from .history import AppliedStep
+    from .interop.export import Exported
+    from .tree import ModuleInfo, ModuleTree
+
+__all__ = ["ApplyContext", "CommonOptions", "LoadError", "NoOptions", "Transform", "TransformError", "option"]
 
 
 @dataclass
@@ -77,6 +99,16 @@ class Transform:
     error_bound: ClassVar[float | dict[str, float] | None] = 0.0
     #: Number fields of the record that add up over parts of the targets (:meth:`merge_records`).
     summed_record_fields: ClassVar[tuple[str, ...]] = ()
+    #: Version of the record :meth:`apply` returns, saved beside it; bump it when the record's layout
+    #: changes in a way older code cannot read.  :meth:`rebuild` gets records of this version or older
+    #: (the loader refuses newer ones); reading an older layout is the transform's own business.
+    record_version: ClassVar[int] = 1
+    #: ``"module:Class"`` (``".module:Class"``: relative to this class's package) of the subclass that
+    #: implements this declaration, imported only when a model is planned, transformed or loaded;
+    #: ``None``: this class is its own implementation.
+    implementation: ClassVar[str | None] = None
+    #: The runtime switches (:class:`transformdsl.switches.Switch`) this transform's modules read.
+    switches: ClassVar[tuple] = ()
 
     def __init__(self, statement: Statement, options: Any, common: CommonOptions | None = None):
         self.statement = statement
@@ -175,3 +207,12 @@ class Transform:
     @classmethod
     def finalize(cls, root: nn.Module, record: dict, options: Any) -> None:
         """Runs after the saved tensors are in place (e.g. to compile again)."""
+
+    # ------------------------------------------------------------------ other formats
+
+    @classmethod
+    def export(cls, step: AppliedStep, out: Exported) -> None:
+        """Carry an applied step into a library's layout (``save(..., format="transformers")``): rename or
+        split tensors in ``out``, add a note, or ask for the ``quantization_config``; raise
+        ``out.refuse(step, why)`` when the format cannot carry it (the default)."""
+        raise out.refuse(step, f"{out.library} has no representation of '{step.key}'")

@@ -1,26 +1,8 @@
-"""``fuse bias_act_dropout|bias_dropout_residual|bias_dropout_residual_layernorm``.
+"""The chains ``fuse bias_*`` recognises at a module boundary, their fused forwards, and the fused copies.
 
-Replaces the elementwise chain that follows a linear layer with one fused function,
-keeping the same parameters under the same state_dict keys.
-
-How.  A matched module (diffusers ``FeedForward``, an MLP, BERT's ``SelfOutput``...) is
-replaced by a *fused copy*: an instance of a subclass of its own class whose ``forward``
-runs the projection's matmul without its bias, then one fused function (bias add,
-activation, dropout, residual add, LayerNorm; compiled with inductor) for the rest.  The
-copy shares the original's children (the same ``Linear`` objects and parameters), so its
-state_dict is the original's key for key, in both directions, and the unfused path is
-just the original class's ``forward`` (``super().forward``), taken when the global switch
-is off:
-
->>> set_fused(False); fused_enabled()
-False
->>> set_fused(None)  # back to the default (TRANSFORMDSL_DISABLE_FUSED unset: on)
-
-A chain is matched at a module boundary only: where the residual add sits inside a
-block's ``forward`` (most diffusers and transformers blocks), fusing it would mean
-rewriting that forward, so the plan lists the block as a near miss quoting the line.
-Every match is checked at plan time by running the original and the fused formula on a
-small probe input (eval mode): a forward that computes something else is a near miss too.
+A matched module is replaced by a *fused copy*: an instance of a subclass of its own class whose
+``forward`` runs the projection's matmul without its bias, then one fused function for the rest;
+the copy shares the original's children, so its state_dict is the original's key for key.
 """
 
 from __future__ import annotations
@@ -29,149 +11,17 @@ import contextlib
 import copy
 import functools
 import inspect
-import json
-import os
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..options import option
-from ..registry import register
-from ..selectors import select, topmost
-from ..tree import ModuleInfo, ModuleTree, is_below
-from .base import ApplyContext, Transform
-
-# --------------------------------------------------------------------------- the runtime switch
-
-#: Set to 1 (or true/yes/on) to start every process with the fused paths off.
-ENV_VAR = "TRANSFORMDSL_DISABLE_FUSED"
-
-
-def _enabled_by_environment() -> bool:
-    return os.environ.get(ENV_VAR, "").strip().lower() not in ("1", "true", "yes", "on")
-
-
-# A plain module global: the fused forwards read it on every call (one dictionary lookup),
-# and torch.compile guards on it, so flipping it recompiles instead of going stale.
-_ENABLED = _enabled_by_environment()
-
-
-def set_fused(enabled: bool | None) -> None:
-    """Turn every fused module's fast path on or off (``None``: back to the environment's default).
-
-    Off, a fused module runs its original class's ``forward``: the unfused computation,
-    with the same parameters, without re-transforming the model.
-    """
-    global _ENABLED
-    _ENABLED = _enabled_by_environment() if enabled is None else bool(enabled)
-
-
-def fused_enabled() -> bool:
-    """Whether fused modules currently take their fused path."""
-    return _ENABLED
-
-
-@contextlib.contextmanager
-def unfused() -> Iterator[None]:
-    """``with unfused(): model(x)`` runs the original, unfused computation (for debugging)."""
-    previous = _ENABLED
-    set_fused(False)
-    try:
-        yield
-    finally:
-        set_fused(previous)
-
-
-# --------------------------------------------------------------------------- the fused functions
-# Pure functions of tensors and constants, so that inductor turns each into one kernel.
-# ``act`` names an activation (see ``_activate``); the strings and floats are constants
-# for torch.compile (it guards on them), the tensors may change shape freely.
-
-
-def _activate(x: torch.Tensor, act: str) -> torch.Tensor:
-    if act == "gelu":
-        return F.gelu(x)
-    if act == "gelu_tanh":
-        return F.gelu(x, approximate="tanh")
-    if act == "silu":
-        return F.silu(x)
-    if act == "relu":
-        return F.relu(x)
-    if act == "quick_gelu":
-        return x * torch.sigmoid(1.702 * x)
-    if act == "identity":
-        return x
-    raise ValueError(f"unknown activation {act!r}")
-
-
-def bias_act_dropout(x: torch.Tensor, bias: torch.Tensor | None, act: str, p: float,
-                     training: bool) -> torch.Tensor:
-    """``dropout(act(x + bias))``."""
-    if bias is not None:
-        x = x + bias
-    return F.dropout(_activate(x, act), p, training)
-
-
-def bias_glu_dropout(x: torch.Tensor, bias: torch.Tensor | None, act: str, p: float,
-                     training: bool) -> torch.Tensor:
-    """GEGLU/SwiGLU: one projection holds ``[hidden | gate]``; ``dropout(hidden * act(gate))``."""
-    if bias is not None:
-        x = x + bias
-    hidden, gate = x.chunk(2, dim=-1)
-    return F.dropout(hidden * _activate(gate, act), p, training)
-
-
-def bias_gate_mul(gate: torch.Tensor, gate_bias: torch.Tensor | None, up: torch.Tensor,
-                  up_bias: torch.Tensor | None, act: str) -> torch.Tensor:
-    """Llama-style MLP: ``act(gate + gate_bias) * (up + up_bias)``."""
-    if gate_bias is not None:
-        gate = gate + gate_bias
-    if up_bias is not None:
-        up = up + up_bias
-    return _activate(gate, act) * up
-
-
-def bias_dropout_residual(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, p: float,
-                          training: bool) -> torch.Tensor:
-    """``dropout(x + bias) + residual``."""
-    if bias is not None:
-        x = x + bias
-    return F.dropout(x, p, training) + residual
-
-
-def bias_dropout_residual_layernorm(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
-                                    p: float, training: bool, shape: tuple[int, ...],
-                                    weight: torch.Tensor | None, norm_bias: torch.Tensor | None,
-                                    eps: float) -> torch.Tensor:
-    """``layer_norm(dropout(x + bias) + residual)`` with the norm's own shape, affine and eps."""
-    return F.layer_norm(bias_dropout_residual(x, bias, residual, p, training), shape, weight, norm_bias, eps)
-
-
-FUNCTIONS: dict[str, Callable] = {f.__name__: f for f in (
-    bias_act_dropout, bias_glu_dropout, bias_gate_mul, bias_dropout_residual, bias_dropout_residual_layernorm)}
-KERNELS = ("inductor", "eager")
-_COMPILED: dict[str, Callable] = {}
-
-
-def kernel(name: str, backend: str) -> Callable:
-    """The fused function ``name`` as ``backend`` runs it: compiled once per process with
-    inductor (lazily: the first call compiles), or the plain Python function (``eager``)."""
-    function = FUNCTIONS[name]
-    if backend == "eager":
-        return function
-    if backend != "inductor":
-        raise ValueError(f"unknown kernel backend {backend!r}; one of {KERNELS}")
-    if name not in _COMPILED:
-        # dynamic=None: the first shape is specialised, a second one makes the changing
-        # dimensions symbolic, so one kernel serves every block of a model.
-        _COMPILED[name] = torch.compile(function, fullgraph=True, dynamic=None)
-    return _COMPILED[name]
-
+from ..common.modules import is_conv1d
+from . import FUSED
+from .kernels import kernel
 
 # --------------------------------------------------------------------------- recognising modules
 
@@ -200,19 +50,13 @@ def activation_kind(module: Any) -> str | None:
     return None
 
 
-def _is_conv1d(layer: Any) -> bool:
-    """transformers' ``Conv1D`` (GPT-2): a linear layer with a transposed ``(in, out)`` weight."""
-    cls = type(layer)
-    return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers")
-
-
 def _is_projection(layer: Any) -> bool:
-    return type(layer) is nn.Linear or _is_conv1d(layer)
+    return type(layer) is nn.Linear or is_conv1d(type(layer), layer)
 
 
 def _in_features(layer: nn.Module) -> int:
     weight = layer.weight
-    return weight.shape[0] if _is_conv1d(layer) else weight.shape[1]
+    return weight.shape[0] if is_conv1d(type(layer), layer) else weight.shape[1]
 
 
 def _project(layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -225,7 +69,7 @@ def _project(layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     cls = type(layer)
     if cls is nn.Linear:
         return F.linear(x, layer.weight), layer.bias
-    if cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers"):
+    if is_conv1d(cls, layer):
         return torch.matmul(x, layer.weight), layer.bias
     return layer(x), None
 
@@ -238,11 +82,11 @@ def _describe_act(act: str) -> str:
 # --------------------------------------------------------------------------- the patterns
 # A pattern is a mixin put in front of the matched module's own class.  ``match`` reads
 # the module's structure and returns a JSON-able spec (what the record saves), None when
-# the module is not of this pattern's shape at all, or raises _Mismatch with the reason a
+# the module is not of this pattern's shape at all, or raises Mismatch with the reason a
 # module of this shape cannot be fused (a near miss).
 
 
-class _Mismatch(Exception):
+class Mismatch(Exception):
     """A module has the pattern's shape but cannot be fused; the message says why."""
 
 
@@ -254,7 +98,7 @@ class FusedModule:
     KERNEL_ATTRIBUTES: ClassVar[tuple[str, ...]] = ("_tdsl_in", "_tdsl_out", "_tdsl_fn")
 
     def forward(self, *args, **kwargs):
-        if not _ENABLED:
+        if not FUSED.enabled:
             return super().forward(*args, **kwargs)
         return self._fused_forward(*args, **kwargs)
 
@@ -282,7 +126,7 @@ class FusedModule:
     # -- per pattern
     @classmethod
     def match(cls, module: nn.Module) -> dict | None:
-        """The spec of a fusable module, ``None`` if not this pattern; raises ``_Mismatch``."""
+        """The spec of a fusable module, ``None`` if not this pattern; raises ``Mismatch``."""
         raise NotImplementedError
 
     @classmethod
@@ -320,11 +164,11 @@ class FeedForwardChain(FusedModule):
         if "FeedForward" not in [c.__name__ for c in type(module).__mro__] or not isinstance(net, nn.ModuleList):
             return None
         if len(net) not in (3, 4) or not isinstance(net[1], nn.Dropout):
-            raise _Mismatch("net is not [activation, Dropout, Linear(, Dropout)]")
+            raise Mismatch("net is not [activation, Dropout, Linear(, Dropout)]")
         act_module = net[0]
         name = type(act_module).__name__
         if name not in cls.ACTS or not type(act_module).__module__.startswith("diffusers"):
-            raise _Mismatch(f"activation {name} is not supported (GELU, GEGLU, SwiGLU, ApproximateGELU, "
+            raise Mismatch(f"activation {name} is not supported (GELU, GEGLU, SwiGLU, ApproximateGELU, "
                             "LinearActivation are)")
         function, act = cls.ACTS[name]
         if name == "GELU":
@@ -332,12 +176,12 @@ class FeedForwardChain(FusedModule):
         elif act is None:
             act = activation_kind(getattr(act_module, "activation", None))
             if act is None:
-                raise _Mismatch(f"activation {type(act_module.activation).__name__} is not supported")
+                raise Mismatch(f"activation {type(act_module.activation).__name__} is not supported")
         if not _is_projection(getattr(act_module, "proj", None)):
-            raise _Mismatch(f"{name}.proj is not a Linear")
+            raise Mismatch(f"{name}.proj is not a Linear")
         final_dropout = len(net) == 4
         if final_dropout and not isinstance(net[3], nn.Dropout):
-            raise _Mismatch("net[3] is not a Dropout")
+            raise Mismatch("net[3] is not a Dropout")
         return {"function": function, "act": act, "final_dropout": final_dropout}
 
     @classmethod
@@ -394,13 +238,13 @@ class MLPChain(FusedModule):
                 continue
             extra = set(children) - set(wanted) - {dropout}
             if extra:
-                raise _Mismatch(f"has more children than {', '.join(wanted)}: {', '.join(sorted(extra))}")
+                raise Mismatch(f"has more children than {', '.join(wanted)}: {', '.join(sorted(extra))}")
             for name in (first, second):
                 if name and not _is_projection(children[name]):
-                    raise _Mismatch(f"{name} is a {type(children[name]).__name__}, not a Linear/Conv1D")
+                    raise Mismatch(f"{name} is a {type(children[name]).__name__}, not a Linear/Conv1D")
             kind = activation_kind(children[act])
             if kind is None:
-                raise _Mismatch(f"activation {type(children[act]).__name__} is not supported")
+                raise Mismatch(f"activation {type(children[act]).__name__} is not supported")
             has_dropout = dropout is not None and isinstance(children.get(dropout), nn.Dropout)
             return {"names": [first, second, dropout if has_dropout else None], "act": kind}
         return None
@@ -451,10 +295,10 @@ class GatedMLPChain(FusedModule):
             return None
         for name in cls.NAMES[:3]:
             if not _is_projection(children[name]):
-                raise _Mismatch(f"{name} is a {type(children[name]).__name__}, not a Linear")
+                raise Mismatch(f"{name} is a {type(children[name]).__name__}, not a Linear")
         kind = activation_kind(children["act_fn"])
         if kind is None:
-            raise _Mismatch(f"activation {type(children['act_fn']).__name__} is not supported")
+            raise Mismatch(f"activation {type(children['act_fn']).__name__} is not supported")
         return {"act": kind, "bias": children["gate_proj"].bias is not None}
 
     @classmethod
@@ -498,12 +342,12 @@ class ResidualChain(FusedModule):
         except (TypeError, ValueError):  # pragma: no cover - builtins
             params = []
         if tuple(params) != cls.ARGS:
-            raise _Mismatch(f"forward takes ({', '.join(params)}), not (hidden_states, input_tensor)")
+            raise Mismatch(f"forward takes ({', '.join(params)}), not (hidden_states, input_tensor)")
         if not _is_projection(children["dense"]):
-            raise _Mismatch(f"dense is a {type(children['dense']).__name__}, not a Linear")
+            raise Mismatch(f"dense is a {type(children['dense']).__name__}, not a Linear")
         norm = children.get("LayerNorm")
         if norm is not None and type(norm) is not nn.LayerNorm:
-            raise _Mismatch(f"LayerNorm is a {type(norm).__name__}, not an nn.LayerNorm")
+            raise Mismatch(f"LayerNorm is a {type(norm).__name__}, not an nn.LayerNorm")
         return {"layernorm": norm is not None, "fuse_norm": norm is not None}
 
     @classmethod
@@ -516,7 +360,7 @@ class ResidualChain(FusedModule):
     @classmethod
     def probe_inputs(cls, module, spec, make):
         dense = module.dense
-        out = dense.weight.shape[1] if _is_conv1d(dense) else dense.weight.shape[0]
+        out = dense.weight.shape[1] if is_conv1d(type(dense), dense) else dense.weight.shape[0]
         return make(_in_features(dense)), make(out)
 
     def _setup(self, spec, backend):
@@ -658,212 +502,3 @@ def verify(module: nn.Module, pattern: type[FusedModule], spec: dict) -> str | N
     if (want - got).abs().max().item() > tolerance * scale:
         return f"its forward computes something else than {pattern.describe(spec)} (checked on a probe input)"
     return None
-
-
-# --------------------------------------------------------------------------- the transforms
-
-
-@dataclass(frozen=True)
-class ElementwiseOptions:
-    kernel: str = option("inductor", "how the fused function runs: inductor (torch.compile, compiled at the "
-                         "first call) or eager (plain PyTorch, no compiler)", choices=KERNELS)
-    verify: bool = option(True, "at plan time, check each match against its forward on a probe input")
-
-
-@dataclass(frozen=True)
-class Chain:
-    """One chain found at plan time."""
-
-    path: str
-    pattern: str
-    spec: dict
-
-    def describe(self) -> str:
-        return PATTERNS[self.pattern].describe(self.spec)
-
-
-class _Elementwise(Transform):
-    verb = "fuse"
-    runs_after = ("fuse qkv",)
-    runs_before = ("quantize *", "fp8 *")
-    changes_weights = False
-    Options = ElementwiseOptions
-    #: Patterns this mode fuses, tried in order.
-    patterns: ClassVar[tuple[str, ...]] = ()
-    #: What the mode looks for, for near-miss messages.
-    looks_for: ClassVar[str] = ""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._chains: dict[str, Chain] = {}
-        #: Every path candidate() judged (matched or near miss), for notes().
-        self._seen: set[str] = set()
-
-    # -- matching (shared by planning and apply)
-
-    def match(self, module: nn.Module, path: str) -> tuple[Chain | None, str | None]:
-        """The chain at ``module`` (its own boundary), or the reason there is none."""
-        if is_fused(type(module)):
-            return None, "already fused by an earlier statement"
-        if "forward" in module.__dict__:
-            return None, "its forward is replaced on the instance (a hook?); fusing would bypass it"
-        for name in self.patterns:
-            pattern = PATTERNS[name]
-            try:
-                spec = pattern.match(module)
-            except _Mismatch as error:
-                return None, str(error)
-            if spec is not None:
-                spec = self.adjust(spec)
-                if isinstance(spec, str):
-                    return None, spec
-                return Chain(path, name, spec), None
-        return None, self.no_chain_reason(module)
-
-    @staticmethod
-    def adjust(spec: dict) -> dict | str:
-        """Mode-specific filtering of a spec: the spec to use, or a reason."""
-        return spec
-
-    def no_chain_reason(self, module: nn.Module) -> str:
-        cls = type(module)
-        line = residual_line(cls)
-        if line:
-            return (f"the residual add is inside {cls.__name__}.forward() (`{line}`), not at a module boundary; "
-                    "fusing it needs that forward rewritten")
-        return f"no {self.looks_for} at its boundary"
-
-    # -- planning
-
-    def candidate(self, info: ModuleInfo, tree: ModuleTree) -> str | None:
-        self._seen.add(info.path)
-        if info.module is None:
-            if is_fused(info.cls):
-                return "already fused by an earlier statement"
-            return "replaced by an earlier statement; not inspectable at plan time"
-        if info.path == "":
-            return "the root module cannot be swapped for a fused copy; fuse the modules inside it"
-        chain, reason = self.match(info.module, info.path)
-        if chain is None:
-            return reason
-        if self.options.verify:
-            reason = verify(info.module, PATTERNS[chain.pattern], chain.spec)
-            if reason:
-                return reason
-        self._chains[info.path] = chain
-        return None
-
-    def notes(self, tree: ModuleTree, targets: list[str]) -> list[str]:
-        groups: dict[str, list[str]] = {}
-        for path in targets:
-            groups.setdefault(self._chains[path].describe(), []).append(path)
-        lines = [f"chain {text}: {len(paths)} × at {', '.join(paths)}" for text, paths in groups.items()]
-        lines.extend(self.inline_near_misses(tree))
-        if targets and self.options.kernel == "inductor":
-            lines.append("kernel=inductor: each fused function compiles at its first call (seconds, once "
-                         "per process and dtype)")
-        return lines
-
-    def inline_near_misses(self, tree: ModuleTree) -> list[str]:
-        """Chains the default targets do not select because they are written inside a larger
-        forward (a projection and an activation module that are siblings), listed as near misses."""
-        return []
-
-    def scope_roots(self, tree: ModuleTree) -> list[str]:
-        """The statement's ``in`` scope (the whole component without one)."""
-        if not self.statement.scope:
-            return [""]
-        return topmost([p for selector in self.statement.scope for p in select(selector, tree)])
-
-    def plan_effect(self, tree: ModuleTree, targets: list[str]) -> None:
-        for path in targets:
-            tree.replace(path, fused_class(PATTERNS[self._chains[path].pattern], tree[path].cls))
-
-    # -- execution
-
-    def apply(self, ctx: ApplyContext, targets: list[str]) -> dict:
-        chains = []
-        for path in ctx.progress(targets, total=len(targets), desc=self.key()):
-            module = ctx.root.get_submodule(path)
-            chain, reason = self.match(module, path)
-            if chain is None:  # the model changed since it was planned
-                raise RuntimeError(f"{path}: {reason}")
-            ctx.edit.replace(ctx.root, path, fused_copy(module, PATTERNS[chain.pattern], chain.spec,
-                                                        self.options.kernel))
-            chains.append({"path": path, "pattern": chain.pattern, "spec": chain.spec})
-        return {"chains": chains, "kernel": self.options.kernel}
-
-    @classmethod
-    def rebuild(cls, root: nn.Module, record: dict, options: Any) -> None:
-        """Swap the recorded modules of a skeleton for fused copies (no tensor is touched)."""
-        for chain in record["chains"]:
-            path = chain["path"]
-            parent_path, _, name = path.rpartition(".")
-            parent = root.get_submodule(parent_path) if parent_path else root
-            # The recorded chain must be what the module is (a record cannot swap GELU for ReLU).
-            try:
-                found = PATTERNS[chain["pattern"]].match(parent._modules[name])
-            except _Mismatch as exc:
-                found = f"no {chain['pattern']} chain ({exc})"
-            if isinstance(found, dict):  # as apply saw it: the mode decides e.g. whether the norm is fused
-                found = cls.adjust(found)
-            if json.loads(json.dumps(found)) != chain["spec"]:
-                raise ValueError(f"{path}: the record describes {chain['spec']!r}; the module is {found!r}")
-            parent._modules[name] = fused_copy(parent._modules[name], PATTERNS[chain["pattern"]], chain["spec"],
-                                               record.get("kernel", "inductor"))
-
-
-@register
-class BiasActDropout(_Elementwise):
-    mode = "bias_act_dropout"
-    summary = "fuse bias + activation + dropout after a projection"
-    default_target = ("FeedForward", "*MLP", "*Intermediate")
-    patterns = ("feedforward", "mlp", "gated_mlp")
-    looks_for = "projection → activation (→ dropout)"
-
-    def inline_near_misses(self, tree):
-        roots = self.scope_roots(tree)
-        groups: dict[str, list[str]] = {}
-        for info in tree:
-            if not info.path or not any(is_below(info.path, r) for r in roots):
-                continue
-            if any(is_below(info.path, seen) for seen in self._seen):
-                continue  # a target, or inside one: already reported
-            children = tree.children(info.path)
-            projections = [c.name for c in children if issubclass(c.cls, nn.Linear) or c.cls.__name__ == "Conv1D"]
-            activations = [c.name for c in children
-                           if "act" in c.name and c.module is not None and activation_kind(c.module)]
-            if projections and activations:
-                text = (f"{info.cls.__name__}: {', '.join(projections)} and {activations[0]} are called inside "
-                        "its forward(), which does more than the chain; fusing needs that forward rewritten")
-                groups.setdefault(text, []).append(info.path)
-        return [f"near miss (not selected): {text}: {len(paths)} × at {', '.join(paths)}"
-                for text, paths in groups.items()]
-
-
-@register
-class BiasDropoutResidual(_Elementwise):
-    mode = "bias_dropout_residual"
-    summary = "fuse bias + dropout + residual add"
-    default_target = ("*Block", "*Layer", "*Output")
-    patterns = ("residual",)
-    looks_for = "dense → dropout → residual add (forward(hidden_states, input_tensor))"
-
-    @staticmethod
-    def adjust(spec):
-        return {**spec, "fuse_norm": False}
-
-
-@register
-class BiasDropoutResidualLayerNorm(_Elementwise):
-    mode = "bias_dropout_residual_layernorm"
-    summary = "fuse bias + dropout + residual add + layernorm"
-    default_target = ("*Block", "*Layer", "*Output")
-    patterns = ("residual",)
-    looks_for = "dense → dropout → residual add → LayerNorm (forward(hidden_states, input_tensor))"
-
-    @staticmethod
-    def adjust(spec):
-        if not spec["layernorm"]:
-            return "no LayerNorm after the residual add; use 'fuse bias_dropout_residual'"
-        return spec

@@ -1,0 +1,143 @@
+"""Print the import circles among a package's modules (``python -m tools.imports [PACKAGE_DIR...]``).
+
+Every ``import``/``from ... import`` counts, at the top of a module or inside a function: a deferred
+import that only dodges a circle is still a circle.  Exits 1 when it finds one.  Also lists underscore
+names imported from another module (``from .x import _private``), which the house rules forbid.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+
+def module_name(root: Path, path: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(root: Path, path: Path, modules: set[str]) -> list[tuple[str, list[str], int]]:
+    """(imported module, names imported from it, line) for each import of ``path`` inside the package
+    (or, for a folder of scripts without ``__init__.py`` such as benchmarks/, of its sibling files)."""
+    scripts = not (root / "__init__.py").exists()
+    name = module_name(root, path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = []
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    # Imports under ``if TYPE_CHECKING:`` never run: they are annotations, not dependencies.
+    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                   and getattr(block.test, "id", getattr(block.test, "attr", None)) == "TYPE_CHECKING"
+                   for stmt in block.body for n in ast.walk(stmt)}
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in modules or alias.name.partition(".")[0] == root.name:
+                    out.append((alias.name, [], node.lineno))
+                elif scripts and f"{root.name}.{alias.name}" in modules:  # a sibling script
+                    out.append((f"{root.name}.{alias.name}", [], node.lineno))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if scripts and not node.level and f"{root.name}.{target}" in modules:
+                target = f"{root.name}.{target}"  # ``from sibling import name`` in a folder of scripts
+            if target.partition(".")[0] != root.name:
+                continue
+            names = [a.name for a in node.names]
+            # ``from pkg import module`` imports that module.
+            submodules = [f"{target}.{n}" for n in names if f"{target}.{n}" in modules]
+            others = [n for n in names if f"{target}.{n}" not in modules]
+            for sub in submodules:
+                out.append((sub, [], node.lineno))
+            if others or not submodules:
+                out.append((target, others, node.lineno))
+    return out
+
+
+def graph(root: Path) -> tuple[dict[str, set[str]], list[str]]:
+    files = sorted(root.rglob("*.py"))
+    modules = {module_name(root, f) for f in files}
+    edges: dict[str, set[str]] = {m: set() for m in modules}
+    private = []
+    for f in files:
+        me = module_name(root, f)
+        for target, names, line in imports_of(root, f, modules):
+            while target not in modules and "." in target:
+                target = target.rpartition(".")[0]
+            if target in modules and target != me:
+                # Importing a.b.c runs a/__init__ and a/b/__init__ too, but those run first and are not
+                # a dependency of the importer's own code: only the module itself counts.
+                edges[me].add(target)
+            for n in names:
+                if n.startswith("_") and not n.startswith("__") and target != me:
+                    private.append(f"{f}:{line}: imports {n} from {target}")
+    return edges, private
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    sys.setrecursionlimit(10_000)
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    top = Path(__file__).resolve().parents[1]
+    roots = [Path(a) for a in argv] or [top / "transformdsl", top / "benchmarks"]
+    status = 0
+    for root in roots:
+        edges, private = graph(root.resolve())
+        found = cycles(edges)
+        for component in found:
+            print(f"circle of {len(component)} in {root.name}: " + ", ".join(component))
+        for line in private:
+            print(line)
+        if found or private:
+            status = 1
+        else:
+            print(f"{root.name}: {len(edges)} modules, no import circle, no underscore name imported across modules")
+    return status
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

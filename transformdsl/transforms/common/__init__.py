@@ -1,0 +1,1 @@
+"""Building blocks several transform families share."""

@@ -1,0 +1,131 @@
+"""``quantize int8|nf4|fp4|hqq``: weight quantization with bitsandbytes and hqq (declarations).
+
+The implementation (:mod:`.quantization`) replaces each selected linear layer by a quantized one
+built from its weight; the layers are in :mod:`.layers` (bitsandbytes and hqq, imported only when
+a script quantizes) and :mod:`.int8_weight_only` (plain torch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...extend import Transform, option
+
+#: Linear layers (GPT-2's transposed ``Conv1D`` included).
+LINEAR_TARGETS = ("Linear", "Conv1D")
+#: The layers quantization hurts most for the least memory, as diffusers/transformers users
+#: and GGUF/quanto recipes skip them: norms (with the modulation linears inside AdaLayerNorm*),
+#: embeddings and embedders (timestep/text embedders, a DiT's ``x_embedder`` and
+#: ``context_embedder`` input projections) and output heads (``lm_head``; the final
+#: ``proj_out`` of DiT-style denoisers, not the ``proj_out`` inside blocks).  spec.md has the
+#: measurements.
+DEFAULT_EXCEPT = ("norm", "embed", "embedding", "embedder", "lm_head", "re:^proj_out$")
+#: Class names of layers that already hold quantized weights (ours derive from these).
+QUANTIZED_CLASS_NAMES = frozenset({"Linear8bitLt", "Linear4bit", "HQQLinear", "Int8WeightOnlyLinear"})
+
+
+# --------------------------------------------------------------------------- options
+
+
+@dataclass(frozen=True)
+class Int8Options:
+    threshold: float = option(0.0, "LLM.int8 outlier threshold (0 = no outlier decomposition)", min=0.0)
+    weight_only: bool = option(False, "int8 weights, float activations and matmul (W8A16) instead of LLM.int8")
+
+    def __post_init__(self):
+        if self.weight_only and self.threshold:
+            raise ValueError(f"threshold={self.threshold:g} is LLM.int8's activation outlier threshold; "
+                             "weight_only=true never quantizes activations: drop one of the two")
+
+
+@dataclass(frozen=True)
+class FourBitOptions:
+    compute: str = option("float32", "dtype the matmul runs in", kind="dtype")
+    double_quant: bool = option(False, "quantize the quantization constants too")
+    blocksize: int = option(64, "elements per quantization block",
+                            choices=(32, 64, 128, 256, 512, 1024, 2048, 4096))
+
+
+@dataclass(frozen=True)
+class HQQOptions:
+    bits: int = option(4, "bits per weight", choices=(1, 2, 3, 4, 8))
+    group_size: int | str = option(64, "weights per quantization group (a multiple of 8 that divides in_features), "
+                                   "or auto: the largest of 128, 64, 32, 16, 8 that suits each layer",
+                                   min=8, kind="int_or_auto")
+    axis: int = option(1, "axis the groups run along (1: along a row's inputs; 0: down a column)", choices=(0, 1))
+    compute: str = option("float32", "dtype the matmul runs in", kind="dtype")
+
+    def __post_init__(self):
+        if self.group_size != "auto" and self.group_size % 8:
+            below = max(8, self.group_size // 8 * 8)
+            raise ValueError(f"hqq group_size must be a multiple of 8, got {self.group_size}; "
+                             f"try {below} or {below + 8}")
+
+
+# --------------------------------------------------------------------------- the transforms
+
+
+class Quantize(Transform):
+    verb = "quantize"
+    default_target = LINEAR_TARGETS
+    default_except = DEFAULT_EXCEPT
+    #: The modules transformers and diffusers keep in float32, as their own bitsandbytes
+    #: integrations leave them unquantized (T5 casts ``wo``'s input to ``wo.weight.dtype``, packed
+    #: uint8 for a 4-bit layer: relative error > 1 in nf4 otherwise).
+    honoured_declarations = ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict")
+    runs_after = ("fuse *",)
+    exclusive = "weights"
+    summed_record_fields = ("bytes_before", "bytes_after")
+
+
+class Int8Quantization(Quantize):
+    mode = "int8"
+    summary = "bitsandbytes LLM.int8 (Linear8bitLt)"
+    Options = Int8Options
+    implementation = ".quantization:Int8Quantization"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.options is not None and self.options.weight_only:
+            self.summary = "weight-only int8 (W8A16): int8 weights, float activations and matmul"
+
+    @property
+    def error_bound(self) -> dict:  # depends on the options (see Transform.error_bound)
+        # Per metric; measured on trained weights and the corpus: spec.md "Numerical guard".
+        if self.options.weight_only:
+            return {"kl": 0.2, "top1": 0.15, "rms": 0.05, "max": 0.03}
+        return {"kl": 0.4, "top1": 0.2, "rms": 0.1, "max": 0.05}
+
+
+class NF4Quantization(Quantize):
+    mode = "nf4"
+    summary = "bitsandbytes 4-bit NormalFloat (Linear4bit)"
+    Options = FourBitOptions
+    #: Per metric; measured on trained weights and the corpus: spec.md "Numerical guard".
+    error_bound = {"kl": 1.2, "top1": 0.5, "rms": 0.4, "max": 0.4}
+    implementation = ".quantization:NF4Quantization"
+
+
+class FP4Quantization(Quantize):
+    mode = "fp4"
+    summary = "bitsandbytes 4-bit float (Linear4bit)"
+    Options = FourBitOptions
+    #: Per metric; measured on trained weights and the corpus: spec.md "Numerical guard".
+    error_bound = {"kl": 1.5, "top1": 0.55, "rms": 0.5, "max": 0.5}
+    implementation = ".quantization:FP4Quantization"
+
+
+class HQQQuantization(Quantize):
+    mode = "hqq"
+    summary = "half-quadratic quantization (hqq HQQLinear)"
+    Options = HQQOptions
+    #: Bounds per bit width and metric (spec.md "Numerical guard").  1 and 2 bits have none: the
+    #: output of a tiny random model is noise.
+    BOUNDS = {8: {"kl": 0.2, "top1": 0.15, "rms": 0.05, "max": 0.03},
+              4: {"kl": 1.0, "top1": 0.45, "rms": 0.4, "max": 0.4},
+              3: {"kl": 2.5, "top1": 0.75, "rms": 0.8, "max": 0.8}, 2: None, 1: None}
+    implementation = ".quantization:HQQQuantization"
+
+    @property
+    def error_bound(self) -> dict | None:  # depends on the options (see Transform.error_bound)
+        return self.BOUNDS[self.options.bits]
