@@ -30,6 +30,7 @@ from .tree import parameter_bytes
 from .validate import ValidatedScript
 from .verification import (  # noqa: F401  (importable from here, as before the guard had its module)
     ROUNDING_EPS,
+    VERIFIED_BEFORE,
     VERIFY_INPUTS_HINT,
     relative_error,
     sample_output,
@@ -109,6 +110,8 @@ def transform(model: Any, script: str | Path | Script | ValidatedScript | Plan, 
     ``verify_inputs=[(args, kwargs), ...]`` checks several samples, the worst error counts:
     how much a lossy transform moves the output varies from input to input (2x across random
     inputs on a narrow UNet), so one sample that happens to sit under the bound proves little.
+    A script that compiles is verified just before its ``compile`` statement runs, on the transformed
+    model not yet compiled (compiling changes no weight; after it, each sample would be compiled).
 
     A statement that changes no module (its selectors name nothing the transform can change on
     this model) is a :class:`NothingToDoWarning`; with ``strict=True`` it is a
@@ -128,6 +131,10 @@ def transform(model: Any, script: str | Path | Script | ValidatedScript | Plan, 
     """
     check_undo_options(undo, undo_budget)
     the_plan = script if isinstance(script, Plan) else plan(model, script)
+    if the_plan.skeletons:
+        which = "the model's" if the_plan.skeletons == [""] else f"{', '.join(the_plan.skeletons)}'s"
+        raise TransformError(f"{which} weights are all on the meta device (none loaded): load them before "
+                             "transforming (plan() and explain show what the script would do); nothing was changed")
     idle = idle_statements(the_plan)
     if idle and strict:
         raise TransformError("; ".join(idle) + " (strict: nothing was changed)")
@@ -144,8 +151,13 @@ def transform(model: Any, script: str | Path | Script | ValidatedScript | Plan, 
     applied: dict[str, list[AppliedStep]] = {}
     source = the_plan.script.source
     make_progress = _progress_factory(progress)
+    verified = not checks
+    statements = [(step.text(source), step.transform) for step in the_plan.steps]
     try:
         for step in the_plan.steps:
+            if not verified and step.transform.verb in VERIFIED_BEFORE:
+                verification.verify(model, reference, samples, statements, checks, log, before=step.transform.verb)
+                verified = True
             root = components[step.component]
             before = parameter_bytes(root)
             started = time.perf_counter()
@@ -167,9 +179,8 @@ def transform(model: Any, script: str | Path | Script | ValidatedScript | Plan, 
                 script_index=0,
                 record_version=step.transform.record_version,
             ))
-        if checks:
-            verification.verify(model, reference, samples,
-                                [(step.text(source), step.transform) for step in the_plan.steps], checks, log)
+        if not verified:
+            verification.verify(model, reference, samples, statements, checks, log)
     except BaseException:
         try:
             edit.rollback()
