@@ -19,6 +19,7 @@ and saves as usual.  Nothing is fetched from the Hub and no code named by a file
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,14 @@ class _Located(type(Path())):
     source: str = ""
 
 
+class _Headers(dict):
+    """Saved tensor name → its file (:class:`_Located`); ``info``: name → (dtype, shape), from
+    the headers, each parsed once (a header lists every tensor: parsing it per layer made an
+    import of 3,000 layers take 77 s)."""
+
+    info: dict[str, tuple[str, list[int]]]
+
+
 def library_metadata(folder: SaveDir) -> tuple[dict, dict[str, Path]]:
     """The metadata :func:`transformdsl.load` would read, derived from a library directory's
     ``config.json`` and safetensors headers (no tensor data is read but 4-bit quant states);
@@ -67,14 +76,19 @@ def library_metadata(folder: SaveDir) -> tuple[dict, dict[str, Path]]:
     library, name = _library_class(config_path, config)
     names = _weight_files(folder, library)
     files = TensorFiles(folder, names)
-    headers: dict[str, Path] = {}
+    headers = _Headers()
+    headers.info = {}
     try:
         for file_name, _, source in files.opened:
             path = _Located(directory / file_name)
             path.source = source
             try:
                 with safe_open(source, framework="pt") as f:
-                    headers.update({key: path for key in f.keys() if not is_padding(key)})
+                    for key in f.keys():
+                        if not is_padding(key):
+                            piece = f.get_slice(key)
+                            headers[key] = path
+                            headers.info[key] = (piece.get_dtype(), list(piece.get_shape()))
             except Exception as exc:
                 raise LoadError(f"{path}: corrupt or truncated safetensors file: {exc}") from None
         steps, script = _steps(config_path, config.get("quantization_config"), headers)
@@ -107,8 +121,12 @@ def library_skeleton(folder: SaveDir) -> tuple[dict, nn.Module]:
     config_path = folder.path / CONFIG_FILE
     description = meta["model"]
     cls = lookup_model_class(description["library"], description["class"], config_path)
-    skeleton = _skeleton(cls, description["library"], description["config"], config_path,
-                         module_budget(len(headers)))
+    # zero-size tensors hold nothing: 400,000 of them must not let a configuration build 100,000 layers
+    budget = module_budget(sum(1 for _, shape in headers.info.values() if math.prod(shape) > 0))
+    from .preflight import check_shapes
+
+    check_shapes(cls, description["library"], description["config"], headers.info, config_path, budget)
+    skeleton = _skeleton(cls, description["library"], description["config"], config_path, budget)
     meta["tensors"]["aliases"] = _tied(skeleton, headers)
     return meta, skeleton
 
@@ -138,7 +156,7 @@ def _weight_files(folder: SaveDir, library: str) -> list[str]:
     raise LoadError(f"{directory}: no {single} (or {index}); only safetensors weights are loaded")
 
 
-def _steps(path: Path, quant: Any, headers: dict[str, Path]) -> tuple[list[dict], str]:
+def _steps(path: Path, quant: Any, headers: _Headers) -> tuple[list[dict], str]:
     """The ``quantize`` steps a bitsandbytes ``quantization_config`` stands for."""
     if quant is None:
         return [], ""
@@ -163,12 +181,13 @@ def _steps(path: Path, quant: Any, headers: dict[str, Path]) -> tuple[list[dict]
         if quant.get("bnb_4bit_quant_storage", "uint8") != "uint8":
             raise LoadError(f"{path}: bnb_4bit_quant_storage other than uint8 is not supported")
         layers, blocksizes, nested = [], set(), set()
-        for key in sorted(headers):
-            if key.endswith(_QUANT_STATE + mode):
-                layer, state = _four_bit_layer(key[: -len("." + _QUANT_STATE + mode)], key, headers)
-                layers.append(layer)
-                blocksizes.add(state["blocksize"])
-                nested.add("nested_blocksize" in state)
+        keys = [key for key in sorted(headers) if key.endswith(_QUANT_STATE + mode)]
+        states = _read_states(keys, headers)
+        for key in keys:
+            layer, state = _four_bit_layer(key[: -len("." + _QUANT_STATE + mode)], key, headers, states[key])
+            layers.append(layer)
+            blocksizes.add(state["blocksize"])
+            nested.add("nested_blocksize" in state)
         if len(blocksizes) > 1 or len(nested) > 1:
             raise LoadError(f"{path}: 4-bit layers with different block sizes or double quantization")
         options = {"compute": compute, "double_quant": bool(nested and nested.pop()),
@@ -187,18 +206,32 @@ def _steps(path: Path, quant: Any, headers: dict[str, Path]) -> tuple[list[dict]
     return [step], script
 
 
-def _shape(headers: dict[str, Path], key: str) -> tuple[str, list[int]]:
+def _shape(headers: _Headers, key: str) -> tuple[str, list[int]]:
+    return headers.info[key]
+
+
+def _read_states(keys: list[str], headers: _Headers) -> dict[str, Any]:
+    """The 4-bit quant-state tensors ``keys`` (checked small first), each file opened once."""
     from safetensors import safe_open
 
-    with safe_open(headers[key].source or str(headers[key]), framework="pt") as f:
-        piece = f.get_slice(key)
-        return piece.get_dtype(), list(piece.get_shape())
+    by_file: dict[Path, list[str]] = {}
+    for key in keys:
+        dtype, shape = _shape(headers, key)
+        if dtype != "U8" or len(shape) != 1 or shape[0] > _MAX_STATE_BYTES:
+            raise LoadError(f"{headers[key]}: '{key}' is not a bitsandbytes quant state")
+        by_file.setdefault(headers[key], []).append(key)
+    states = {}
+    for path, names in by_file.items():
+        with safe_open(path.source or str(path), framework="pt") as f:
+            for key in names:
+                states[key] = f.get_tensor(key)
+    return states
 
 
 _FLOAT = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 
-def _bias(path: str, headers: dict[str, Path]) -> str | None:
+def _bias(path: str, headers: _Headers) -> str | None:
     key = f"{path}.bias"
     if key not in headers:
         return None
@@ -208,7 +241,7 @@ def _bias(path: str, headers: dict[str, Path]) -> str | None:
     return _FLOAT[dtype]
 
 
-def _int8_layer(path: str, headers: dict[str, Path]) -> dict:
+def _int8_layer(path: str, headers: _Headers) -> dict:
     if f"{path}.weight" not in headers:
         raise LoadError(f"{headers[path + '.SCB']}: '{path}.SCB' without '{path}.weight'")
     dtype, shape = _shape(headers, f"{path}.weight")
@@ -218,18 +251,13 @@ def _int8_layer(path: str, headers: dict[str, Path]) -> dict:
             "source": "Linear"}
 
 
-def _four_bit_layer(path: str, key: str, headers: dict[str, Path]) -> tuple[dict, dict]:
-    from safetensors import safe_open
-
-    dtype, shape = _shape(headers, key)
-    if dtype != "U8" or len(shape) != 1 or shape[0] > _MAX_STATE_BYTES:
-        raise LoadError(f"{headers[key]}: '{key}' is not a bitsandbytes quant state")
-    with safe_open(headers[key].source or str(headers[key]), framework="pt") as f:
-        raw = f.get_tensor(key)
+def _four_bit_layer(path: str, key: str, headers: _Headers, raw: Any) -> tuple[dict, dict]:
     try:
         state = json.loads(bytes(raw.tolist()).decode("utf-8"))
     except (ValueError, UnicodeDecodeError):
         raise LoadError(f"{headers[key]}: '{key}' does not hold JSON") from None
+    except RecursionError:  # `[[[[...` thousands deep
+        raise LoadError(f"{headers[key]}: '{key}' is not a bitsandbytes quant state: nested too deeply") from None
     shape_ok = (isinstance(state, dict) and isinstance(state.get("shape"), list) and len(state["shape"]) == 2
                 and all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in state["shape"]))
     if not shape_ok or state.get("dtype") not in _FLOAT.values() or not isinstance(state.get("blocksize"), int):
