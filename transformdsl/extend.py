@@ -50,11 +50,14 @@ from .ir import Statement
 from .options import CommonOptions, NoOptions, option
 
 if TYPE_CHECKING:  # pragma: no cover  (the declarations import no torch: `check` validates without it)
+    from pathlib import Path
+
     from torch import nn
 
     from .edit import Edit
     from .history import AppliedStep
     from .interop.export import Exported
+    from .interop.imports import Headers
     from .tree import ModuleInfo, ModuleTree
 
 __all__ = ["ApplyContext", "CommonOptions", "LoadError", "NoOptions", "Transform", "TransformError", "option"]
@@ -109,6 +112,9 @@ class Transform:
     implementation: ClassVar[str | None] = None
     #: The runtime switches (:class:`transformdsl.switches.Switch`) this transform's modules read.
     switches: ClassVar[tuple] = ()
+    #: ``quant_method`` values of a library checkpoint's ``quantization_config`` whose layers this
+    #: transform rebuilds as its own (:meth:`import_checkpoint`): ``load(dir)`` reads such a checkpoint.
+    quant_methods: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, statement: Statement, options: Any, common: CommonOptions | None = None):
         self.statement = statement
@@ -209,6 +215,14 @@ class Transform:
         """Runs after the saved tensors are in place (e.g. to compile again)."""
 
     # ------------------------------------------------------------------ other formats
+
+    @classmethod
+    def import_checkpoint(cls, path: Path, quantization_config: dict, headers: Headers) -> tuple[list[dict], str]:
+        """The saved steps (as in ``transformdsl.json``) and the script a library checkpoint's
+        ``quantization_config`` (one of :attr:`quant_methods`) stands for, from its safetensors
+        ``headers`` (tensor name → file; ``headers.info``: name → (dtype, shape)); a
+        :class:`LoadError` when the checkpoint is not what the config says."""
+        raise LoadError(f"{path}: '{cls.key()}' reads no library checkpoint")
 
     @classmethod
     def export(cls, step: AppliedStep, out: Exported) -> None:

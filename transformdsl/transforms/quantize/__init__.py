@@ -79,6 +79,7 @@ class Quantize(Transform):
 
 
 class Int8Quantization(Quantize):
+    quant_methods = ("bitsandbytes",)  # a stock bitsandbytes checkpoint reads as this statement
     mode = "int8"
     summary = "bitsandbytes LLM.int8 (Linear8bitLt)"
     Options = Int8Options
@@ -98,6 +99,7 @@ class Int8Quantization(Quantize):
 
 
 class NF4Quantization(Quantize):
+    quant_methods = ("bitsandbytes",)  # a stock bitsandbytes checkpoint reads as this statement
     mode = "nf4"
     summary = "bitsandbytes 4-bit NormalFloat (Linear4bit)"
     Options = FourBitOptions
@@ -107,6 +109,7 @@ class NF4Quantization(Quantize):
 
 
 class FP4Quantization(Quantize):
+    quant_methods = ("bitsandbytes",)  # a stock bitsandbytes checkpoint reads as this statement
     mode = "fp4"
     summary = "bitsandbytes 4-bit float (Linear4bit)"
     Options = FourBitOptions

@@ -220,6 +220,12 @@ class QuantizeBehaviour:
 
         export_bitsandbytes(step, out)
 
+    @classmethod
+    def import_checkpoint(cls, path, quantization_config, headers):
+        from .imports import bitsandbytes_steps
+
+        return bitsandbytes_steps(path, quantization_config, headers)
+
     # -- loading ------------------------------------------------------------------
 
     @classmethod
