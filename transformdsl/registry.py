@@ -49,6 +49,8 @@ BUILTIN: dict[str, str] = {
     "quantize hqq": "transformdsl.transforms.quantize:HQQQuantization",
     "quantize int8": "transformdsl.transforms.quantize:Int8Quantization",
     "quantize nf4": "transformdsl.transforms.quantize:NF4Quantization",
+    "quantize int4": "transformdsl.transforms.quantize:Int4Quantization",
+    "quantize w8a8": "transformdsl.transforms.quantize:W8A8Quantization",
 }
 
 

@@ -127,6 +127,12 @@ def export(module: nn.Module, fmt: str) -> Exported:
                                      "or save with format='transformdsl'")
             fp8.append((where, step.record))
             quantized.update(step.record["layers"])
+        elif step.key in ("quantize w8a8", "quantize int4"):
+            raise TransformError(f"format={fmt!r} cannot carry {where}: the stock equivalent is transformers' "
+                                 "torchao quantization_config, whose checkpoints hold torchao tensor subclasses "
+                                 "(Int8Tensor/Int4Tensor, flattened with torchao-specific metadata and a packed "
+                                 "layout that loads only with torchao installed) and diffusers has no loader for "
+                                 "them; save with format='transformdsl' (plain int8/uint8 tensors)")
         elif step.key == "quantize hqq":
             raise TransformError(f"format={fmt!r} cannot carry {where}: transformers 5.24 cannot load HQQ "
                                  "checkpoints (its HQQ quantizer raises NotImplementedError) and diffusers has no "
