@@ -39,6 +39,7 @@ GROUP = "transformdsl.transforms"
 BUILTIN: dict[str, str] = {
     "compile": "transformdsl.transforms.compile:WholeCompile",
     "compile regional": "transformdsl.transforms.compile:RegionalCompile",
+    "fp8 dynamic": "transformdsl.transforms.fp8:FP8Dynamic",
     "fp8 native": "transformdsl.transforms.fp8:FP8Native",
     "fp8 storage": "transformdsl.transforms.fp8:FP8Storage",
     "fuse bias_act_dropout": "transformdsl.transforms.elementwise:BiasActDropout",

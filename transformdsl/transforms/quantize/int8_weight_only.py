@@ -157,7 +157,8 @@ class Int8WeightOnlyLinear(StoredWeight):
         if scale.dtype != x.dtype:
             scale = scale.to(x.dtype)  # out-features values only
         if (self.packed_kernel and x.dtype == torch.bfloat16 and x.device.type == "cpu"
-                and x.numel() <= PACKED_MAX_ROWS * self.in_features):
+                and x.numel() <= PACKED_MAX_ROWS * self.in_features
+                and not (torch.is_grad_enabled() and x.requires_grad)):  # the kernel has no derivative
             # decoding: int8 weights read once, no float copy (the scales are applied by the kernel)
             out = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.int8_weight, scale)
             out = out.reshape(*x.shape[:-1], self.out_features)
