@@ -128,11 +128,14 @@ def export(module: nn.Module, fmt: str) -> Exported:
             fp8.append((where, step.record))
             quantized.update(step.record["layers"])
         elif step.key in ("quantize w8a8", "quantize int4"):
-            raise TransformError(f"format={fmt!r} cannot carry {where}: the stock equivalent is transformers' "
-                                 "torchao quantization_config, whose checkpoints hold torchao tensor subclasses "
-                                 "(Int8Tensor/Int4Tensor, flattened with torchao-specific metadata and a packed "
-                                 "layout that loads only with torchao installed) and diffusers has no loader for "
-                                 "them; save with format='transformdsl' (plain int8/uint8 tensors)")
+            stock = ("diffusers' equivalent is its TorchAoConfig, whose checkpoints are pickled torchao tensor "
+                     "subclasses (safe_serialization=False), which a safe load never unpickles"
+                     if library == "diffusers" else
+                     "transformers' equivalent is its torchao quantization_config, whose checkpoints hold torchao "
+                     "tensor subclasses (Int8Tensor/Int4Tensor, flattened with torchao-specific metadata and a "
+                     "device-packed layout) that load only with torchao installed")
+            raise TransformError(f"format={fmt!r} cannot carry {where}: {stock}; save with "
+                                 "format='transformdsl' (plain int8/uint8 tensors, any device)")
         elif step.key == "quantize hqq":
             raise TransformError(f"format={fmt!r} cannot carry {where}: transformers 5.24 cannot load HQQ "
                                  "checkpoints (its HQQ quantizer raises NotImplementedError) and diffusers has no "
