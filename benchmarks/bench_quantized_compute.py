@@ -19,7 +19,9 @@ one right after the other).
 - **whole models**: medium Flux (width 768, 1024 image + 128 text tokens) with ``quantize w8a8``;
   a Llama-shaped LM at Llama-7B's width (one decoder layer, 4096/11008, 32 heads, vocabulary
   4096 so the decoder layer dominates): prefill of 512 tokens and decode of one token with a KV
-  cache of 512, each mode ÷ fp32 / bf16 / torchao, and decode ÷ the floor.
+  cache of 512, each mode ÷ fp32 / bf16 / torchao, and decode ÷ the floor.  torchao quantizes the
+  same layers as ours (``quantize_`` with a ``filter_fn`` of the plan's targets: ``quantize``'s default
+  exclusions, e.g. ``lm_head`` and Flux's embedders, norms and ``proj_out``, stay float on both sides).
 
 Memory bandwidth: the best of several single-thread sums over a 1 GiB float32 tensor
 (``torch.empty(1 << 28).sum()``), the read a decode step does.
@@ -107,10 +109,18 @@ def ours(module: nn.Module, script: str) -> nn.Module:
     return transformdsl.transform(copy.deepcopy(module), script)
 
 
-def by_torchao(module: nn.Module, config) -> nn.Module:
+def by_torchao(module: nn.Module, config, script: str | None = None) -> nn.Module:
+    """torchao's ``quantize_`` on a copy: on the layers ``script`` would quantize (the same layers,
+    so that times and errors compare the schemes), or on every Linear (its default)."""
+    import transformdsl
+
     q = torchao()
     model = copy.deepcopy(module)
-    q.quantize_(model, config)
+    if script is None:
+        q.quantize_(model, config)
+    else:
+        targets = set(transformdsl.plan(module, script).steps[0].targets)
+        q.quantize_(model, config, filter_fn=lambda m, fqn: fqn in targets)
     return model
 
 
@@ -233,7 +243,7 @@ def flux_model(rounds: int) -> dict:
     ways = {"fp32": lambda: model(**inputs)[0], "bf16": lambda: bf16(**inputs_bf)[0],
             "w8a8": lambda: w8a8(**inputs)[0]}
     if q is not None:
-        tao = by_torchao(model, q.Int8DynamicActivationInt8WeightConfig())
+        tao = by_torchao(model, q.Int8DynamicActivationInt8WeightConfig(), "quantize w8a8")
         ways["torchao"] = lambda: tao(**inputs)[0]
     t = race(ways, rounds)
     with torch.inference_mode():
@@ -264,8 +274,9 @@ def llama(rounds: int, bytes_per_s: float) -> list[dict]:
               "int8 weight-only": ours(bf16, "quantize int8 weight_only=true"),
               "int4": ours(bf16, "quantize int4 group_size=128")}
     if q is not None:
-        models["torchao w8a8"] = by_torchao(fp32, q.Int8DynamicActivationInt8WeightConfig())
-        models["torchao int8 weight-only"] = by_torchao(bf16, q.Int8WeightOnlyConfig())
+        models["torchao w8a8"] = by_torchao(fp32, q.Int8DynamicActivationInt8WeightConfig(), "quantize w8a8")
+        models["torchao int8 weight-only"] = by_torchao(bf16, q.Int8WeightOnlyConfig(),
+                                                        "quantize int8 weight_only=true")
 
     def prefill(model):
         return lambda: model(prompt, use_cache=False).logits

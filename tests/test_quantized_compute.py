@@ -178,6 +178,14 @@ def test_w8a8_composes_with_fuse_qkv_and_whole_compile(tmp_path):
     assert max_error(models.run(compiled), fused) < 1e-5
 
 
+def test_int4_compiles_whole_with_its_packed_layout():
+    model = models.tiny_llama()
+    transformdsl.transform(model, "quantize int4 group_size=32")
+    compiled = models.tiny_llama()
+    transformdsl.transform(compiled, "quantize int4 group_size=32; compile fullgraph=true")
+    assert max_error(models.run(compiled), models.run(model)) < 1e-5
+
+
 def test_w8a8_composes_with_regional_compile():
     model = models.tiny_flux()
     transformdsl.transform(model, "quantize w8a8")
@@ -248,3 +256,13 @@ def test_transformers_format_is_refused_naming_the_reason(script, tmp_path):
     with pytest.raises(TransformError, match="torchao"):
         transformdsl.save(model, tmp_path / "out", format="transformers")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_w8a8_and_int4_run_within_bound():  # pragma: no cover  (no GPU on the CPU machines)
+    for script in SCRIPTS:
+        model = models.tiny_llama().to("cuda")
+        reference = models.run(model)
+        transformdsl.transform(model, script)
+        bound = declaration(" ".join(script.split()[:2])).error_bound
+        assert max_error(models.run(model), reference) < bound
