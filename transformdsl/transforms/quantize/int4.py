@@ -165,7 +165,7 @@ class Int4WeightOnlyLinear(StoredWeight):
         layout = self._layout
         if not torch.compiler.is_compiling() and layout.source is not self._buffers["weight"]:
             self.repack()  # the stored tensors were replaced (a loader that assigns them directly)
-        x = input.reshape(-1, self.in_features).to(self.compute)
+        x = input.reshape(-1, self.in_features).to(self.compute).contiguous()  # the packed kernel's rule
         if layout.weight is not None and x.device.type == "cpu":
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, layout.weight, self.group_size,
                                                               layout.scales_and_zeros)

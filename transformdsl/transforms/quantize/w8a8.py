@@ -43,9 +43,9 @@ def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     [[64, -127], [0, 0]]
     """
     x32 = x.float()
-    scale = x32.abs().amax(dim=1, keepdim=True).clamp(min=_TINY) / QMAX
-    values = torch.round(x32 / scale).clamp(-QMAX, QMAX).to(torch.int8)
-    return values, scale
+    scale = x32.abs().amax(dim=1, keepdim=True).clamp_(min=_TINY).div_(QMAX)
+    values = torch.div(x32, scale)  # a new tensor: rounded and clamped in place (no more full-size temporaries)
+    return values.round_().clamp_(-QMAX, QMAX).to(torch.int8), scale
 
 
 def cpu_kernel() -> str:
@@ -75,12 +75,12 @@ class Int8DynamicLinear(Int8WeightOnlyLinear):
         weight = self.int8_weight
         device = x.device.type
         if (device == "cpu" and self.cpu_kernel == "int_mm") or (device == "cuda" and x.shape[0] > CUDA_MIN_ROWS):
-            accumulated = torch._int_mm(values, weight.t()).float()
+            accumulated = torch._int_mm(values, weight.t()).float()  # int32 -> a new float32 tensor
         else:  # int8 values multiplied in float32: same sums, no int8 kernel needed
             accumulated = int8_linear(values.float(), weight)
-        out = accumulated * x_scale * self.weight_scale
+        out = accumulated.mul_(x_scale).mul_(self.weight_scale)  # in place: the output is the one large tensor
         if self.bias is not None:
-            out = out + self.bias.float()
+            out.add_(self.bias)
         return out.to(input.dtype).reshape(*input.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
