@@ -23,6 +23,18 @@ from .quantization import QuantizeBehaviour, _size, linear_dims, targets_device_
 W8A8_MIN_IN = 16
 
 
+def refuse_export(step, out) -> None:
+    """``w8a8`` and ``int4`` in a library's layout: refused, naming the library's torchao format."""
+    if out.library == "diffusers":
+        why = ("diffusers' equivalent is its TorchAoConfig, whose checkpoints are pickled torchao tensor "
+               "subclasses (safe_serialization=False), which a safe load never unpickles")
+    else:
+        why = ("transformers' equivalent is its torchao quantization_config, whose checkpoints hold torchao "
+               "tensor subclasses (Int8Tensor/Int4Tensor, flattened with torchao-specific metadata and a "
+               "device-packed layout) that load only with torchao installed")
+    raise out.refuse(step, why, "save with format='transformdsl' (plain int8/uint8 tensors, any device)")
+
+
 def _target_dtypes(tree: ModuleTree, targets: list[str]) -> set[str]:
     return {str(tree[p].facts.get("dtype", "torch.float32")).removeprefix("torch.") for p in targets}
 
@@ -48,6 +60,10 @@ class W8A8Quantization(QuantizeBehaviour, W8A8Declaration):
 
         device = targets_device_type(tree, targets)
         return w8a8_note(device) if device else None
+
+    @classmethod
+    def export(cls, step, out) -> None:
+        refuse_export(step, out)
 
     @classmethod
     def backend(cls, options):
@@ -93,6 +109,10 @@ class Int4Quantization(QuantizeBehaviour, Int4Declaration):
             return ("on CUDA these layers dequantize their weight at every call (the tinygemm int4 kernel, "
                     "aten._weight_int4pack_mm, is not wired here yet)")
         return weight_only_note(device, _target_dtypes(tree, targets), 4)
+
+    @classmethod
+    def export(cls, step, out) -> None:
+        refuse_export(step, out)
 
     @classmethod
     def backend(cls, options):
