@@ -73,3 +73,14 @@ def test_on_a_gpu_with_fp8_matmul():  # pragma: no cover  (no such device on the
     transformdsl.transform(model, "fp8 dynamic scaling=row")
     assert transformdsl.plan(models.tiny_llama().to("cuda", torch.bfloat16), "fp8 dynamic").steps[0].device_note is None
     assert max_error(models.run(model), reference) < declaration("fp8 dynamic").error_bound
+
+
+def test_transformers_format_carries_it_as_fp8_native(tmp_path):
+    import json
+
+    model = models.tiny_llama().to(torch.bfloat16)
+    with CPU_SCALED_MM.turned(True):
+        transformdsl.transform(model, "fp8 dynamic scaling=row")
+    transformdsl.save(model, tmp_path / "out", format="transformers")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "fp8" and config["activation_scheme"] == "dynamic"
