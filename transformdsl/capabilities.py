@@ -269,15 +269,18 @@ def int8_note(device_type: str) -> str | None:
 
 
 def w8a8_note(device_type: str) -> str | None:
-    """What ``quantize w8a8`` costs on ``device_type`` where it has no fast int8 matmul, or None."""
+    """What ``quantize w8a8`` costs on ``device_type`` where it has no fast int8 matmul, or None.
+
+    The figures: ``benchmarks/bench_quantized_compute.py`` on an AMD EPYC with avx512_vnni (square
+    layers of width 3072-4096, 512 tokens, one thread), the fallback measured there with the int8
+    dot-product flags hidden."""
     if device_type != "cpu" or w8a8_kernel("cpu") == "int_mm":
         return None
     return ("this CPU has no int8 dot-product instructions (avx512_vnni, avx_vnni, amx_int8): torch._int_mm "
             "runs ~35× slower than fp32 on such a CPU, so these layers multiply their int8 values in float32 "
-            "(same results up to float rounding) and cost about the float layer plus quantizing the "
-            "activations (measured 1.0-1.5× fp32 per layer: benchmarks/results/quantized_compute.md); "
-            "'quantize int8 weight_only=true' keeps the same int8 weights with less error, and on a CPU "
-            "with VNNI/AMX these layers run ~0.2-0.5× fp32")
+            "(same results up to float rounding), measured 1.0-1.6× the fp32 layer; 'quantize int8 "
+            "weight_only=true' keeps the same int8 weights with less error; with VNNI/AMX these layers ran "
+            "0.13-0.17× fp32 (benchmarks/results/quantized_compute.md, width 3072-4096, 512 tokens)")
 
 
 def weight_only_note(device_type: str, dtypes: set[str], bits: int) -> str | None:
