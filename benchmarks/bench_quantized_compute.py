@@ -126,14 +126,23 @@ def by_torchao(module: nn.Module, config, script: str | None = None) -> nn.Modul
 
 def weight_bytes(module: nn.Module, skip: tuple[str, ...] = ()) -> int:
     """Bytes a forward reads of the module's stored tensors (each storage once)."""
+    def size(tensor: torch.Tensor) -> int:
+        if type(tensor) is not torch.Tensor and hasattr(tensor, "__tensor_flatten__"):  # torchao's subclasses
+            names, _ = tensor.__tensor_flatten__()
+            return sum(size(getattr(tensor, n)) for n in names)
+        return tensor.numel() * tensor.element_size()
+
     seen, total = set(), 0
     for name, tensor in module.state_dict().items():
         if any(s in name for s in skip) or not isinstance(tensor, torch.Tensor):
             continue
-        key = (tensor.untyped_storage().data_ptr(), tensor.dtype)
+        try:
+            key = (tensor.untyped_storage().data_ptr(), tensor.dtype)
+        except RuntimeError:  # a tensor subclass without storage of its own
+            key = (id(tensor), None)
         if key not in seen:
             seen.add(key)
-            total += tensor.numel() * tensor.element_size()
+            total += size(tensor)
     return total
 
 
