@@ -90,12 +90,13 @@ class Transform:
     changes_weights: ClassVar[bool] = True
     #: Whether a plan with this transform needs a statement ``in`` clause.
     requires_scope: ClassVar[bool] = False
-    #: The most the transform may change the model's output on its sample input, as a
-    #: relative error ``max|after - before| / max|before|`` (spec.md "Errors", checked by
-    #: ``transform(..., verify=True)``).  ``0.0``: exact up to float rounding (the default:
-    #: a lossy transform must say how lossy); ``None``: no bound.  A transform whose bound
+    #: The most the transform may change the model's output (spec.md "Numerical guard", checked by
+    #: ``transform(..., verify=True)``): a mapping metric -> bound (``kl``, ``top1``, ``rms``,
+    #: ``max``: :mod:`transformdsl.verification`), or a number: a bound on the relative RMS error
+    #: ``‖after - before‖ / ‖before‖``.  ``0.0``: exact up to float rounding in every metric (the
+    #: default: a lossy transform must say how lossy); ``None``: no bound.  A transform whose bound
     #: depends on its options defines ``error_bound`` as a property instead.
-    error_bound: ClassVar[float | None] = 0.0
+    error_bound: ClassVar[float | dict[str, float] | None] = 0.0
     #: Number fields of the record that add up over parts of the targets (:meth:`merge_records`).
     summed_record_fields: ClassVar[tuple[str, ...]] = ()
     #: Version of the record :meth:`apply` returns, saved beside it; bump it when the record's layout

@@ -25,7 +25,7 @@ from .parser import make_selector, parse, parse_file
 from .regexes import SelectorTooSlow, regex_budget
 from .registry import key_matches
 from .selectors import matches, select, suggestions, topmost
-from .tree import ModuleTree, below_any, parameter_bytes
+from .tree import WEIGHTS_PENDING, ModuleTree, below_any, is_skeleton, parameter_bytes
 from .validate import ValidatedScript, validate
 
 #: Pipeline components that hold the denoiser, in the order they are looked for.
@@ -134,6 +134,10 @@ class Plan:
     components: dict[str, str]
     module_count: int
     total_bytes: int
+    #: Component (``""`` for a plain module) -> the floating dtype holding most of its parameters.
+    dtypes: dict[str, str] = field(default_factory=dict)
+    #: Components whose weights are all on the meta device (none loaded): planned as they will be.
+    skeletons: list[str] = field(default_factory=list)
 
     def __iter__(self):
         return iter(self.steps)
@@ -147,6 +151,8 @@ class Plan:
             "components": self.components,
             "modules": self.module_count,
             "bytes": self.total_bytes,
+            "dtypes": self.dtypes,
+            "skeletons": self.skeletons,
             "steps": [s.to_json(self.script.source) for s in self.steps],
         }
 
@@ -156,15 +162,21 @@ class Plan:
         return render_plan(self)
 
 
-def plan(model: Any, script: str | Path | Script | ValidatedScript) -> Plan:
+def plan(model: Any, script: str | Path | Script | ValidatedScript, *, component: str | None = None) -> Plan:
     """Validate ``script`` and resolve it against ``model`` (an ``nn.Module`` or a pipeline).
+
+    ``component``: ``model`` is that component of a pipeline, planned alone (``convert`` streams
+    one component per run): statements with ``component=`` that name it apply to it, those that
+    name another are problems saying how to convert that one.
 
     Raises :class:`ScriptError` for any problem: invalid script, a selector that matches
     nothing (with the nearest names), two statements changing the same module in ways
     that exclude each other, options that do not suit a selected module.
     """
     validated = script if isinstance(script, ValidatedScript) else validate(load_script(script))
-    return Planner(model, validated).run()
+    planner = Planner(model, validated)
+    planner.component_name = component if isinstance(model, nn.Module) else None
+    return planner.run()
 
 
 #: Selectors matching nothing for which the plan looks up the nearest names.
@@ -187,6 +199,8 @@ class Planner:
         self.claims: dict[tuple[str, str], dict[str, Step]] = {}
         #: Selectors that matched nothing so far (nearest names are looked for the first few).
         self.suggested = 0
+        #: The pipeline component ``model`` is, when it is planned alone (:func:`plan`'s ``component``).
+        self.component_name: str | None = None
 
     def tree(self, component: str) -> ModuleTree:
         if component not in self.trees:
@@ -199,6 +213,8 @@ class Planner:
         with regex_budget():
             for transform in self.validated.steps:
                 component = transform.common.component or default
+                if component == self.component_name:
+                    component = ""
                 if component not in self.components:
                     self._component_problem(transform, component)
                     continue
@@ -219,13 +235,24 @@ class Planner:
                            for n, m in self.components.items())
         total = sum(self.trees[n].total_bytes if n in self.trees else parameter_bytes(m)
                     for n, m in self.components.items())
+        from .dtypes import model_dtypes
+
+        skeletons = [name for name, m in self.components.items()
+                     if not m.__dict__.get(WEIGHTS_PENDING) and is_skeleton(m)]
         return Plan(self.script, steps, type(self.model).__name__,
-                    {name: type(m).__name__ for name, m in self.components.items()}, module_count, total)
+                    {name: type(m).__name__ for name, m in self.components.items()}, module_count, total,
+                    model_dtypes(self.model), skeletons)
 
     def _component_problem(self, transform: Transform, component: str) -> None:
         statement = transform.statement
         span = next((o.span for o in statement.options if o.name == "component"), statement.span)
-        if isinstance(self.model, nn.Module):
+        if self.component_name is not None:
+            self.problems.append(Problem(
+                f"component={component}: convert streams one pipeline component per run, and this run converts "
+                f"'{self.component_name}'", [span],
+                hint=f"convert {component} in a run of its own: --component {component}, with a script of its "
+                     f"statements"))
+        elif isinstance(self.model, nn.Module):
             self.problems.append(Problem("component= applies to pipelines; this model is a single module",
                                          [span]))
         else:

@@ -19,6 +19,17 @@ def _interop_summary(value: Any) -> dict | None:
     return summary(value)
 
 
+def _with_needs(interop: dict | None, steps: list[dict]) -> dict | None:
+    """The summary, with what the stock loader needs (``"stock_needs"``) where it needs more than the library."""
+    from ..interop import stock_needs
+
+    if interop and interop.get("format"):
+        needs = stock_needs(interop["format"], [s.get("key") for s in steps])
+        if needs:
+            return {**interop, "stock_needs": needs}
+    return interop
+
+
 def inspect(directory: str | os.PathLike) -> dict:
     """What a saved model contains, from headers only (no tensor data is read).
 
@@ -82,5 +93,6 @@ def _inspect(folder: SaveDir) -> dict:
         "files": meta["tensors"]["files"],
         "tensors": by_dtype,
         "versions": meta.get("versions", {}),
-        **({"interop": _interop_summary(meta.get("interop"))} if meta.get("interop") is not None else {}),
+        **({"interop": _with_needs(_interop_summary(meta.get("interop")), meta["steps"])}
+           if meta.get("interop") is not None else {}),
     }

@@ -471,8 +471,10 @@ def assign_tensors(skeleton: nn.Module, tensors: dict[str, torch.Tensor], meta: 
         # any other dtype difference (int8, float8, packed data) is not.
         same_kind = got.dtype == want.dtype or (got.dtype in _PRECISIONS and want.dtype in _PRECISIONS)
         if tuple(got.shape) != tuple(want.shape) or not same_kind:
+            # a float precision is the file's to choose: the expectation is said in the file's own
+            expects = _describe(want, got.dtype if same_kind else None)
             raise LoadError(f"{directory}: tensor '{key}' is {_describe(got)} in the file but the model expects "
-                            f"{_describe(want)}; was it saved from another model?")
+                            f"{expects}; was it saved from another model?")
     state = {k: v for k, v in tensors.items() if k not in nonpersistent}
     try:
         _load_assigned(skeleton, state, strict=only is None)
@@ -566,6 +568,6 @@ def _owner(root: nn.Module, name: str) -> tuple[nn.Module, str]:
 _PRECISIONS = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _describe(tensor: torch.Tensor) -> str:
-    dtype = str(tensor.dtype).removeprefix("torch.")
+def _describe(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> str:
+    dtype = str(dtype or tensor.dtype).removeprefix("torch.")
     return f"{dtype}{list(tensor.shape)}"
