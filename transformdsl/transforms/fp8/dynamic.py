@@ -11,10 +11,23 @@ from __future__ import annotations
 from ...extend import ApplyContext
 from ...tree import ModuleInfo, ModuleTree
 from . import FP8Dynamic as DynamicDeclaration
-from .apply import FP8Native, _dtype_name, _model_device
+from .apply import FP8Native
 from .cuda import device_fp8_problem, native_layer_problems
 from .layers import FP8Linear
 from .numerics import NATIVE_DTYPE
+
+
+def _device(tree: ModuleTree, targets: list[str]):
+    """The device the targets' weights are on (weights still to be read, as ``convert`` plans them,
+    are read to the CPU); None when unknown.  As ``fp8 native`` finds it."""
+    import torch
+
+    for path in [*targets, ""]:
+        info = tree.get(path)
+        module = info.module if info is not None else None
+        for tensor in (module.parameters() if module is not None else ()):
+            return torch.device("cpu") if tensor.is_meta and tree.weights_pending else tensor.device
+    return None
 
 
 class FP8Dynamic(FP8Native, DynamicDeclaration):
@@ -28,7 +41,7 @@ class FP8Dynamic(FP8Native, DynamicDeclaration):
         return reason
 
     def check(self, info: ModuleInfo, tree: ModuleTree) -> str | None:
-        device = _model_device(tree, [info.path])
+        device = _device(tree, [info.path])
         if device is None or device.type == "meta":
             return None
         problem = device_fp8_problem(device)
@@ -43,7 +56,7 @@ class FP8Dynamic(FP8Native, DynamicDeclaration):
         return [n for n in super().notes(tree, targets) if "stored in fp8 with upcast" not in n]
 
     def device_note(self, tree: ModuleTree, targets: list[str]) -> str | None:
-        device = _model_device(tree, targets)
+        device = _device(tree, targets)
         if device is not None and device.type == "cpu":  # only reachable with CPU_SCALED_MM on
             return ("CPU_SCALED_MM is on: these layers run torch._scaled_mm's CPU reference, the code path a GPU "
                     "takes, several times slower than a float matmul (for testing, not speed)")
@@ -60,6 +73,6 @@ class FP8Dynamic(FP8Native, DynamicDeclaration):
             new = FP8Linear.from_linear(old, NATIVE_DTYPE, self.compute, native=True,
                                         scaling=self.options.scaling, strict=True)
             ctx.edit.replace(ctx.root, path, new)
-            layers[path] = {"kind": "linear", "native": True, "weight_dtype": _dtype_name(old.weight.dtype)}
+            layers[path] = {"kind": "linear", "native": True, "weight_dtype": str(old.weight.dtype).removeprefix("torch.")}
         return {"format": 1, "scaling": self.options.scaling, "compute": self.options.compute,
                 "strict": True, "layers": layers}

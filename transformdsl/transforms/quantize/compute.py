@@ -17,7 +17,7 @@ from ...options import DTYPES
 from ...tree import ModuleInfo, ModuleTree
 from . import Int4Quantization as Int4Declaration
 from . import W8A8Quantization as W8A8Declaration
-from .quantization import QuantizeBehaviour, _size, linear_dims, targets_device_type
+from .quantization import QuantizeBehaviour, linear_dims, targets_device_type
 
 #: Smallest ``in_features`` ``w8a8`` quantizes.
 W8A8_MIN_IN = 16
@@ -77,7 +77,7 @@ class W8A8Quantization(QuantizeBehaviour, W8A8Declaration):
 
     @classmethod
     def estimate_bytes(cls, options, in_features, out_features, bias, dtype):
-        return in_features * out_features + 4 * out_features + (out_features * _size(dtype) if bias else 0)
+        return in_features * out_features + 4 * out_features + (out_features * dtype.itemsize if bias else 0)
 
 
 class Int4Quantization(QuantizeBehaviour, Int4Declaration):
@@ -128,4 +128,4 @@ class Int4Quantization(QuantizeBehaviour, Int4Declaration):
     def estimate_bytes(cls, options, in_features, out_features, bias, dtype):
         groups = in_features // options.group_size
         return (in_features * out_features // 2 + 2 * 2 * groups * out_features
-                + (out_features * _size(dtype) if bias else 0))
+                + (out_features * dtype.itemsize if bias else 0))
