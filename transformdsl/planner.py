@@ -358,8 +358,12 @@ class Planner:
                 continue
             step.targets.append(path)
         if errors:
-            shown = "; ".join(f"{p or '<root>'}: {e}" for p, e in errors[:5])
-            more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
+            by_error: dict[str, list[str]] = {}  # one device problem is said once, not per module
+            for p, e in errors:
+                by_error.setdefault(e, []).append(p or "<root>")
+            shown = "; ".join(", ".join(ps[:2]) + (f" (+{len(ps) - 2})" if len(ps) > 2 else "") + f": {e}"
+                              for e, ps in list(by_error.items())[:5])
+            more = f" (and {len(by_error) - 5} more)" if len(by_error) > 5 else ""
             problem = Problem(f"'{statement.key}' cannot transform {len(errors)} selected "
                               f"module(s): {shown}{more}", [statement.span],
                               hint="exclude them with 'except' or change the options")

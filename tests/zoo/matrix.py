@@ -59,6 +59,8 @@ SCRIPTS = {
     "quantize hqq auto": "quantize hqq group_size=auto",  # the tiny models' layers are narrower than 64
     "fp8 storage": "fp8 storage",
     "fp8 native": "fp8 native",
+    "quantize w8a8": "quantize w8a8",
+    "quantize int4": "quantize int4 group_size=32",  # the smallest group: the tiny models' layers are narrow
     "fuse qkv; quantize int8": "fuse qkv; quantize int8",
     "fuse bias_act_dropout": "fuse bias_act_dropout kernel=eager",
     "fuse bias_dropout_residual": "fuse bias_dropout_residual kernel=eager",
