@@ -165,11 +165,11 @@ def layers_prefill(rounds: int) -> list[dict]:
             fallback = ours(nn.Sequential(linear), "quantize w8a8")
         inp = torch.randn(PREFILL, width)
         inp_bf = inp.bfloat16()
-        ways = {"fp32": lambda: linear(inp), "bf16": lambda: bf16(inp_bf), "w8a8": lambda: w8a8(inp),
-                "w8a8 fallback": lambda: fallback(inp)}
+        ways = {"fp32": lambda: linear(inp), "bf16": lambda: bf16(inp_bf), "w8a8": lambda: w8a8(inp),  # noqa: B023 (called at once, in this iteration)
+                "w8a8 fallback": lambda: fallback(inp)}  # noqa: B023 (called at once, in this iteration)
         if q is not None:
             tao = by_torchao(nn.Sequential(linear), q.Int8DynamicActivationInt8WeightConfig())
-            ways["torchao"] = lambda: tao(inp)
+            ways["torchao"] = lambda: tao(inp)  # noqa: B023 (called at once, in this iteration)
         t = race(ways, rounds)
         with torch.inference_mode():
             ref = linear(inp)
@@ -196,11 +196,11 @@ def layers_decode(rounds: int, bytes_per_s: float) -> list[dict]:
         int4 = ours(nn.Sequential(bf16), "quantize int4 group_size=128")
         inp = torch.randn(1, width)
         inp_bf = inp.bfloat16()
-        ways = {"fp32": lambda: linear(inp), "bf16": lambda: bf16(inp_bf), "int8": lambda: int8(inp_bf),
-                "int4": lambda: int4(inp_bf)}
+        ways = {"fp32": lambda: linear(inp), "bf16": lambda: bf16(inp_bf), "int8": lambda: int8(inp_bf),  # noqa: B023 (called at once, in this iteration)
+                "int4": lambda: int4(inp_bf)}  # noqa: B023 (called at once, in this iteration)
         if q is not None:
             tao8 = by_torchao(nn.Sequential(bf16), q.Int8WeightOnlyConfig())
-            ways["torchao int8"] = lambda: tao8(inp_bf)
+            ways["torchao int8"] = lambda: tao8(inp_bf)  # noqa: B023 (called at once, in this iteration)
         t = race(ways, rounds)
         floor8 = weight_bytes(int8) / bytes_per_s
         floor4 = weight_bytes(int4) / bytes_per_s
@@ -224,8 +224,8 @@ def crossover(rounds: int) -> list[dict]:
         scale = layer.weight_scale.bfloat16()
         for tokens in (1, 2, 4, 8, 16, 32):
             inp = torch.randn(tokens, width, dtype=torch.bfloat16)
-            t = race({"packed": lambda: torch.ops.aten._weight_int8pack_mm(inp, layer.int8_weight, scale),
-                      "blocked": lambda: int8_linear(inp, layer.int8_weight) * scale}, rounds)
+            t = race({"packed": lambda: torch.ops.aten._weight_int8pack_mm(inp, layer.int8_weight, scale),  # noqa: B023 (called at once, in this iteration)
+                      "blocked": lambda: int8_linear(inp, layer.int8_weight) * scale}, rounds)  # noqa: B023 (called at once, in this iteration)
             rows.append({"width": width, "tokens": tokens, "packed ms": t["packed"] * 1e3,
                          "blocked ms": t["blocked"] * 1e3, "packed ÷ blocked": t["packed"] / t["blocked"]})
             print(rows[-1], flush=True)
