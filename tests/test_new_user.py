@@ -180,7 +180,7 @@ def test_apply_verify_checks_before_compiling_and_compiles_nothing(capsys, tmp_p
     assert status == 0, out
     assert counters["frames"]["total"] == frames  # nothing was compiled during apply
     lines = [line for line in out.splitlines() if line.startswith(("line ", "verify:"))]
-    assert lines[1].startswith("verify: relative error ")
+    assert lines[1].startswith("verify: kl ")  # GPT-2's logits: KL per token (spec.md "Numerical guard")
     assert lines[1].endswith("(checked before compile: it changes no weight, and would compile every sample)")
     assert lines[2].startswith("line 2: compile fullgraph=false")
 
@@ -257,7 +257,7 @@ def test_apply_verify_on_a_saved_vision_model(capsys, tmp_path):
     script.write_text("quantize int8\n")
     status, out, err = cli(capsys, "apply", script, "--model", tmp_path / "vit", "--verify")
     assert status == 0, err
-    assert "verify: relative error" in out and "within the bound" in out
+    assert "verify: rms " in out and "within the bound" in out  # ViTModel's hidden states: relative RMS
 
 
 def test_apply_verify_on_a_model_without_sample_inputs_says_why_before_anything_runs(capsys, tmp_path):

@@ -87,7 +87,7 @@ def cmd_apply(args) -> int:
     from .planner import plan
 
     model = _model(args.model, args.dtype)
-    if args.verify:
+    if args.verify or args.verify_with is not None:
         _check_verify(model)
     script = _read_script(args.file)
     the_plan = plan(model, script)
@@ -102,7 +102,7 @@ def cmd_apply(args) -> int:
         warnings.simplefilter("always", NothingToDoWarning)
         try:
             transform(model, the_plan, progress=not args.quiet and sys.stderr.isatty(),
-                      log=None if args.quiet else print, verify=args.verify, strict=args.strict)
+                      log=None if args.quiet else print, verify=_verify_arg(args), strict=args.strict)
         except TransformError as exc:
             raise TransformError(_cli_words(str(exc))) from exc
     for warning in caught:
@@ -149,6 +149,15 @@ def _byte_count(text: str) -> int:
     if upper.isdigit():
         return int(upper)
     raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 5GB, 500MB)")
+
+
+def _verify_arg(args) -> object:
+    """``transform``'s ``verify=`` from ``--verify`` and ``--verify-with``."""
+    if args.verify_with is not None:
+        from .verification import parse_cli
+
+        return parse_cli(args.verify_with)
+    return args.verify
 
 
 def _cli_words(message: str) -> str:
@@ -333,7 +342,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "loads without transformdsl (spec.md 'Interchange')")
     p.add_argument("--verify", action="store_true",
                    help="compare the model's output on a sample input before and after; fail (and leave the "
-                        "model unchanged) if it moved beyond the script's error bound")
+                        "model unchanged) if it moved beyond the script's error bound (per-token KL for "
+                        "logits, relative RMS otherwise)")
+    p.add_argument("--verify-with", metavar="CHECK",
+                   help="--verify with another metric or bound: a metric (kl, top1, rms, max), a bound on the "
+                        "default metric (0.05), or both (kl=0.05)")
     p.add_argument("--strict", action="store_true",
                    help="fail, changing nothing, if a statement would change no module (else a warning)")
     p.add_argument("-q", "--quiet", action="store_true",

@@ -22,7 +22,7 @@ from .extend import Transform
 from .hints import candidates_for, conflict_fix, exclusion_fix, working_names
 from .ir import Script, Selector, source_lines
 from .parser import make_selector, parse, parse_file
-from .regexes import SelectorTooSlow, regex_budget
+from .regexes import SelectorTooSlow, budget_spent, regex_budget
 from .registry import key_matches
 from .selectors import matches, select, suggestions, topmost
 from .tree import WEIGHTS_PENDING, ModuleTree, below_any, is_skeleton, parameter_bytes
@@ -210,7 +210,7 @@ class Planner:
     def run(self) -> Plan:
         default = denoiser_name(self.model)
         steps = []
-        with regex_budget():
+        with regex_budget():  # one budget for the plan and the plans its hints make
             for transform in self.validated.steps:
                 component = transform.common.component or default
                 if component == self.component_name:
@@ -225,11 +225,13 @@ class Planner:
                     continue
                 if step is not None:
                     steps.append(step)
-        if self.problems:
-            if self.hints:
-                for compute in self.pending:
-                    compute()
-            raise ScriptError(self.problems, self.script.source)
+            if self.problems:
+                if self.hints:
+                    for compute in self.pending:
+                        if budget_spent():  # hints re-plan the script: not with a pattern that is too slow
+                            break
+                        compute()
+                raise ScriptError(self.problems, self.script.source)
         # The snapshots counted their modules and bytes; components no statement used are walked here.
         module_count = sum(self.trees[n].module_count if n in self.trees else sum(1 for _ in m.modules())
                            for n, m in self.components.items())
@@ -356,8 +358,12 @@ class Planner:
                 continue
             step.targets.append(path)
         if errors:
-            shown = "; ".join(f"{p or '<root>'}: {e}" for p, e in errors[:5])
-            more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
+            by_error: dict[str, list[str]] = {}  # one device problem is said once, not per module
+            for p, e in errors:
+                by_error.setdefault(e, []).append(p or "<root>")
+            shown = "; ".join(", ".join(ps[:2]) + (f" (+{len(ps) - 2})" if len(ps) > 2 else "") + f": {e}"
+                              for e, ps in list(by_error.items())[:5])
+            more = f" (and {len(by_error) - 5} more)" if len(by_error) > 5 else ""
             problem = Problem(f"'{statement.key}' cannot transform {len(errors)} selected "
                               f"module(s): {shown}{more}", [statement.span],
                               hint="exclude them with 'except' or change the options")

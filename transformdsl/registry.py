@@ -39,6 +39,7 @@ GROUP = "transformdsl.transforms"
 BUILTIN: dict[str, str] = {
     "compile": "transformdsl.transforms.compile:WholeCompile",
     "compile regional": "transformdsl.transforms.compile:RegionalCompile",
+    "fp8 dynamic": "transformdsl.transforms.fp8:FP8Dynamic",
     "fp8 native": "transformdsl.transforms.fp8:FP8Native",
     "fp8 storage": "transformdsl.transforms.fp8:FP8Storage",
     "fuse bias_act_dropout": "transformdsl.transforms.elementwise:BiasActDropout",
@@ -50,6 +51,8 @@ BUILTIN: dict[str, str] = {
     "quantize hqq": "transformdsl.transforms.quantize:HQQQuantization",
     "quantize int8": "transformdsl.transforms.quantize:Int8Quantization",
     "quantize nf4": "transformdsl.transforms.quantize:NF4Quantization",
+    "quantize int4": "transformdsl.transforms.quantize:Int4Quantization",
+    "quantize w8a8": "transformdsl.transforms.quantize:W8A8Quantization",
 }
 
 

@@ -39,7 +39,10 @@ def resolve_model(spec: str, *, dtype: torch.dtype | None = None) -> Any:
     * a directory written by ``save_pretrained``: ``model_index.json`` -> a diffusers pipeline;
       ``config.json`` with ``_class_name`` -> that diffusers model class; ``config.json`` with
       ``architectures`` -> that transformers class.  Loaded with ``local_files_only=True`` and
-      ``use_safetensors=True``.
+      ``use_safetensors=True``, and with the guards of :func:`transformdsl.load`: never custom code
+      (``trust_remote_code=False``, no prompt: standard input is empty), never the hub (a named
+      ``backbone`` is refused), no symbolic link, only model and pipeline classes, the configuration's
+      shapes checked against the weights' headers first; such a problem raises ``LoadError``.
 
     ``dtype`` (default: None) is the floating dtype the model is read in: None keeps a directory's
     checkpoint dtype (the one holding most of its safetensors' elements, as :func:`load` does; diffusers'
@@ -210,7 +213,9 @@ def _pipeline_dtypes(path: Path, dtype: torch.dtype | None) -> dict[str, torch.d
 
 
 def _load(cls: Any, path: Path, load_kwargs: dict[str, Any]) -> Any:
-    try:
-        return cls.from_pretrained(str(path), **load_kwargs)
-    except OSError as error:
-        raise ValueError(f"--model {path}: cannot load it as {cls.__name__}: {error}") from error
+    """``cls.from_pretrained(path)`` with :func:`transformdsl.load`'s guards: no custom code, no prompt, no
+    hub, no link out of the directory, only model and pipeline classes, shapes checked against the
+    headers first (:mod:`transformdsl.interop.directories`); a problem is a ``LoadError``."""
+    from ..interop.directories import load_directory
+
+    return load_directory(cls, path, load_kwargs)

@@ -43,7 +43,7 @@ def inspect(directory: str | os.PathLike) -> dict:
         raise LoadError(f"{directory}: cannot read the save: {exc.strerror or exc}") from None
 
 
-def _inspect(folder: SaveDir) -> dict:
+def _inspect(folder: SaveDir, component: bool = False) -> dict:
     from safetensors import safe_open
 
     if not folder.exists(META_FILE) and folder.exists("config.json"):
@@ -53,9 +53,12 @@ def _inspect(folder: SaveDir) -> dict:
     else:
         meta = read_metadata(folder)
     if meta["kind"] == "pipeline":
+        if component:  # a pipeline's components are modules; nested pipelines could go thousands deep
+            raise LoadError(f"{folder.path / META_FILE}: a pipeline component that is itself a pipeline; "
+                            "components are saved modules")
         parts = {}
         for comp, how in meta["components"].items():
-            parts[comp] = _inspect(folder.subdir(comp)) if how == "transformdsl" else {"storage": how}
+            parts[comp] = _inspect(folder.subdir(comp), component=True) if how == "transformdsl" else {"storage": how}
         return {"kind": "pipeline", "format_version": meta["format_version"],
                 "pipeline_class": meta["pipeline_class"], "components": parts}
     by_dtype: dict[str, dict[str, int]] = {}

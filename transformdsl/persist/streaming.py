@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import dataclasses
+import errno
 import os
 import stat
 import sys
@@ -140,7 +141,7 @@ class _Located:
 
             meta, skeleton = library_skeleton(self.folder)
             return open_module(self.folder, meta, lambda: skeleton)
-        if self.meta["tensors"].get("layout"):
+        if "layout" in self.meta["tensors"]:  # even an empty one: the files are in the library's layout
             raise LoadError(f"{self.folder.path}: a save in a library's layout cannot be converted; load and save "
                             "it (transformdsl format) first")
         return open_module(self.folder, self.meta, None)
@@ -202,9 +203,7 @@ def _copy_pipeline(folder: SaveDir, located: _Located, tmp: Path, save_id: str) 
             (tmp / name / rel).parent.mkdir(parents=True, exist_ok=True)
             fd = holder.open_file(file_name)
             try:
-                with os.fdopen(fd, "rb", closefd=False) as src, open(tmp / name / rel, "wb") as dst:
-                    while chunk := src.read(1 << 24):
-                        dst.write(chunk)
+                _copy_sparse(fd, tmp / name / rel)
             finally:
                 os.close(fd)
         if not (tmp / name).exists():
@@ -214,6 +213,36 @@ def _copy_pipeline(folder: SaveDir, located: _Located, tmp: Path, save_id: str) 
         "format": FORMAT, "format_version": 1, "kind": "pipeline", "pipeline_class": pipeline_class,
         "components": components, "versions": library_versions(), "save_id": save_id,
     })
+
+
+def _copy_sparse(fd: int, target: Path) -> None:
+    """Copy the open file ``fd`` to ``target`` keeping its holes: only the data regions are read and
+    written (``SEEK_DATA``/``SEEK_HOLE``), and blocks of zeros within them are skipped too, so a
+    sparse file (1 GiB apparent size, 4 KiB on disk) costs its data, not its size, on both sides."""
+    size = os.fstat(fd).st_size
+    chunk = 1 << 24
+    with open(target, "wb") as dst:
+        position = 0
+        while position < size:
+            try:
+                start = os.lseek(fd, position, os.SEEK_DATA)
+                end = os.lseek(fd, start, os.SEEK_HOLE)
+            except OSError as exc:
+                if exc.errno == errno.ENXIO:  # only a hole is left
+                    break
+                start, end = position, size  # no hole support here: read it all (zeros still skipped)
+            except AttributeError:  # pragma: no cover - no SEEK_DATA on this platform
+                start, end = position, size
+            while start < end:
+                data = os.pread(fd, min(chunk, end - start), start)
+                if not data:
+                    break
+                if data.count(0) != len(data):
+                    dst.seek(start)
+                    dst.write(data)
+                start += len(data)
+            position = max(end, start)
+        dst.truncate(size)
 
 
 # --------------------------------------------------------------------------- units

@@ -223,6 +223,12 @@ class QuantizeBehaviour:
 
         export_bitsandbytes(step, out)
 
+    @classmethod
+    def import_checkpoint(cls, path, quantization_config, headers):
+        from .imports import bitsandbytes_steps
+
+        return bitsandbytes_steps(path, quantization_config, headers)
+
     # -- loading ------------------------------------------------------------------
 
     @classmethod
@@ -267,11 +273,12 @@ THRESHOLD_NOTE = ("threshold 0, bitsandbytes' default (no outlier decomposition)
 
 class Int8Quantization(QuantizeBehaviour, Int8Declaration):
     def device_note(self, tree: ModuleTree, targets: list[str]) -> str | None:
-        if self.options.weight_only:  # the float matmul: fast wherever float is
-            return None
-        from ...capabilities import int8_note
+        from ...capabilities import int8_note, weight_only_note
 
         device = targets_device_type(tree, targets)
+        if device and self.options.weight_only:  # the packed kernel decodes with bfloat16 activations
+            dtypes = {str(tree[p].facts.get("dtype", "torch.float32")).removeprefix("torch.") for p in targets}
+            return weight_only_note(device, dtypes, 8)
         return int8_note(device) if device else None
 
     def notes(self, tree: ModuleTree, targets: list[str]) -> list[str]:
