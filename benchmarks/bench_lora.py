@@ -34,11 +34,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import baselines  # noqa: E402
 import torch  # noqa: E402
+import workloads  # noqa: E402
 from common import header, table, write  # noqa: E402
 
-import baselines  # noqa: E402
-import workloads  # noqa: E402
 import transformdsl  # noqa: E402
 
 
@@ -172,7 +172,7 @@ def main() -> None:
                                ("nf4", f'lora "{path}" merge=false name=style\nquantize nf4', True)):
         sides = {"ours": ours(workload, script), "peft": peft(workload, path, nf4)}
 
-        def toggle(name: str, on: bool) -> None:
+        def toggle(name: str, on: bool, sides: dict = sides) -> None:
             if name == "ours":
                 transformdsl.set_lora(sides["ours"], "style", enabled=on)
             elif on:
@@ -180,7 +180,7 @@ def main() -> None:
             else:
                 sides["peft"].disable_lora()
 
-        def added(name: str) -> float:
+        def added(name: str, sides: dict = sides) -> float:
             toggle(name, True)
             with_adapters = latency(sides[name], sample)
             toggle(name, False)

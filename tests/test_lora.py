@@ -8,7 +8,6 @@ references are the libraries' loaders: diffusers' ``lora_state_dict`` + ``load_l
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import textwrap

@@ -131,18 +131,7 @@ def _exception(exc: BaseException) -> str:
 
 def run_cell(model_id: str, script_name: str) -> dict:
     """Run one cell (see the module docstring); a JSON-able dict with ``status`` and figures."""
-    import torch
 
-    import transformdsl
-    from transformdsl.errors import LoadError, ScriptError, TransformError
-    from transformdsl.verification import (
-        METRICS,
-        VerifyError,
-        default_metric,
-        measure,
-        model_output,
-        script_error_bound,
-    )
 
     from . import corpus
 
@@ -205,7 +194,14 @@ def _run_planned(cell, done, model, script, inputs, heldout, verify_samples, ref
 
     import transformdsl
     from transformdsl.errors import LoadError, ScriptError, TransformError
-    from transformdsl.executor import ROUNDING_EPS, relative_error, script_error_bound
+    from transformdsl.verification import (
+        METRICS,
+        VerifyError,
+        default_metric,
+        measure,
+        model_output,
+        script_error_bound,
+    )
 
     from . import corpus
 

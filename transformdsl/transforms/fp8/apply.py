@@ -33,9 +33,9 @@ from torch import nn
 
 from ...errors import LoadError
 from ...extend import ApplyContext
-from ..lora import ADAPTER_CLASS, HOLDS_ADAPTERS
 from ...tree import ModuleInfo, ModuleTree, class_names
 from ..common.modules import is_conv1d, put_module, tied_weights
+from ..lora import ADAPTER_CLASS, HOLDS_ADAPTERS
 from ..quantize import QUANTIZED_CLASS_NAMES
 from . import SCALE_MODES
 from . import FP8Native as NativeDeclaration

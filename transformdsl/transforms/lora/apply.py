@@ -25,12 +25,10 @@ from ...extend import ApplyContext
 from ...tree import ModuleInfo, ModuleTree, below_any
 from . import Lora as LoraDeclaration
 from . import LoraOptions, files, keys, layers
+from . import file_name as _display
 
 RECORD_VERSION = 1
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-from . import file_name as _display
 
 
 class Lora(LoraDeclaration):

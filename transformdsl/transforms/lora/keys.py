@@ -198,8 +198,11 @@ def _older_diffusers_to_peft(state: dict, root: nn.Module) -> dict:
     ``convert_state_dict_to_diffusers`` then ``convert_state_dict_to_peft`` (and without the
     ``text_model.`` level that transformers 5's CLIPTextModel no longer has), a denoiser's with
     ``convert_unet_state_dict_to_peft``."""
-    from diffusers.utils import convert_state_dict_to_diffusers, convert_state_dict_to_peft, \
-        convert_unet_state_dict_to_peft
+    from diffusers.utils import (
+        convert_state_dict_to_diffusers,
+        convert_state_dict_to_peft,
+        convert_unet_state_dict_to_peft,
+    )
 
     parts: dict[str, dict] = {}
     for key, value in state.items():

@@ -27,10 +27,10 @@ from torch import nn
 from ...errors import LoadError
 from ...explain import human_bytes
 from ...extend import ApplyContext
-from ..lora import ADAPTER_CLASS, HOLDS_ADAPTERS
 from ...options import DTYPES
 from ...tree import ModuleInfo, ModuleTree
 from ..common.modules import is_conv1d, put_module, tied_weights
+from ..lora import ADAPTER_CLASS, HOLDS_ADAPTERS
 from . import QUANTIZED_CLASS_NAMES, HQQOptions
 from . import FP4Quantization as FP4Declaration
 from . import HQQQuantization as HQQDeclaration
