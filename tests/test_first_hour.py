@@ -417,6 +417,10 @@ def _spec_statements() -> list[tuple[int, str]]:
 _ELSEWHERE = {
     "fuse bias_dropout_residual_layernorm in encoder.layer.*": "a BERT-style encoder",
     "fp8 native scaling=row strict=true": "a GPU with fp8 matmul (strict=true refuses the CPU fallback)",
+    'lora "loras/style.safetensors" scale=0.8': "a LoRA file (tests/test_lora.py writes them)",
+    'lora "loras/detail.safetensors" merge=false': "a LoRA file (tests/test_lora.py writes them)",
+    'lora "loras/style.safetensors" component=text_encoder': "a LoRA file (tests/test_lora.py writes them)",
+    "lora style.safetensors": "a LoRA file (tests/test_lora.py writes them)",
     "fp8 dynamic": "a GPU with fp8 matmul (fp8 dynamic has no CPU fallback; tests/test_fp8_dynamic.py runs it "
                    "with the CPU reference switched on)",
     "fp8 dynamic scaling=row": "a GPU with fp8 matmul (as above)",

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from transformdsl import ScriptError, parse
 from transformdsl.formatter import format_script, format_statement, format_value
-from transformdsl.ir import Option, Script, Selector, Statement
+from transformdsl.ir import Argument, Option, Script, Selector, Statement
 from transformdsl.parser import MAX_SCRIPT_CHARS, make_selector
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -196,6 +196,8 @@ def statements(draw) -> tuple[Statement, str]:
     target = draw(st.lists(selector_texts, max_size=3))
     if mode is None and target and re.fullmatch(r"[a-z][a-z0-9_]*", target[0]):
         target[0] = target[0].capitalize()  # a lowercase first target would be the mode
+    argument = draw(st.none() | st.text(st.characters(blacklist_characters="\n", blacklist_categories=("Cs",)),
+                                         max_size=12))
     comma = draw(st.sampled_from([", ", ",", " , ", " ,\t"]))
     # Clauses as (keyword, selectors) or ("option", (name, value)); `in` and `except`
     # selectors may be split over several clauses of the same keyword, in any order.
@@ -211,6 +213,9 @@ def statements(draw) -> tuple[Statement, str]:
         clauses.append(("option", (name, draw(values))))
     clauses = draw(st.permutations(clauses))
     words = [verb] + ([mode] if mode else []) + ([comma.join(target)] if target else [])
+    if argument is not None:
+        quote = draw(st.sampled_from(["'", '"']))
+        words.append(quote + argument.replace("\\", "\\\\").replace(quote, "\\" + quote) + quote)
     for keyword, payload in clauses:
         if keyword == "option":
             name, value = payload
@@ -226,6 +231,7 @@ def statements(draw) -> tuple[Statement, str]:
         verb=verb, mode=mode, target=tuple(make_selector(t) for t in target),
         scope=selected("in"), exclude=selected("except"),
         options=tuple(Option(n, v) for k, (n, v) in ((k, p) for k, p in clauses if k == "option")),
+        argument=None if argument is None else Argument(argument),
     )
     return statement, " ".join(words)
 
@@ -289,6 +295,7 @@ def test_format_value_refuses_what_no_script_can_say(value):
     Statement("fuse", "qkv", (Selector("in", "word", "in"),), (), (), ()),       # a keyword
     Statement("fuse", "Mode", (), (), (), ()),                                   # not a mode
     Statement("fuse", None, (), (), (), (Option("a-b", 1),)),                    # not an option name
+    Statement("lora", None, (), (), (), (), argument=Argument("a\nb")),          # a line break
 ])
 def test_format_refuses_statements_no_text_can_spell(statement):
     with pytest.raises(ValueError):

@@ -371,7 +371,7 @@ def test_shipped_parser_tables_are_current_and_used(monkeypatch):
         texts += ["quantize int8 in re:\"blocks\\.[0-9]+\" except norm a='x;y'", ";;\n# only a comment\n"]
         for text in texts:
             assert loaded.parse(text) == built.parse(text)
-        for bad in ["quantize int8 except", "fuse qkv in a,,b", "quantize x=", "fp8 'x'", "a\n= b"]:
+        for bad in ["quantize int8 except", "fuse qkv in a,,b", "quantize x=", "fp8 'x' 'y'", "a\n= b"]:
             problems = []
             for one in (loaded, built):
                 with pytest.raises(UnexpectedInput) as error:

@@ -29,7 +29,7 @@ DIFFUSERS = (
 TRANSFORMERS = ("Llama", "Qwen3", "Gemma2", "T5-encoder", "CLIP-text", "CLIP-vision", "Falcon", "BERT")
 MODELS = tuple(f"diffusers/{m}" for m in DIFFUSERS) + tuple(f"transformers/{m}" for m in TRANSFORMERS)
 SCRIPTS = ("fuse qkv", "quantize int8", "quantize nf4", "quantize hqq auto", "fp8 storage", "fp8 native",
-           "fuse qkv; quantize int8", "fuse bias_act_dropout")
+           "fuse qkv; quantize int8", "fuse bias_act_dropout", "lora")
 
 
 @functools.cache
@@ -59,7 +59,9 @@ def test_cell(model_id, script):
     if script.startswith(("quantize", "fp8")):  # every slice model has layers these change
         assert cell["status"] == "ok" and cell["changed"] > 0, cell
     if cell["status"] == "ok":
-        assert cell["error"] <= cell["bound"] + 1e-5 and cell["reload"] == "bit-identical", cell
+        # a LoRA changes the output by design: its statement has no bound
+        assert (cell["bound"] is None or cell["error"] <= cell["bound"] + 1e-5) and cell["reload"] == "bit-identical", \
+            cell
         # every save format either carries the model (stock loader within the bound, or only written
         # where the stock loader cannot run here) or refuses it before writing anything
         assert {r["status"] for r in cell["formats"].values()} <= {"ok", "written", "refused"}, cell["formats"]

@@ -6,7 +6,8 @@
 ['fuse qkv', 'quantize int8']
 
 Public surface: :func:`parse`, :func:`plan`, :func:`transform`, :func:`save`, :func:`load`,
-:func:`convert` (a checkpoint through a script into a save, one block at a time)
+:func:`convert` (a checkpoint through a script into a save, one block at a time),
+:func:`set_lora` / :func:`lora_adapters` (switchable LoRAs' scales at run time)
 and the errors :class:`TransformError`, :class:`ScriptError`, :class:`LoadError`.
 
 ``import transformdsl`` imports neither torch nor the model libraries: each public name is the
@@ -25,13 +26,14 @@ from .version import __version__
 quiet.install()  # before anything imports bitsandbytes (diffusers and transformers do): see quiet.py
 
 #: The public names defined in other modules (imported on first access).
-_LAZY = ("parse", "plan", "Plan", "transform", "save", "load", "convert")
+_LAZY = ("parse", "plan", "Plan", "transform", "save", "load", "convert", "set_lora", "lora_adapters")
 
 if TYPE_CHECKING:  # pragma: no cover
     from .executor import transform
     from .parser import parse
     from .persist import convert, load, save
     from .planner import Plan, plan
+    from .transforms.lora.runtime import lora_adapters, set_lora
 
 
 def __getattr__(name: str):
@@ -49,6 +51,10 @@ def __getattr__(name: str):
         from .persist import load as value
     elif name == "convert":
         from .persist import convert as value
+    elif name == "set_lora":
+        from .transforms.lora.runtime import set_lora as value
+    elif name == "lora_adapters":
+        from .transforms.lora.runtime import lora_adapters as value
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     globals()[name] = value  # later lookups are plain attribute reads
@@ -59,5 +65,5 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 
-__all__ = ["parse", "plan", "transform", "save", "load", "convert", "Plan",
+__all__ = ["parse", "plan", "transform", "save", "load", "convert", "set_lora", "lora_adapters", "Plan",
            "TransformError", "ScriptError", "LoadError", "__version__"]

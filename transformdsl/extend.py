@@ -112,6 +112,10 @@ class Transform:
     implementation: ClassVar[str | None] = None
     #: The runtime switches (:class:`transformdsl.switches.Switch`) this transform's modules read.
     switches: ClassVar[tuple] = ()
+    #: What the statement's quoted argument is (``lora "PATH"``: ``"the LoRA file (.safetensors)"``),
+    #: with an example statement after a ``|`` for errors; ``None``: the statement takes none.  A
+    #: transform that takes one may also be given it as one bare word (``lora style.safetensors``).
+    argument: ClassVar[str | None] = None
     #: ``quant_method`` values of a library checkpoint's ``quantization_config`` whose layers this
     #: transform rebuilds as its own (:meth:`import_checkpoint`): ``load(dir)`` reads such a checkpoint.
     quant_methods: ClassVar[tuple[str, ...]] = ()
@@ -157,6 +161,11 @@ class Transform:
         targets are on (detected by :mod:`transformdsl.capabilities`): shown by the plan and logged
         once by ``transform()``."""
         return None
+
+    def recorded_argument(self) -> str:
+        """The statement's quoted argument as the model's history (and so a save) records it:
+        as written by default; a transform whose argument is private (a file's path) shortens it."""
+        return self.statement.argument.text if self.statement.argument is not None else ""
 
     # ------------------------------------------------------------------ execution
 

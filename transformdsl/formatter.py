@@ -9,7 +9,7 @@ The canonical form:
 
 - one statement per line, in source order (not execution order: the order is the
   author's, and the validator decides the execution order anyway);
-- each statement written ``verb [mode] [target, ...] [in scope, ...] [except selector, ...]
+- each statement written ``verb [mode] [target, ...] ["argument"] [in scope, ...] [except selector, ...]
   [name=value ...]``: clauses in that order, several ``in`` (or ``except``) clauses merged
   into one, selectors separated by ``", "``, options in the order written;
 - values written so that they parse back to the same type: ``true``/``false``, integers,
@@ -72,6 +72,8 @@ def format_statement(statement: Statement) -> str:
         raise ValueError(f"target {statement.target[0].text!r} would read back as a mode")
     if statement.target:
         parts.append(_selectors(statement.target))
+    if statement.argument is not None:
+        parts.append(_quoted(statement.argument.text, "argument"))
     if statement.scope:
         parts.append("in " + _selectors(statement.scope))
     if statement.exclude:
@@ -100,11 +102,18 @@ def format_value(value: object) -> str:
         bare = _VALUE_RE.fullmatch(value) is not None and typed_value(value) == value
         if bare and isinstance(typed_value(value), str):
             return value
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return _quoted(value, "value")
     raise ValueError(f"a {type(value).__name__} cannot be written in a script")
 
 
 # --------------------------------------------------------------------------- pieces
+
+
+def _quoted(text: str, what: str) -> str:
+    if "\n" in text:
+        raise ValueError(f"a{'n' if what[0] in 'aeiou' else ''} {what} with a line break cannot be written in a "
+                         f"script: {text!r}")
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def _word(text: str, what: str) -> str:

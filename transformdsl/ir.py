@@ -91,8 +91,19 @@ class Option:
 
 
 @dataclass(frozen=True)
+class Argument:
+    """A statement's quoted argument as written, unquoted (``lora "loras/style.safetensors"``: a path)."""
+
+    text: str
+    span: Span | None = field(default=None, compare=False)
+
+    def __str__(self) -> str:
+        return self.text
+
+
+@dataclass(frozen=True)
 class Statement:
-    """One statement: ``verb [mode] [target] [in scope] [except exclusions] [options]``."""
+    """One statement: ``verb [mode] [target] ["argument"] [in scope] [except exclusions] [options]``."""
 
     verb: str
     mode: str | None
@@ -103,6 +114,8 @@ class Statement:
     span: Span | None = field(default=None, compare=False)
     verb_span: Span | None = field(default=None, compare=False)
     mode_span: Span | None = field(default=None, compare=False)
+    #: The quoted argument (``lora "PATH"``), for the verbs that take one (``Transform.argument``).
+    argument: Argument | None = None
 
     @property
     def key(self) -> str:

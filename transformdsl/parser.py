@@ -23,7 +23,7 @@ import regex
 from lark import Lark, Token, Tree
 
 from .errors import Problem, ScriptError
-from .ir import Option, Script, Selector, Span, Statement
+from .ir import Argument, Option, Script, Selector, Span, Statement
 from .regexes import compile_regex
 
 #: Scripts longer than this are refused before parsing (no unbounded work on hostile input).
@@ -310,6 +310,7 @@ class _Builder:
         scope: list[Selector] = []
         exclude: list[Selector] = []
         options: list[Option] = []
+        argument = None
         for child in rest:
             if child.data == "words":
                 tokens = list(child.children)
@@ -318,6 +319,9 @@ class _Builder:
                     tokens = tokens[1:]
                 target.extend(self.selector(t) for t in tokens)
                 self._check_commas(child, mode is not None)
+            elif child.data == "argument":
+                (token,) = child.children
+                argument = Argument(_unquote(str(token)), self.span(token))
             elif child.data == "scope":
                 scope.extend(self.selectors(child))
             elif child.data == "exclusion":
@@ -334,6 +338,7 @@ class _Builder:
             span=self.span(node),
             verb_span=self.span(verb_token),
             mode_span=mode_span,
+            argument=argument,
         )
 
     def _check_commas(self, words: Tree, has_mode: bool) -> None:

@@ -46,6 +46,7 @@ BUILTIN: dict[str, str] = {
     "fuse bias_dropout_residual": "transformdsl.transforms.elementwise:BiasDropoutResidual",
     "fuse bias_dropout_residual_layernorm": "transformdsl.transforms.elementwise:BiasDropoutResidualLayerNorm",
     "fuse qkv": "transformdsl.transforms.qkv:QKVFusion",
+    "lora": "transformdsl.transforms.lora:Lora",
     "quantize fp4": "transformdsl.transforms.quantize:FP4Quantization",
     "quantize hqq": "transformdsl.transforms.quantize:HQQQuantization",
     "quantize int8": "transformdsl.transforms.quantize:Int8Quantization",

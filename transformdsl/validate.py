@@ -5,6 +5,7 @@ Every problem in the script is collected and reported together in one :class:`Sc
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 from . import registry
 from .errors import Problem, ScriptError, did_you_mean
 from .extend import Transform
-from .ir import Script, Statement
+from .ir import Argument, Script, Statement
 from .options import build_options
 
 
@@ -45,6 +46,9 @@ def bind(statement: Statement, problems: list[Problem],
                 f"unknown mode '{statement.mode}' for '{statement.verb}'{did_you_mean(statement.mode, named)}",
                 [statement.mode_span], hint=f"'{statement.verb}' modes: " + ", ".join(named)))
         return None
+    statement = _bind_argument(statement, cls, problems)
+    if statement is None:
+        return None
     options, common, option_problems = build_options(statement, cls.Options)
     problems.extend(option_problems)
     if cls.requires_scope and not statement.scope and not statement.target:
@@ -53,6 +57,31 @@ def bind(statement: Statement, problems: list[Problem],
     if option_problems or options is None:
         return None
     return cls(statement, options, common)
+
+
+def _bind_argument(statement: Statement, cls: type[Transform], problems: list[Problem]) -> Statement | None:
+    """The statement with its quoted argument checked against what ``cls`` takes (a bare word
+    where an argument is due becomes the argument); ``None`` with a problem appended if wrong."""
+    what, _, example = (cls.argument or "").partition("|")
+    if cls.argument is None:
+        if statement.argument is not None:
+            problems.append(Problem(f"'{statement.key}' takes no quoted argument", [statement.argument.span]))
+            return None
+        return statement
+    if statement.argument is None and len(statement.target) == 1:
+        word = statement.target[0]
+        return dataclasses.replace(statement, target=(), argument=Argument(word.text, word.span))
+    if statement.argument is None:
+        span = statement.target[1].span if statement.target else statement.span
+        problems.append(Problem(f"'{statement.key}' needs {what.strip()}" + (", and no selector" if statement.target
+                                                                             else ""), [span],
+                                hint=f"for example: {example.strip()}" if example else None))
+        return None
+    if statement.target:
+        problems.append(Problem(f"'{statement.key}' takes {what.strip()}, not selectors: name modules with 'in'",
+                                [statement.target[0].span]))
+        return None
+    return statement
 
 
 #: Pairwise problems (conflicts, ordering cycles) reported per script; past this the
@@ -136,23 +165,29 @@ def _must_precede(first: Transform, then: Transform) -> bool:
     return applies(then.runs_after, first.key(), same) or applies(first.runs_before, then.key(), same)
 
 
+def _rule_key(transform: Transform) -> tuple:
+    """What the ordering rules see of a statement: its key, and its rules (a transform whose rules
+    depend on its options, as ``lora merge=false``'s do, declares them as properties)."""
+    return (transform.key(), tuple(transform.runs_after), tuple(transform.runs_before))
+
+
 def execution_order(transforms: list[Transform], problems: list[Problem],
                     pairs: _PairProblems | None = None) -> list[Transform]:
     """Topological order of the declared constraints; ties keep source order.
 
-    The rules are declared per transform (registry key), so the order is computed on the
-    keys: a statement is ready once every statement of each key that must precede its
-    key has run.  Cost: ``n log n`` in statements plus the square of the distinct keys.
+    The rules are declared per transform (registry key, and the options where the rules depend on
+    them), so the order is computed on those keys: a statement is ready once every statement of
+    each key that must precede its key has run.  Cost: ``n log n`` in statements plus the square of the distinct keys.
     """
     pairs = pairs if pairs is not None else _PairProblems(problems)
     n = len(transforms)
-    groups: dict[str, list[int]] = {}
+    groups: dict[tuple, list[int]] = {}
     for i, t in enumerate(transforms):
-        groups.setdefault(t.key(), []).append(i)
+        groups.setdefault(_rule_key(t), []).append(i)
     keys = list(groups)
     sample = {k: transforms[groups[k][0]] for k in keys}
-    successors: dict[str, list[str]] = {k: [] for k in keys}
-    predecessors: dict[str, set[str]] = {k: set() for k in keys}
+    successors: dict[tuple, list[tuple]] = {k: [] for k in keys}
+    predecessors: dict[tuple, set[tuple]] = {k: set() for k in keys}
     cycle = "'{a.key}' (line {a.line}) and '{b.key}' (line {b.line}) each must run before the other"
     for ki in keys:
         for kj in keys:
@@ -173,7 +208,7 @@ def execution_order(transforms: list[Transform], problems: list[Problem],
     while ready:
         i = heapq.heappop(ready)
         order.append(i)
-        key = transforms[i].key()
+        key = _rule_key(transforms[i])
         remaining[key] -= 1
         if remaining[key]:
             continue

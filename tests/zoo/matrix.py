@@ -66,6 +66,8 @@ SCRIPTS = {
     "fuse bias_dropout_residual": "fuse bias_dropout_residual kernel=eager",
     "fuse bias_dropout_residual_layernorm": "fuse bias_dropout_residual_layernorm kernel=eager",
     "compile": "compile",
+    # {lora}: a LoRA file written for the cell's model (lora_file: every Linear, random weights)
+    "lora": 'lora "{lora}"',
 }
 
 #: Models the (slow) ``compile`` column runs on (the tiny UNet and Flux took over 5 min a cell on a
@@ -129,18 +131,7 @@ def _exception(exc: BaseException) -> str:
 
 def run_cell(model_id: str, script_name: str) -> dict:
     """Run one cell (see the module docstring); a JSON-able dict with ``status`` and figures."""
-    import torch
 
-    import transformdsl
-    from transformdsl.errors import LoadError, ScriptError, TransformError
-    from transformdsl.verification import (
-        METRICS,
-        VerifyError,
-        default_metric,
-        measure,
-        model_output,
-        script_error_bound,
-    )
 
     from . import corpus
 
@@ -169,6 +160,50 @@ def run_cell(model_id: str, script_name: str) -> dict:
         return done("corpus model fails", _exception(exc))
     if "fuse qkv" in script:
         cell["candidates"] = len(qkv_candidates(model))
+    lora_dir = None
+    if "{lora}" in script:
+        lora_dir = tempfile.TemporaryDirectory(prefix="zoo-lora-")
+        script = script.replace("{lora}", lora_file(model, Path(lora_dir.name)))
+    try:
+        return _run_planned(cell, done, model, script, inputs, heldout, verify_samples, reference, reference_heldout,
+                            entry)
+    finally:
+        if lora_dir is not None:
+            lora_dir.cleanup()
+
+
+def lora_file(model, directory: Path) -> str:
+    """A LoRA (rank 2, random weights, PEFT's keys without prefix) on every ``nn.Linear`` of ``model``."""
+    import torch
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(0)
+    tensors = {}
+    for name, module in model.named_modules():
+        if type(module) is torch.nn.Linear and name:
+            tensors[f"{name}.lora_A.weight"] = torch.randn(2, module.in_features, generator=generator) * 0.01
+            tensors[f"{name}.lora_B.weight"] = torch.randn(module.out_features, 2, generator=generator) * 0.01
+    path = directory / "lora.safetensors"
+    save_file(tensors, str(path))
+    return str(path)
+
+
+def _run_planned(cell, done, model, script, inputs, heldout, verify_samples, reference, reference_heldout, entry):
+    """Steps 2-6 of the module docstring for one cell."""
+    import torch
+
+    import transformdsl
+    from transformdsl.errors import LoadError, ScriptError, TransformError
+    from transformdsl.verification import (
+        METRICS,
+        VerifyError,
+        default_metric,
+        measure,
+        model_output,
+        script_error_bound,
+    )
+
+    from . import corpus
 
     try:
         plan = transformdsl.plan(model, script)

@@ -35,6 +35,7 @@ from ...errors import LoadError
 from ...extend import ApplyContext
 from ...tree import ModuleInfo, ModuleTree, class_names
 from ..common.modules import is_conv1d, put_module, tied_weights
+from ..lora import ADAPTER_CLASS, HOLDS_ADAPTERS
 from ..quantize import QUANTIZED_CLASS_NAMES
 from . import SCALE_MODES
 from . import FP8Native as NativeDeclaration
@@ -76,6 +77,8 @@ def _layer_reason(info: ModuleInfo, tree: ModuleTree, kinds: tuple[str, ...], ve
     """Why a selected module cannot get an fp8 weight (a near miss), or ``None``."""
     if info.module is not None and isinstance(info.module, FP8Module):
         return "already has a float8 weight"
+    if ADAPTER_CLASS in info.class_names:
+        return HOLDS_ADAPTERS
     kind = _kind(info.cls)
     if kind not in kinds:
         names = {"linear": "Linear", "conv": "Conv1d/2d/3d", "embedding": "Embedding", "conv1d": "Conv1D"}

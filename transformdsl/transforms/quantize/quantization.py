@@ -30,6 +30,7 @@ from ...extend import ApplyContext
 from ...options import DTYPES
 from ...tree import ModuleInfo, ModuleTree
 from ..common.modules import is_conv1d, put_module, tied_weights
+from ..lora import ADAPTER_CLASS, HOLDS_ADAPTERS
 from . import QUANTIZED_CLASS_NAMES, HQQOptions
 from . import FP4Quantization as FP4Declaration
 from . import HQQQuantization as HQQDeclaration
@@ -107,6 +108,8 @@ class QuantizeBehaviour:
         quantized = QUANTIZED_CLASS_NAMES.intersection(info.class_names)
         if quantized:
             return f"already quantized ({info.cls.__name__})"
+        if ADAPTER_CLASS in info.class_names:
+            return HOLDS_ADAPTERS
         if not self.float_weight and _read_by_parent(info, tree):
             return ("nn.MultiheadAttention reads out_proj.weight itself and never calls out_proj; a quantized "
                     "weight would reach its matmul")
