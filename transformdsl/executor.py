@@ -304,16 +304,19 @@ def sample_output(model: Any, inputs: tuple[tuple, dict] | None = None) -> torch
     """
     from . import models
 
+    from .transforms.cache.run import fresh_context  # a step cache runs each sample as a fresh denoising loop
+
     modules = list(module_components(model).values())
     flags = [(m, m.training) for root in modules for m in root.modules()]
     try:
         for root in modules:
             root.eval()
-        if inputs is None:
-            return models.run(model, seed=0)
-        args, kwargs = inputs
-        with torch.no_grad():
-            return models._one_tensor(model(*args, **kwargs))  # the tensor models.run() returns
+        with fresh_context(model):
+            if inputs is None:
+                return models.run(model, seed=0)
+            args, kwargs = inputs
+            with torch.no_grad():
+                return models._one_tensor(model(*args, **kwargs))  # the tensor models.run() returns
     finally:
         for module, training in flags:
             module.training = training

@@ -37,6 +37,13 @@ GROUP = "transformdsl.transforms"
 
 #: The built-in transforms: key → ``"module:Class"`` of its (torch-free) declaration.
 BUILTIN: dict[str, str] = {
+    "cache faster": "transformdsl.transforms.cache:FasterCache",
+    "cache first_block": "transformdsl.transforms.cache:FirstBlockCache",
+    "cache mag": "transformdsl.transforms.cache:MagCache",
+    "cache pyramid_broadcast": "transformdsl.transforms.cache:PyramidBroadcastCache",
+    "cache sea": "transformdsl.transforms.cache:SeaCache",
+    "cache taylorseer": "transformdsl.transforms.cache:TaylorSeerCache",
+    "cache text_kv": "transformdsl.transforms.cache:TextKVCache",
     "compile": "transformdsl.transforms.compile:WholeCompile",
     "compile regional": "transformdsl.transforms.compile:RegionalCompile",
     "fp8 native": "transformdsl.transforms.fp8:FP8Native",
