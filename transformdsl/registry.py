@@ -59,6 +59,16 @@ BUILTIN: dict[str, str] = {
 }
 
 
+def _attention_keys() -> dict[str, str]:
+    """``attention BACKEND``: one key per backend of diffusers and transformers (torch-free list)."""
+    from .transforms import attention
+
+    return {f"attention {mode}": f"transformdsl.transforms.attention:Attention_{mode}" for mode in attention.MODES}
+
+
+BUILTIN.update(_attention_keys())
+
+
 class PluginError(TransformError):
     """An installed transform cannot be used: it fails to import, or two packages claim one key."""
 
