@@ -309,3 +309,33 @@ def test_a_rollback_removes_the_cache_and_its_hooks():
     assert {id(m): set(m.__dict__) for m in model.modules()} == keys  # no hook, no forward override left
     with torch.no_grad():  # a bare call works again, with the same output
         assert torch.equal(model(*args, **kwargs).sample, before)
+
+
+@pytest.mark.parametrize("mode", ["first_block", "taylorseer", "pyramid_broadcast", "mag mag_ratios=flux"])
+def test_fullgraph_compile_is_refused_with_a_cache_naming_the_fix(mode):
+    # Measured (spec.md "cache", rule table): every cache makes fullgraph=true fail at the first call.
+    with pytest.raises(ScriptError, match="write 'compile fullgraph=false'"):
+        transformdsl.plan(models.tiny_flux(), f"cache {mode}\ncompile fullgraph=true")
+    with pytest.raises(ScriptError, match="'compile regional fullgraph=true' fails"):
+        transformdsl.plan(models.tiny_flux(), f"cache {mode}\ncompile regional in transformer_blocks.* fullgraph=true")
+    transformdsl.plan(models.tiny_flux(), f"cache {mode}\ncompile fullgraph=false")  # the fix plans
+
+
+def test_cache_with_regional_compile_matches_the_cache_alone():
+    alone, compiled = models.tiny_flux(), models.tiny_flux()
+    transformdsl.transform(alone, "cache first_block threshold=0.2")
+    transformdsl.transform(compiled, "cache first_block threshold=0.2\n"
+                                     "compile regional in transformer_blocks.*, single_transformer_blocks.*")
+    assert torch.allclose(flux_loop(compiled), flux_loop(alone), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("other", ["fuse qkv", "quantize int8 weight_only=true", "fp8 storage"])
+def test_cache_with_structural_transforms_wraps_their_modules(other):
+    """Measured (spec.md rule table): every quantization, fp8 mode and fuse qkv runs with a cache; the
+    cache wraps the blocks holding the replaced layers.  Here: the same outputs as the other statement's
+    model with the cache enabled by hand afterwards."""
+    ours, hand = models.tiny_flux(), models.tiny_flux()
+    transformdsl.transform(ours, f"{other}\ncache first_block threshold=0.2")
+    transformdsl.transform(hand, other)
+    hand.enable_cache(diffusers_hooks.FirstBlockCacheConfig(threshold=0.2))
+    assert torch.equal(flux_loop(ours), flux_loop(hand))

@@ -216,11 +216,15 @@ class Cache(Transform):
         if other.verb == "cache" and other is not self and other.common.component == self.common.component:
             return ("a denoiser has one step cache at a time (diffusers' enable_cache); keep one cache statement "
                     "(or point them at different components with component=)")
-        if other.key() == "compile" and other.options is not None and other.options.fullgraph \
+        if other.verb == "compile" and other.options is not None and getattr(other.options, "fullgraph", False) \
                 and other.common.component == self.common.component and self.breaks_fullgraph:
-            return (f"'cache {self.mode}' decides at run time which blocks to skip (a graph break), so "
-                    "'compile fullgraph=true' cannot capture the denoiser in one graph (measured); write "
-                    "'compile fullgraph=false', or 'compile regional in <blocks>' (compiles each block)")
+            if other.mode == "regional":
+                return (f"'cache {self.mode}' hooks run inside the blocks and call functions torch.compile may not "
+                        "trace (torch.compiler.disable: the per-step decision), so 'compile regional "
+                        "fullgraph=true' fails at the first call (measured); write fullgraph=false")
+            return (f"'cache {self.mode}' decides at run time what a step skips, in functions torch.compile may not "
+                    "trace (torch.compiler.disable), so 'compile fullgraph=true' fails at the first call (measured); "
+                    "write 'compile fullgraph=false', or 'compile regional in <blocks>' (fullgraph=false)")
         return None
 
     #: Whether compiling the whole denoiser with fullgraph=true fails with this cache (measured).
