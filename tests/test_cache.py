@@ -339,3 +339,9 @@ def test_cache_with_structural_transforms_wraps_their_modules(other):
     transformdsl.transform(hand, other)
     hand.enable_cache(diffusers_hooks.FirstBlockCacheConfig(threshold=0.2))
     assert torch.equal(flux_loop(ours), flux_loop(hand))
+
+
+def test_text_kv_allows_fullgraph_compile():
+    # Measured: NucleusMoEImage with text_kv compiles with fullgraph=true, whole and regional.
+    model, _ = corpus.build(corpus.entry("diffusers/NucleusMoEImageTransformer2DModel"))
+    transformdsl.plan(model, "cache text_kv\ncompile fullgraph=true")

@@ -417,6 +417,7 @@ def _spec_statements() -> list[tuple[int, str]]:
 _ELSEWHERE = {
     "fuse bias_dropout_residual_layernorm in encoder.layer.*": "a BERT-style encoder",
     "fp8 native scaling=row strict=true": "a GPU with fp8 matmul (strict=true refuses the CPU fallback)",
+    "attention flash in transformer_blocks.*": "a CUDA machine with flash-attn",
 }
 
 

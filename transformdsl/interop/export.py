@@ -139,6 +139,12 @@ def export(module: nn.Module, fmt: str) -> Exported:
         elif step.key.startswith("compile"):
             out.notes.append(f"{where}: not stored ({library} keeps no compiled code); call torch.compile after "
                              "from_pretrained; transformdsl.load compiles again")
+        elif step.key.startswith("cache "):
+            out.notes.append(f"{where}: not stored ({library} keeps no step cache in a checkpoint); call "
+                             "model.enable_cache(...) after from_pretrained; transformdsl.load enables it again")
+        elif step.key.startswith("attention "):
+            out.notes.append(f"{where}: not stored; after from_pretrained call set_attention_backend (diffusers) or "
+                             "pass attn_implementation= (transformers); transformdsl.load sets it again")
         elif step.key.startswith("fuse "):
             out.notes.append(f"{where}: same keys as the original; {library} runs the unfused forward "
                              "(same outputs); transformdsl.load fuses again")
