@@ -345,3 +345,12 @@ def test_text_kv_allows_fullgraph_compile():
     # Measured: NucleusMoEImage with text_kv compiles with fullgraph=true, whole and regional.
     model, _ = corpus.build(corpus.entry("diffusers/NucleusMoEImageTransformer2DModel"))
     transformdsl.plan(model, "cache text_kv\ncompile fullgraph=true")
+
+
+def test_options_left_none_reload(tmp_path):
+    model = models.tiny_flux()
+    transformdsl.transform(model, "cache pyramid_broadcast cross_attention_block_skip_range=none")
+    transformdsl.save(model, tmp_path / "m")
+    loaded = transformdsl.load(tmp_path / "m")
+    assert loaded.is_cache_enabled and loaded._cache_config.cross_attention_block_skip_range is None
+    assert loaded._cache_config.spatial_attention_block_skip_range == 2  # diffusers' fallback when all are none

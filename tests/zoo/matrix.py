@@ -64,7 +64,24 @@ SCRIPTS = {
     "fuse bias_dropout_residual": "fuse bias_dropout_residual kernel=eager",
     "fuse bias_dropout_residual_layernorm": "fuse bias_dropout_residual_layernorm kernel=eager",
     "compile": "compile",
+    # Step caches (diffusers denoisers only): one call in a fresh cache context, as verify and the
+    # reload check make it, computes every block; the columns check planning (which denoisers each
+    # mode's hooks can wrap), enabling, one step, and that load() enables the cache again.
+    "cache first_block": "cache first_block",
+    "cache taylorseer": "cache taylorseer",
+    "cache pyramid_broadcast": "cache pyramid_broadcast",
+    "cache faster": "cache faster",
+    "cache mag": "cache mag mag_ratios=flux",
+    "cache sea": "cache sea",
+    "cache text_kv": "cache text_kv",
+    # The attention backend each library computes in plain PyTorch on any machine.
+    "attention": "attention native_math",
+    "attention (transformers)": "attention eager",
 }
+
+#: Columns that run on one library's models only (a statement of the other library is a plan error).
+LIBRARY_ONLY = {**{name: "diffusers" for name in SCRIPTS if name.startswith("cache ")},
+                "attention": "diffusers", "attention (transformers)": "transformers"}
 
 #: Models the (slow) ``compile`` column runs on (the tiny UNet and Flux took over 5 min a cell on a
 #: loaded 2-core machine: compilation, then recompilation for the reloaded model).
@@ -98,7 +115,19 @@ CELL_TIMEOUT = 300.0
 
 def scripts_for(model_id: str) -> list[str]:
     """The columns that run on ``model_id`` (``compile`` on :data:`COMPILE_SLICE` only)."""
-    return [name for name in SCRIPTS if name != "compile" or model_id in COMPILE_SLICE]
+    library = model_id.split("/", 1)[0]
+    return [name for name in SCRIPTS if (name != "compile" or model_id in COMPILE_SLICE)
+            and LIBRARY_ONLY.get(name, library) == library]
+
+
+def _run(model, inputs):
+    """The model's output tensor; a denoiser with a step cache runs as one fresh denoising loop."""
+    from transformdsl.transforms.cache.run import fresh_context
+
+    from . import corpus
+
+    with fresh_context(model):
+        return corpus.run(model, inputs)
 
 
 # --------------------------------------------------------------------------- one cell
@@ -195,8 +224,8 @@ def run_cell(model_id: str, script_name: str) -> dict:
         return done("transform fails", "not a TransformError: " + _exception(exc))
 
     try:
-        output = corpus.run(model, inputs)
-        output_heldout = corpus.run(model, heldout)
+        output = _run(model, inputs)
+        output_heldout = _run(model, heldout)
     except Exception as exc:
         return done("crash in forward", _exception(exc))
     cell["error"] = relative_error(reference, output)
@@ -224,7 +253,7 @@ def run_cell(model_id: str, script_name: str) -> dict:
             cell["reload"] = "fails"
             return done("reload fails", _exception(exc))
         try:
-            reloaded = corpus.run(loaded, inputs)
+            reloaded = _run(loaded, inputs)
         except Exception as exc:
             cell["reload"] = "crash in forward"
             return done("reload crash in forward", _exception(exc))
