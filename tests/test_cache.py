@@ -354,3 +354,12 @@ def test_options_left_none_reload(tmp_path):
     loaded = transformdsl.load(tmp_path / "m")
     assert loaded.is_cache_enabled and loaded._cache_config.cross_attention_block_skip_range is None
     assert loaded._cache_config.spatial_attention_block_skip_range == 2  # diffusers' fallback when all are none
+
+
+def test_explain_shows_what_the_cache_wraps_and_what_a_step_skips():
+    text = str(transformdsl.plan(models.tiny_flux(), "cache first_block threshold=0.2"))
+    assert "wraps 3 blocks: transformer_blocks.0 runs every step and decides; single_transformer_blocks.* (2) " \
+           "may be skipped" in text
+    assert "per step: the first block always runs" in text
+    text = str(transformdsl.plan(models.tiny_flux(), "cache pyramid_broadcast"))
+    assert "wraps transformer_blocks.0.attn, single_transformer_blocks.*.attn (2) (3 module(s))" in text

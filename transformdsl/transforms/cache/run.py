@@ -241,7 +241,7 @@ class CacheBehaviour:
                 wrapped = self.wrapped(model)
             except _Unsupported:
                 continue
-            lines.append(f"wraps {_summary([name for name, _ in wrapped])} ({len(wrapped)} module(s))")
+            lines.append(self.describe_wrapped([name for name, _ in wrapped]))
             lines.append(f"per step: {self.skips}")
             lines.append("call the denoiser inside `with model.cache_context(\"cond\"):` (pipelines do); "
                          + ("a call outside one is an error" if self.needs_context else
@@ -251,6 +251,9 @@ class CacheBehaviour:
     # -- per mode
 
     skips: str = ""
+
+    def describe_wrapped(self, names: list[str]) -> str:
+        return f"wraps {_summary(names)} ({len(names)} module(s))"
 
     def wrapped(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         raise NotImplementedError
@@ -353,6 +356,10 @@ class FirstBlockCache(CacheBehaviour, FirstBlockCacheDeclaration):
     def wrapped(self, model):
         return _registered_blocks(model, self.mode, least=2)
 
+    def describe_wrapped(self, names):
+        return (f"wraps {len(names)} blocks: {names[0]} runs every step and decides; "
+                f"{_summary(names[1:])} may be skipped")
+
 
 class MagCache(CacheBehaviour, MagCacheDeclaration):
     skips = ("the first block decides: while the accumulated magnitude-ratio error stays under threshold (at most "
@@ -361,6 +368,10 @@ class MagCache(CacheBehaviour, MagCacheDeclaration):
 
     def wrapped(self, model):
         return _registered_blocks(model, self.mode, least=1)
+
+    def describe_wrapped(self, names):
+        return f"wraps {len(names)} blocks: {names[0]} decides; {_summary(names) if len(names) > 1 else names[0]} " \
+               "may be skipped"
 
     def config_kwargs(self, model, guard):
         kwargs = dataclasses.asdict(self.options)
