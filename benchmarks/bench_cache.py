@@ -112,7 +112,7 @@ class Loop:
         return latent
 
 
-def rounds(loops: dict[str, Loop], count: int) -> dict[str, list[float]]:
+def timed_rounds(loops: dict[str, Loop], count: int) -> dict[str, list[float]]:
     """Loop times per variant over ``count`` rounds (after one warm-up each); each round runs every variant
     once, the order reversed every other round, so that ours and by hand (adjacent) see the same load."""
     times: dict[str, list[float]] = {name: [] for name in loops}
@@ -154,7 +154,7 @@ def measure(model_name: str, steps: int, rounds: int, compile_check: bool) -> tu
         hand.enable_cache(config(lambda c=clock: c["t"]))
         loops[f"{mode} ours"] = Loop(ours, steps)
         loops[f"{mode} by hand"] = Loop(hand, steps, clock)
-    times = rounds(loops, rounds)
+    times = timed_rounds(loops, rounds)
     medians = {name: statistics.median(t) for name, t in times.items()}
     reference = loops["uncached"]()
     for mode, (script, _) in modes(steps).items():
@@ -184,7 +184,7 @@ def measure(model_name: str, steps: int, rounds: int, compile_check: bool) -> tu
             transformdsl.transform(model, script)
             loops2[name] = Loop(model, steps)
         loops2["uncached"] = loops["uncached"]
-        t2 = rounds(loops2, rounds)
+        t2 = timed_rounds(loops2, rounds)
         outs = {name: loop() for name, loop in loops2.items()}
         compiled.append({
             "model": model_name,
@@ -260,7 +260,8 @@ def main(argv=None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(page)
     print(page)
-    splice(HERE / "RESULTS.md", f"{SECTION}\n\nFrom [results/cache.md](results/cache.md), written by the script "
+    if path.resolve() == (RESULTS / "cache.md").resolve():  # a trial run (--out elsewhere) leaves RESULTS.md alone
+        splice(HERE / "RESULTS.md", f"{SECTION}\n\nFrom [results/cache.md](results/cache.md), written by the script "
                                 f"that measured it.\n\n{body}")
 
 
