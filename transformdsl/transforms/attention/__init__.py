@@ -80,22 +80,22 @@ class AttentionBackend(Transform):
         return None
 
 
-def _class_name(mode: str) -> str:
+def class_name(mode: str) -> str:
     return "Attention_" + mode
 
 
 def _declare(mode: str) -> type:
     library, backend = library_name(mode)
     where = "diffusers' attention dispatcher" if library == "diffusers" else "transformers' attn_implementation"
-    return type(_class_name(mode), (AttentionBackend,), {
+    return type(class_name(mode), (AttentionBackend,), {
         "mode": mode, "library": library, "backend": backend,
         "summary": f"run attention with '{backend}' ({where})",
-        "implementation": f".run:{_class_name(mode)}",
+        "implementation": f".run:{class_name(mode)}",
         "__module__": __name__,
     })
 
 
 MODES = tuple(name.lstrip("_") for name in DIFFUSERS_BACKENDS) + TRANSFORMERS_BACKENDS
 for _mode in MODES:
-    globals()[_class_name(_mode)] = _declare(_mode)
+    globals()[class_name(_mode)] = _declare(_mode)
 del _mode

@@ -22,7 +22,7 @@ from torch import nn
 
 from ...extend import ApplyContext, LoadError
 from ...tree import ModuleInfo, ModuleTree
-from . import DEVICE_ONLY, EQUIVALENT, FALLBACK, MODES, TRANSFORMERS_BACKENDS, _class_name
+from . import DEVICE_ONLY, EQUIVALENT, FALLBACK, MODES, TRANSFORMERS_BACKENDS, class_name
 from . import AttentionBackend as AttentionBackendDeclaration
 
 logger = logging.getLogger("transformdsl")
@@ -245,11 +245,11 @@ def set_backend(model: nn.Module, library: str, backend: str, edit, prefix: str)
 def _implement(mode: str) -> type:
     from .. import attention as declarations
 
-    declared = getattr(declarations, _class_name(mode))
-    return type(_class_name(mode), (AttentionBehaviour, declared), {"__module__": __name__})
+    declared = getattr(declarations, class_name(mode))
+    return type(class_name(mode), (AttentionBehaviour, declared), {"__module__": __name__})
 
 
 for _mode in MODES:
-    globals()[_class_name(_mode)] = _implement(_mode)
+    globals()[class_name(_mode)] = _implement(_mode)
 del _mode
-assert issubclass(globals()[_class_name("native")], AttentionBackendDeclaration)
+assert issubclass(globals()[class_name("native")], AttentionBackendDeclaration)
