@@ -14,6 +14,7 @@ export TOKENIZERS_PARALLELISM := false
 .PHONY: demo test test-quick bench zoo install lint clean
 
 $(STAMP): pyproject.toml requirements/constraints.txt
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "transformdsl needs Python 3.11 or newer (the pinned stack does not install on " + sys.version.split()[0] + "); run make with PYTHON=python3.11")'
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0

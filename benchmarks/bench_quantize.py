@@ -34,7 +34,7 @@ from torch import nn  # noqa: E402
 
 import transformdsl  # noqa: E402
 from transformdsl import models  # noqa: E402
-from transformdsl.executor import history_of  # noqa: E402
+from transformdsl.history import history_of  # noqa: E402
 
 #: hqq's group size must divide every quantized layer's in_features (tiny Flux: 16 and 80).
 MODELS = {

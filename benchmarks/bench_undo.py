@@ -40,17 +40,17 @@ def _child(key: str, undo: str | None, threads: int, out) -> None:
     import torch
     import workloads
     from baselines import diffusers_layerwise_fp8
-    from measure import _quiet, _touch, peak_rss, reset_peak, rss
+    from measure import peak_rss, quiet, reset_peak, rss, touch_model
 
     import transformdsl
 
-    _quiet()
+    quiet()
     torch.set_num_threads(threads)
     workload = next(w for w in ALL_WORKLOADS() if w.key == key)
     base = rss()
     with torch.no_grad():
         model = workloads.read(workload)
-        _touch(model)
+        touch_model(model)
         model = model.to(torch.bfloat16)
     inputs = workloads.sample(model, torch.bfloat16)
     params = sum(p.numel() for p in model.parameters())

@@ -38,7 +38,7 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 import transformdsl  # noqa: E402
-from transformdsl.executor import history_of  # noqa: E402
+from transformdsl.history import history_of  # noqa: E402
 from transformdsl.models import run, sample_inputs, tiny_flux, tiny_llama  # noqa: E402
 
 #: Relative tolerance between CPU (ours) and GPU (stock) outputs, per mode.

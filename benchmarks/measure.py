@@ -181,7 +181,7 @@ def touch(tensors) -> None:
             data.float().sum()
 
 
-def _touch(model) -> None:
+def touch_model(model) -> None:
     touch(_unwrap(model).state_dict().values())
 
 
@@ -212,7 +212,7 @@ class NotAvailable(Exception):
     """The transform (or a baseline's package) is not there yet: the row says so."""
 
 
-def _quiet() -> None:
+def quiet() -> None:
     """bitsandbytes warns on every fp32 call and diffusers on every dtype cast: keep the log readable."""
     warnings.filterwarnings("ignore")
     for name in ("bitsandbytes", "diffusers", "transformers", "torch._dynamo", "torch._inductor", "hqq"):
@@ -275,7 +275,7 @@ def _read(job: Job, comparison: Comparison | None):
     """The original model (every byte read), its facts, and the sample input in the job's dtype."""
     with torch.no_grad():  # not inference_mode: the transforms could not change its tensors after
         model, read_s = _timed(lambda: workloads.read(job.workload))
-        _, touch_s = _timed(lambda: _touch(model))
+        _, touch_s = _timed(lambda: touch_model(model))
     facts = {"params": workloads.parameter_count(model), "read_s": read_s + touch_s,
              "original_bytes": weight_bytes(model)}
     reference = workloads.reference(job.workload, model)
@@ -287,7 +287,7 @@ def _read(job: Job, comparison: Comparison | None):
         gc.collect()
         with torch.no_grad():
             model = workloads.read(job.workload, dtype)
-            _touch(model)
+            touch_model(model)
     return model, facts, reference, workloads.sample(model, dtype)
 
 
@@ -349,7 +349,7 @@ def _apply_round(job: Job, comparison: Comparison) -> dict:
     what their ratio needs."""
     with torch.no_grad():
         model = workloads.read(job.workload, comparison.dtype)
-        _touch(model)
+        touch_model(model)
     gc.collect()
     _, transform_s = _transform(job, comparison, model)
     return {"transform_s": transform_s}
@@ -408,7 +408,7 @@ def _reload(model, output: torch.Tensor, inputs, target: Path) -> dict:
 
         def load_and_touch():
             loaded = transformdsl.load(target)
-            _touch(loaded)
+            touch_model(loaded)
             return loaded
 
         def architecture():
@@ -479,6 +479,6 @@ class Isolated:
 
 
 def _child(job: Job, writer) -> None:
-    _quiet()
+    quiet()
     writer.send(measure(job))
     writer.close()

@@ -707,13 +707,12 @@ def write_measured(rows: list[dict], meta: dict, path: Path) -> None:
 
 # ---------------------------------------------------------------------- page
 
-def write_report(rows: list[dict], scaling: list[dict], meta: dict, out: Path) -> Path:
-    """Write ``out/RESULTS.md`` and ``out/charts/*.png``; return the page's path."""
-    import charts
-
+def write_report(rows: list[dict], scaling: list[dict], meta: dict, out: Path, draw) -> Path:
+    """Write ``out/RESULTS.md``, and ``out/charts/*.png`` with ``draw(rows, points, folder)`` (which
+    returns figure name → path; :func:`charts.draw_all`); return the page's path."""
     out.mkdir(parents=True, exist_ok=True)
     points = scaling_points(scaling)
-    figures = charts.draw_all(rows, points, out / "charts")
+    figures = draw(rows, points, out / "charts")
     text = header("Benchmarks: transformdsl against doing it by hand", meta.get("measured_at"), meta["threads"])
     text += method(meta, rows)
     text += "\n## What is compared\n" + compared_section(rows)

@@ -227,10 +227,11 @@ def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
     out = args.out or (HERE / "_work" / "quick" if args.quick else HERE)
     if args.report_only:
+        from charts import draw_all
         from report import write_report
 
         data = json.loads((out / "results" / "run.json").read_text())
-        return write_report(data["rows"], data["scaling"], data["meta"], out)
+        return write_report(data["rows"], data["scaling"], data["meta"], out, draw_all)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     started, load_before = time.time(), os.getloadavg()
@@ -266,9 +267,10 @@ def main(argv: list[str] | None = None) -> Path:
         meta["runs"] = [{"measured_at": meta["measured_at"], "command": meta["command"], "seconds": meta["seconds"],
                          "cpu": meta["cpu"]}]
     raw.write_text(json.dumps({"meta": meta, "rows": rows, "scaling": scaling_rows}, indent=1, default=str))
+    from charts import draw_all
     from report import write_report
 
-    page = write_report(rows, scaling_rows, meta, out)
+    page = write_report(rows, scaling_rows, meta, out, draw_all)
     print(f"\n{len(rows) + len(scaling_rows)} jobs in {meta['seconds']:.0f} s; written {page}")
     return page
 

@@ -29,8 +29,9 @@ from torch import nn
 import transformdsl
 from transformdsl import TransformError, models, registry
 from transformdsl.edit import Edit
-from transformdsl.executor import history_of, relative_error, script_error_bound
+from transformdsl.executor import relative_error, script_error_bound
 from transformdsl.extend import Transform
+from transformdsl.history import history_of
 from transformdsl.persist import atomic as persist_atomic
 from transformdsl.persist import write as persist_write
 from transformdsl.planner import module_components

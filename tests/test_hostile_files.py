@@ -641,7 +641,7 @@ FORBIDDEN_ATTRIBUTES = {("torch", "load"), ("torch", "serialization"), ("os", "s
                         ("yaml", "load"), ("numpy", "load"), ("np", "load")}
 #: (file, name) uses that are not driven by file content, with the reason.
 ALLOWED_USES = {
-    ("models.py", "import_module"): "`--model module:factory` imports the code the user names on the command line",
+    ("resolve.py", "import_module"): "`--model module:factory` imports the code the user names on the command line",
     ("registry.py", "import_module"): "a transform's module, as the built-in table or an installed entry point names "
                                       "it; a key read from a file only selects among those",
 }

@@ -151,7 +151,7 @@ def test_standard_input_is_closed_to_libraries_during_load(module_save):
     import sys
 
     seen = []
-    from transformdsl import guard
+    from transformdsl.persist import guard
 
     with guard.loading():
         seen.append(sys.stdin.read())
@@ -166,7 +166,7 @@ def test_every_copy_of_the_offline_setting_is_set_during_load_also_new_or_replac
     import types
     from importlib.machinery import ModuleSpec
 
-    from transformdsl import guard
+    from transformdsl.persist import guard
 
     def holder(name: str, initializing: bool = False) -> types.ModuleType:
         module = types.ModuleType(name)
@@ -386,7 +386,7 @@ def test_a_temporary_directory_of_a_running_save_is_left_alone(tmp_path):
     model = torch.nn.Linear(4, 4)
     running = tmp_path / ".model.tmp-running"
     running.mkdir()
-    from transformdsl.persist import _boot_id
+    from transformdsl.persist.atomic import _boot_id
 
     (running / ".transformdsl-incomplete").write_text(f"{os.getpid()} {_boot_id()}\n")
     foreign = tmp_path / ".model.tmp-foreign"
@@ -527,7 +527,7 @@ def test_code_fields_in_a_nested_file_of_a_component_are_refused(pipeline_save):
 
 
 def test_zero_size_tensors_and_aliases_do_not_enlarge_the_module_budget(module_save):
-    from transformdsl.safetensors_io import save_aligned
+    from transformdsl.persist.safetensors_io import save_aligned
 
     junk = {f"junk.{i}": torch.empty(0) for i in range(20_000)}
     save_aligned(junk, module_save / "junk.safetensors", metadata={"format": "pt"})

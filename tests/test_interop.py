@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 
 import transformdsl
 from transformdsl.errors import TransformError
-from transformdsl.executor import history_of
+from transformdsl.history import history_of
 from transformdsl.models import BUILTIN, run, sample_inputs
 
 ROOT = Path(__file__).resolve().parent.parent

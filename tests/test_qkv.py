@@ -13,7 +13,7 @@ from torch import nn
 import transformdsl
 from transformdsl import models
 from transformdsl.errors import LoadError, TransformError
-from transformdsl.executor import history_of
+from transformdsl.history import history_of
 from transformdsl.models import run
 from transformdsl.planner import plan
 from transformdsl.transforms.qkv import fusion as qkv

@@ -20,8 +20,8 @@ import transformdsl  # noqa: E402
 from transformdsl import models  # noqa: E402
 from transformdsl.edit import Edit  # noqa: E402
 from transformdsl.errors import LoadError, ScriptError, TransformError  # noqa: E402
-from transformdsl.executor import history_of  # noqa: E402
 from transformdsl.extend import ApplyContext  # noqa: E402
+from transformdsl.history import history_of  # noqa: E402
 from transformdsl.persist import meta_copy  # noqa: E402
 from transformdsl.planner import plan  # noqa: E402
 from transformdsl.transforms.quantize import Int8Options  # noqa: E402

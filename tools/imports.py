@@ -20,7 +20,9 @@ def module_name(root: Path, path: Path) -> str:
 
 
 def imports_of(root: Path, path: Path, modules: set[str]) -> list[tuple[str, list[str], int]]:
-    """(imported module, names imported from it, line) for each import of ``path`` inside the package."""
+    """(imported module, names imported from it, line) for each import of ``path`` inside the package
+    (or, for a folder of scripts without ``__init__.py`` such as benchmarks/, of its sibling files)."""
+    scripts = not (root / "__init__.py").exists()
     name = module_name(root, path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out = []
@@ -36,6 +38,8 @@ def imports_of(root: Path, path: Path, modules: set[str]) -> list[tuple[str, lis
             for alias in node.names:
                 if alias.name in modules or alias.name.partition(".")[0] == root.name:
                     out.append((alias.name, [], node.lineno))
+                elif scripts and f"{root.name}.{alias.name}" in modules:  # a sibling script
+                    out.append((f"{root.name}.{alias.name}", [], node.lineno))
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
@@ -43,6 +47,8 @@ def imports_of(root: Path, path: Path, modules: set[str]) -> list[tuple[str, lis
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
+            if scripts and not node.level and f"{root.name}.{target}" in modules:
+                target = f"{root.name}.{target}"  # ``from sibling import name`` in a folder of scripts
             if target.partition(".")[0] != root.name:
                 continue
             names = [a.name for a in node.names]
@@ -116,7 +122,8 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    roots = [Path(a) for a in argv] or [Path(__file__).resolve().parents[1] / "transformdsl"]
+    top = Path(__file__).resolve().parents[1]
+    roots = [Path(a) for a in argv] or [top / "transformdsl", top / "benchmarks"]
     status = 0
     for root in roots:
         edges, private = graph(root.resolve())

@@ -19,8 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .errors import LoadError, ScriptError, TransformError
-
-__version__ = "0.1.0"
+from .version import __version__
 
 #: The public names defined in other modules (imported on first access).
 _LAZY = ("parse", "plan", "Plan", "transform", "save", "load", "convert")

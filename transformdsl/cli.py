@@ -269,7 +269,7 @@ def cmd_demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from .version import __version__
 
     parser = argparse.ArgumentParser(prog="transformdsl", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -337,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="the whole job on a built-in tiny model")
     p.add_argument("--model", default=None, help="built-in model name (default: the example's)")
-    p.add_argument("--script", default=None, help="script to apply (default: examples/demo.tfm)")
+    p.add_argument("--script", default=None, help="script to apply (default: the demo script, examples/demo.tfm)")
     p.add_argument("--out", default=None, help="where to save (default: a temporary directory)")
     p.set_defaults(func=cmd_demo)
     return parser

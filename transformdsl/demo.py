@@ -22,7 +22,8 @@ import torch
 
 from .explain import human_bytes
 
-DEFAULT_SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "demo.tfm"
+#: The demo's script: package data (a copy of examples/demo.tfm, which a test keeps identical).
+DEFAULT_SCRIPT = Path(__file__).with_name("demo.tfm")
 DEFAULT_MODEL = "flux"
 
 

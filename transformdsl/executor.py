@@ -14,61 +14,23 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from .edit import Edit
 from .errors import TransformError
 from .explain import human_bytes
 from .extend import ApplyContext
+from .history import AppliedStep, append_history
 from .ir import Script
 from .planner import Plan, module_components, plan
 from .spill import UndoStore, auto_budget, check_undo_options
 from .tree import parameter_bytes
 from .validate import ValidatedScript
 
-#: Attribute (in the module's ``__dict__``) holding what was applied to a component.
-HISTORY_ATTR = "_transformdsl_history"
 logger = logging.getLogger("transformdsl")
-
-
-@dataclass
-class AppliedStep:
-    """One executed statement, as saved in the metadata and replayed on load."""
-
-    key: str
-    line: int
-    statement: str
-    options: dict
-    common: dict
-    record: dict
-    script_index: int
-
-    def to_json(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-@dataclass
-class History:
-    """What was applied to one component: the scripts and the steps, in order."""
-
-    scripts: list[str]
-    steps: list[AppliedStep]
-
-    def to_json(self) -> dict:
-        return {"scripts": list(self.scripts), "steps": [s.to_json() for s in self.steps]}
-
-
-def history_of(module: nn.Module) -> History | None:
-    return module.__dict__.get(HISTORY_ATTR)
-
-
-def set_history(module: nn.Module, history: History) -> None:
-    module.__dict__[HISTORY_ATTR] = history
 
 
 def _progress_factory(enabled: bool) -> Callable:
@@ -195,6 +157,7 @@ def transform(model: Any, script: str | Path | Script | ValidatedScript | Plan, 
                 common=dataclasses.asdict(step.transform.common),
                 record=record,
                 script_index=0,
+                record_version=step.transform.record_version,
             ))
         if verify:
             _verify(model, reference, samples, [step.transform for step in the_plan.steps], log)
@@ -207,7 +170,7 @@ def transform(model: Any, script: str | Path | Script | ValidatedScript | Plan, 
     edit.commit()
     _close_store(edit.store, log)
     for name, steps in applied.items():
-        _append_history(components[name], source, steps)
+        append_history(components[name], source, steps)
     return model
 
 
@@ -231,16 +194,6 @@ def _close_store(store: UndoStore | None, log) -> None:
          if store.dropped_bytes else [])
     if log is not None and parts:
         log(f"undo log: {', '.join(parts)} (budget {human_bytes(store.budget)} in memory)")
-
-
-def _append_history(module: nn.Module, source: str, steps: list[AppliedStep]) -> None:
-    history = history_of(module) or History([], [])
-    index = len(history.scripts)
-    history.scripts.append(source)
-    for step in steps:
-        step.script_index = index
-        history.steps.append(step)
-    set_history(module, history)
 
 
 def apply_step(step, ctx, targets: list[str], consequence: str) -> dict:
@@ -303,7 +256,6 @@ def sample_output(model: Any, inputs: tuple[tuple, dict] | None = None) -> torch
     not change the model it checks); their training flags are restored afterwards.
     """
     from . import models
-
     from .transforms.cache.run import fresh_context  # a step cache runs each sample as a fresh denoising loop
 
     modules = list(module_components(model).values())
@@ -316,7 +268,7 @@ def sample_output(model: Any, inputs: tuple[tuple, dict] | None = None) -> torch
                 return models.run(model, seed=0)
             args, kwargs = inputs
             with torch.no_grad():
-                return models._one_tensor(model(*args, **kwargs))  # the tensor models.run() returns
+                return models.one_tensor(model(*args, **kwargs))  # the tensor models.run() returns
     finally:
         for module, training in flags:
             module.training = training

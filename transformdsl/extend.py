@@ -53,6 +53,8 @@ if TYPE_CHECKING:  # pragma: no cover  (the declarations import no torch: `check
     from torch import nn
 
     from .edit import Edit
+    from .history import AppliedStep
+    from .interop.export import Exported
     from .tree import ModuleInfo, ModuleTree
 
 __all__ = ["ApplyContext", "CommonOptions", "LoadError", "NoOptions", "Transform", "TransformError", "option"]
@@ -204,3 +206,12 @@ class Transform:
     @classmethod
     def finalize(cls, root: nn.Module, record: dict, options: Any) -> None:
         """Runs after the saved tensors are in place (e.g. to compile again)."""
+
+    # ------------------------------------------------------------------ other formats
+
+    @classmethod
+    def export(cls, step: AppliedStep, out: Exported) -> None:
+        """Carry an applied step into a library's layout (``save(..., format="transformers")``): rename or
+        split tensors in ``out``, add a note, or ask for the ``quantization_config``; raise
+        ``out.refuse(step, why)`` when the format cannot carry it (the default)."""
+        raise out.refuse(step, f"{out.library} has no representation of '{step.key}'")

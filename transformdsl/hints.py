@@ -17,18 +17,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .errors import ScriptError
 from .ir import Selector, Statement
 from .parser import make_selector
 from .selectors import select, topmost
 from .tree import is_below
+from .validate import ValidatedScript
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .planner import Step
+    from .planner import Planner, Step
     from .tree import ModuleTree
-    from .validate import ValidatedScript
 
 #: At most this many re-plans per hint (each is one walk of the model's tree).
 MAX_TRIES = 12
@@ -37,16 +37,13 @@ MAX_TRIES = 12
 Edit = tuple[Statement, str, tuple[str, ...]]
 
 
-def replan(model: Any, validated: ValidatedScript, edits: Iterable[Edit] = (),
+def replan(planner: Planner, validated: ValidatedScript, edits: Iterable[Edit] = (),
            replace: dict[tuple[Statement, str, int], str] | None = None):
     """Plan ``validated`` with ``edits`` (added clauses) and ``replace`` (selector texts swapped) applied.
 
     Returns ``(plan or None, problems, statements)``: ``statements`` maps each original statement
     to its edited copy.
     """
-    from .planner import Planner
-    from .validate import ValidatedScript
-
     edits = list(edits)
     replace = replace or {}
     steps, statements = [], {}
@@ -65,7 +62,7 @@ def replan(model: Any, validated: ValidatedScript, edits: Iterable[Edit] = (),
                 new = dataclasses.replace(new, **{field: getattr(new, field) + added})
         statements[statement] = new
         steps.append(transform if new is statement else type(transform)(new, transform.options, transform.common))
-    planner = Planner(model, ValidatedScript(validated.script, tuple(steps)), hints=False)
+    planner = type(planner)(planner.model, ValidatedScript(validated.script, tuple(steps)), hints=False)
     try:
         return planner.run(), [], statements
     except ScriptError as error:
@@ -124,7 +121,7 @@ def _leaf_names(paths: list[str]) -> list[str]:
     return sorted({next((s for s in reversed(p.split(".")) if not s.isdigit()), p) for p in paths})
 
 
-def conflict_fix(model: Any, validated: ValidatedScript, first: Step, second: Step, paths: list[str],
+def conflict_fix(planner: Planner, validated: ValidatedScript, first: Step, second: Step, paths: list[str],
                  tree: ModuleTree) -> str | None:
     """A checked edit that resolves the conflict of ``first`` and ``second`` over ``paths``."""
     a, b = first.statement, second.statement
@@ -159,7 +156,7 @@ def conflict_fix(model: Any, validated: ValidatedScript, first: Step, second: St
         tries += 1
         if tries > MAX_TRIES:
             break
-        the_plan, _, statements = replan(model, validated, edits)
+        the_plan, _, statements = replan(planner, validated, edits)
         if the_plan is not None and _targets(the_plan, statements[a]) and _targets(the_plan, statements[b]):
             return describe(edits)
     return None
@@ -175,7 +172,7 @@ def describe(edits: tuple[Edit, ...]) -> str:
 # --------------------------------------------------------------------------- selectors that match nothing
 
 
-def working_names(model: Any, validated: ValidatedScript, statement: Statement, clause: str, index: int,
+def working_names(planner: Planner, validated: ValidatedScript, statement: Statement, clause: str, index: int,
                    candidates: list[str]) -> list[str]:
     """The ``candidates`` that, written in place of the selector, make its problem go away (and, when
     the script then plans, leave the statement something to do)."""
@@ -183,7 +180,7 @@ def working_names(model: Any, validated: ValidatedScript, statement: Statement, 
     kept = []
     for text in candidates[:MAX_TRIES]:
         try:
-            the_plan, problems, statements = replan(model, validated, replace={(statement, clause, index): text})
+            the_plan, problems, statements = replan(planner, validated, replace={(statement, clause, index): text})
         except ValueError:  # not a valid selector
             continue
         if any(span in p.spans for p in problems):
@@ -197,7 +194,7 @@ def working_names(model: Any, validated: ValidatedScript, statement: Statement, 
 # --------------------------------------------------------------------------- modules that do not suit the options
 
 
-def exclusion_fix(model: Any, validated: ValidatedScript, statement: Statement, paths: list[str],
+def exclusion_fix(planner: Planner, validated: ValidatedScript, statement: Statement, paths: list[str],
                   tree: ModuleTree) -> str | None:
     """A checked ``except`` that drops the modules that do not suit ``statement``'s options."""
     paths = [p for p in paths if p]  # the component itself ("") cannot be excluded by a selector
@@ -208,7 +205,7 @@ def exclusion_fix(model: Any, validated: ValidatedScript, statement: Statement, 
     for texts in candidates:
         if not all(texts):
             continue
-        the_plan, _, statements = replan(model, validated, [(statement, "except", texts)])
+        the_plan, _, statements = replan(planner, validated, [(statement, "except", texts)])
         if the_plan is not None and _targets(the_plan, statements[statement]):
             return describe(((statement, "except", texts),))
     return None

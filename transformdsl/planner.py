@@ -19,6 +19,7 @@ from torch import nn
 from .declarations import declared_exclusions
 from .errors import Problem, ScriptError
 from .extend import Transform
+from .hints import candidates_for, conflict_fix, exclusion_fix, working_names
 from .ir import Script, Selector, source_lines
 from .parser import make_selector, parse, parse_file
 from .regexes import SelectorTooSlow, regex_budget
@@ -385,25 +386,19 @@ class Planner:
 
     def _conflict_hint(self, problem: Problem, first: Step, second: Step, paths: list[str],
                        tree: ModuleTree) -> None:
-        from .hints import conflict_fix
-
-        fix = conflict_fix(self.model, self.validated, first, second, paths, tree)
+        fix = conflict_fix(self, self.validated, first, second, paths, tree)
         if fix:
             problem.hint = fix
 
     def _names_hint(self, problem: Problem, selector: Selector, statement, clause: str, index: int,
                     close: list[str], tree: ModuleTree) -> None:
-        from .hints import candidates_for, working_names
-
-        names = working_names(self.model, self.validated, statement, clause, index,
+        names = working_names(self, self.validated, statement, clause, index,
                               candidates_for(selector, tree, clause, close))
         # Only names that work: each was written in place of the selector and the script planned again.
         problem.hint = "nearest names: " + ", ".join(names[:3]) if names else None
 
     def _exclusion_hint(self, problem: Problem, statement, paths: list[str], tree: ModuleTree) -> None:
-        from .hints import exclusion_fix
-
-        fix = exclusion_fix(self.model, self.validated, statement, paths, tree)
+        fix = exclusion_fix(self, self.validated, statement, paths, tree)
         problem.hint = fix or "change the options (no 'except' leaves this statement something to do)"
 
 

@@ -44,7 +44,7 @@ AUTO_MAX = 1 << 30
 CHUNK = 1 << 30
 #: Edits after which an original still referred to elsewhere waits for the end of its statement.
 RETRIES = 2
-_PAGE = mmap.PAGESIZE
+PAGE = mmap.PAGESIZE
 _MADV_DONTNEED = 4
 
 
@@ -209,8 +209,8 @@ class UndoStore:
     def _drop_mapped_pages(self, tensor: torch.Tensor) -> bool:
         """Give back the pages of a tensor that still reads its file's bytes; whether it gave any back."""
         start = tensor.data_ptr()
-        span = _span(tensor)
-        first, last = -(-start // _PAGE) * _PAGE, (start + span) // _PAGE * _PAGE
+        span = page_span(tensor)
+        first, last = -(-start // PAGE) * PAGE, (start + span) // PAGE * PAGE
         if last <= first:
             # less than a page of its own: nothing to give back (and no need to read the process's
             # mappings, a millisecond of the kernel's time, for a model of small layers)
@@ -223,7 +223,7 @@ class UndoStore:
                 self._pagemap = os.open("/proc/self/pagemap", os.O_RDONLY)
             except OSError:
                 return False
-        if not _pages_are_the_files(first, last, self._pagemap):
+        if not pages_are_the_files(first, last, self._pagemap):
             return False
         _, _, _, path, dev, inode = mapping
         try:
@@ -232,7 +232,7 @@ class UndoStore:
             return False
         if stat.st_ino != inode:
             return False  # the path now names another file (device numbers differ on overlays: not compared)
-        if _madvise(first, last - first) != 0:
+        if madvise_dontneed(first, last - first) != 0:
             return False
         self._in_files.setdefault(path, _InFile(path, (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)))
         self.dropped_bytes += last - first
@@ -281,7 +281,7 @@ class UndoStore:
 
 # ---------------------------------------------------------------------- helpers
 
-def _span(tensor: torch.Tensor) -> int:
+def page_span(tensor: torch.Tensor) -> int:
     """Bytes from the tensor's first element to the end of its last."""
     extent = 1 + sum((n - 1) * abs(s) for n, s in zip(tensor.shape, tensor.stride()))
     return extent * tensor.element_size()
@@ -337,18 +337,18 @@ def _parsed_mapping(entry: tuple[int, int, str]) -> tuple[int, int, int, str, in
     return start, end, int(parts[2], 16), parts[5], os.makedev(major, minor), int(parts[4])
 
 
-def _pages_are_the_files(first: int, last: int, pagemap: int | None = None) -> bool:
+def pages_are_the_files(first: int, last: int, pagemap: int | None = None) -> bool:
     """Whether no page in [first, last) was written to (copied on write) or swapped out;
     ``pagemap``: an open descriptor of ``/proc/self/pagemap`` (else opened for this call)."""
     import numpy as np
 
-    pages = (last - first) // _PAGE
+    pages = (last - first) // PAGE
     try:
         if pagemap is None:
             with open("/proc/self/pagemap", "rb", buffering=0) as f:
-                data = os.pread(f.fileno(), pages * 8, first // _PAGE * 8)
+                data = os.pread(f.fileno(), pages * 8, first // PAGE * 8)
         else:
-            data = os.pread(pagemap, pages * 8, first // _PAGE * 8)
+            data = os.pread(pagemap, pages * 8, first // PAGE * 8)
     except OSError:
         return False
     if len(data) != pages * 8:
@@ -363,7 +363,7 @@ def _pages_are_the_files(first: int, last: int, pagemap: int | None = None) -> b
 _LIBC_MADVISE = None
 
 
-def _madvise(address: int, length: int) -> int:
+def madvise_dontneed(address: int, length: int) -> int:
     global _LIBC_MADVISE
     try:
         if _LIBC_MADVISE is None:

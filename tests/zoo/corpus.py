@@ -155,9 +155,9 @@ def _tensor(spec: dict, generator: torch.Generator | None) -> torch.Tensor:
 
 def output_tensor(output: Any) -> torch.Tensor:
     """The tensor a model's output is compared by (the one ``verify`` compares)."""
-    from transformdsl.models import _one_tensor
+    from transformdsl.models import one_tensor
 
-    return _one_tensor(output)
+    return one_tensor(output)
 
 
 def run(model: nn.Module, model_inputs: tuple[tuple, dict]) -> torch.Tensor:

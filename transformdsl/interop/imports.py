@@ -26,8 +26,11 @@ import torch
 from torch import nn
 
 from ..errors import LoadError
-from ..safetensors_io import is_padding
-from ..savedir import SaveDir
+from ..persist.checks import check_config, check_module_meta, read_json, sanitized
+from ..persist.format import FORMAT, FORMAT_VERSION
+from ..persist.read import TensorFiles, load_module, lookup_model_class, module_budget, module_limit
+from ..persist.safetensors_io import is_padding
+from ..persist.savedir import SaveDir
 from . import CONFIG_FILE
 
 #: The weight files a library directory may hold (single file or index), per library.
@@ -39,7 +42,7 @@ _MAX_STATE_BYTES = 65536
 
 class _Located(type(Path())):
     """A weights file's path (in messages) that also knows where to read it: ``source``, the
-    descriptor path of the file opened through the save's folder (:mod:`..savedir`)."""
+    descriptor path of the file opened through the save's folder (:mod:`transformdsl.persist.savedir`)."""
 
     source: str = ""
 
@@ -48,24 +51,22 @@ def library_metadata(folder: SaveDir) -> tuple[dict, dict[str, Path]]:
     """The metadata :func:`transformdsl.load` would read, derived from a library directory's
     ``config.json`` and safetensors headers (no tensor data is read but 4-bit quant states);
     and the saved tensor names → their files.  ``folder`` is the directory opened once:
-    every file is read through it (see :mod:`transformdsl.savedir`)."""
+    every file is read through it (see :mod:`transformdsl.persist.savedir`)."""
     from safetensors import safe_open
-
-    from .. import persist
 
     directory = folder.path
     config_path = directory / CONFIG_FILE
     if folder.exists("model_index.json"):
         raise LoadError(f"{directory}: a diffusers pipeline saved by diffusers; load it with diffusers and pass "
                         "its components to transformdsl, or load one component folder")
-    config = persist._read_json(folder, CONFIG_FILE, "configuration")
+    config = read_json(folder, CONFIG_FILE, "configuration")
     if not isinstance(config, dict):
         raise LoadError(f"{config_path}: the configuration is not a JSON object")
-    persist._check_config(config_path, config, strip=True)
-    config = persist._sanitized(config)
+    check_config(config_path, config, strip=True)
+    config = sanitized(config)
     library, name = _library_class(config_path, config)
     names = _weight_files(folder, library)
-    files = persist._TensorFiles(folder, names)
+    files = TensorFiles(folder, names)
     headers: dict[str, Path] = {}
     try:
         for file_name, _, source in files.opened:
@@ -81,37 +82,33 @@ def library_metadata(folder: SaveDir) -> tuple[dict, dict[str, Path]]:
         files.close()
     plain = {k: v for k, v in config.items() if k != "quantization_config"}
     meta = {
-        "format": persist.FORMAT, "format_version": persist.FORMAT_VERSION, "kind": "module",
+        "format": FORMAT, "format_version": FORMAT_VERSION, "kind": "module",
         "model": {"library": library, "class": name, "config": plain},
         "scripts": [script] if steps else [], "steps": steps,
         "tensors": {"files": names, "nonpersistent": [], "aliases": {}},
         "interop": {"imported": library},
         "versions": {},
     }
-    persist._check_module_meta(config_path, meta)
+    check_module_meta(config_path, meta)
     return meta, headers
 
 
 def load_library_directory(folder: SaveDir, model: Any, device, mmap: bool) -> nn.Module:
-    from .. import persist
-
     if model is not None:
         raise LoadError(f"{folder.path}: a {CONFIG_FILE} directory is rebuilt from its configuration; drop model=")
     meta, skeleton = library_skeleton(folder)
-    return persist.load_module(folder, meta, lambda: skeleton, device, mmap)
+    return load_module(folder, meta, lambda: skeleton, device, mmap)
 
 
 def library_skeleton(folder: SaveDir) -> tuple[dict, nn.Module]:
     """The metadata :func:`library_metadata` derives, its tied keys added as aliases, and the
     architecture built from the configuration (parameters on the meta device)."""
-    from .. import persist
-
     meta, headers = library_metadata(folder)
     config_path = folder.path / CONFIG_FILE
     description = meta["model"]
-    cls = persist._model_class(description["library"], description["class"], config_path)
+    cls = lookup_model_class(description["library"], description["class"], config_path)
     skeleton = _skeleton(cls, description["library"], description["config"], config_path,
-                         persist._module_budget(len(headers)))
+                         module_budget(len(headers)))
     meta["tensors"]["aliases"] = _tied(skeleton, headers)
     return meta, skeleton
 
@@ -128,14 +125,12 @@ def _library_class(path: Path, config: dict) -> tuple[str, str]:
 
 def _weight_files(folder: SaveDir, library: str) -> list[str]:
     """Names of the weights files (plain names in the folder: the index cannot lead elsewhere)."""
-    from .. import persist
-
     directory = folder.path
     single, index = _WEIGHTS[library]
     if folder.exists(single):
         return [single]
     if folder.exists(index):
-        data = persist._read_json(folder, index, "weight index")
+        data = read_json(folder, index, "weight index")
         weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise LoadError(f"{directory / index}: no weight_map of file names")
@@ -255,10 +250,8 @@ def _skeleton(cls: type, library: str, config: dict, path: Path, max_modules: in
     as the library's constructor computes them: the files hold no non-persistent buffer."""
     from accelerate import init_empty_weights
 
-    from .. import persist
-
     try:
-        with torch.device("cpu"), init_empty_weights(include_buffers=False), persist._module_limit(max_modules, path):
+        with torch.device("cpu"), init_empty_weights(include_buffers=False), module_limit(max_modules, path):
             if library == "diffusers":
                 return cls.from_config(config)
             model = cls(cls.config_class.from_dict(config))

@@ -1,17 +1,23 @@
 """Saving and loading transformed models (format documented in spec.md "Save format").
 
-One module per stage:
+One module per stage, from the foundations up (a module imports only those above it in this list):
 
+- :mod:`.savedir`: a save's directory opened once, every file read through it;
+- :mod:`.safetensors_io`: aligned safetensors writing; :mod:`.plain_tensors`: tensors held as module
+  attributes; :mod:`.guard`: library calls with the hub offline and standard input closed;
 - :mod:`.format`: the format's file names, version and limits; the model description;
-- :mod:`.write`: :func:`save` and the one writer of tensors and metadata (:func:`save_module`);
-- :mod:`.atomic`: the temporary directory and the swap that make a save atomic;
-- :mod:`.read`: :func:`load` and the one reader of saved tensors (:func:`load_module`);
 - :mod:`.checks`: metadata and configuration checks, before anything is built;
+- :mod:`.atomic`: the temporary directory and the swap that make a save atomic;
+- :mod:`.write`: the one writer of tensors and metadata (:func:`save_module`);
+- :mod:`.read`: the one reader of saved tensors (:func:`load_module`);
+- :mod:`transformdsl.interop` (beside this package): saves in a library's layout, and library
+  checkpoints read as saves, through the same writer and reader;
 - :mod:`.pipelines`: diffusers pipelines, one folder per component;
+- :mod:`.placement`: ``load(dir, device_map=...)``: a loaded model placed over devices, CPU and disk;
+- :mod:`.api`: :func:`save` and :func:`load`, which choose among the above;
 - :mod:`.contents`: :func:`inspect`, from headers only;
 - :mod:`.streaming`: :func:`convert`, a checkpoint through a script into a save, unit by unit,
-  through the same reader and writer;
-- :mod:`.placement`: ``load(dir, device_map=...)``: a loaded model placed over devices, CPU and disk.
+  through the same reader and writer.
 
 A saved module is a directory holding ``transformdsl.json`` (metadata), ``script.tfm`` (the
 scripts) and ``model.safetensors`` (or shards plus ``model.safetensors.index.json``).  A
@@ -25,42 +31,27 @@ tensors come from safetensors.
 
 from __future__ import annotations
 
-from .atomic import _boot_id, _renameat2_exchange
-from .checks import (
-                     _check_config,
-                     _check_module_meta,
-                     _check_record,
-                     _read_json,
-                     _rebuild_options,
-                     _sanitized,
-                     read_metadata,
-)
+from .api import load, save
+from .checks import read_metadata
 from .contents import inspect
 from .format import (
-                     DEFAULT_SHARD_BYTES,
-                     FORMAT,
-                     FORMAT_VERSION,
-                     INDEX,
-                     MAX_META_BYTES,
-                     MAX_SCHEDULER_NUMBER,
-                     MAX_TENSOR_FILES,
-                     META_FILE,
-                     SCRIPT_FILE,
-                     WEIGHTS,
-                     _model_description,
-                     _versions,
-                     _write_json,
+    DEFAULT_SHARD_BYTES,
+    FORMAT,
+    FORMAT_VERSION,
+    INDEX,
+    MAX_META_BYTES,
+    MAX_SCHEDULER_NUMBER,
+    MAX_TENSOR_FILES,
+    META_FILE,
+    SCRIPT_FILE,
+    WEIGHTS,
 )
-from .read import _model_class, _module_budget, _module_limit, _TensorFiles, load, load_module, meta_copy
+from .read import load_module, meta_copy
 from .streaming import convert
-from .write import _collect_tensors, _shard, save, save_module
+from .write import save_module
 
 __all__ = [
     "DEFAULT_SHARD_BYTES", "FORMAT", "FORMAT_VERSION", "INDEX", "MAX_META_BYTES", "MAX_SCHEDULER_NUMBER",
     "MAX_TENSOR_FILES", "META_FILE", "SCRIPT_FILE", "WEIGHTS", "convert", "inspect", "load", "load_module", "meta_copy",
     "read_metadata", "save", "save_module",
-    # used by transformdsl.interop and the tests
-    "_TensorFiles", "_boot_id", "_check_config", "_check_module_meta", "_check_record", "_collect_tensors",
-    "_model_class", "_model_description", "_module_budget", "_module_limit", "_read_json", "_rebuild_options",
-    "_renameat2_exchange", "_sanitized", "_shard", "_versions", "_write_json",
 ]

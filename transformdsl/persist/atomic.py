@@ -22,9 +22,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import LoadError, TransformError
-from ..savedir import SaveDir
 from .checks import read_metadata
-from .format import META_FILE, _write_json
+from .format import META_FILE, write_json
+from .savedir import SaveDir
 
 
 @contextlib.contextmanager
@@ -112,7 +112,7 @@ def _write_manifest(directory: Path) -> None:
     meta = json.loads(path.read_text())
     meta["manifest"] = sorted(str(p.relative_to(directory)) for p in directory.rglob("*")
                               if not p.is_dir() and p != path and p.relative_to(directory) != Path(_TMP_MARKER))
-    _write_json(path, meta)
+    write_json(path, meta)
 
 
 #: Present in a temporary save directory while it is written: ``PID BOOT_ID``.

@@ -12,11 +12,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .. import __version__, plain_tensors, registry
+from .. import registry
 from ..errors import LoadError
 from ..options import coerce
-from ..savedir import SaveDir, Vanished
-from .format import FORMAT, FORMAT_VERSION, MAX_META_BYTES, MAX_SCHEDULER_NUMBER, MAX_TENSOR_FILES, META_FILE, _clip
+from ..version import __version__
+from . import plain_tensors
+from .format import FORMAT, FORMAT_VERSION, MAX_META_BYTES, MAX_SCHEDULER_NUMBER, MAX_TENSOR_FILES, META_FILE, clipped
+from .savedir import SaveDir, Vanished
 
 
 def read_metadata(folder: SaveDir) -> dict:
@@ -26,7 +28,7 @@ def read_metadata(folder: SaveDir) -> dict:
         if folder.replaced():
             raise Vanished(f"{folder.root.path}: replaced by another save while loading")
         raise LoadError(f"{folder.path}: not a transformdsl save ({META_FILE} is missing)")
-    meta = _read_json(folder, META_FILE, "metadata")
+    meta = read_json(folder, META_FILE, "metadata")
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise LoadError(f"{path}: not transformdsl metadata (format is {_short(meta, 'format')})")
     version = meta.get("format_version")
@@ -48,13 +50,13 @@ def read_metadata(folder: SaveDir) -> dict:
     if manifest is not None and not (isinstance(manifest, list) and all(isinstance(m, str) for m in manifest)):
         raise LoadError(f"{path}: 'manifest' must list file names")
     if kind == "module":
-        _check_module_meta(path, meta)
+        check_module_meta(path, meta)
     else:
         _check_pipeline_meta(path, meta)
     return meta
 
 
-def _read_json(folder: SaveDir, name: str, what: str) -> Any:
+def read_json(folder: SaveDir, name: str, what: str) -> Any:
     """A JSON file's content, read through the open folder; a file over
     :data:`MAX_META_BYTES`, or not a regular file, is refused before reading."""
     path = folder.path / name
@@ -78,16 +80,16 @@ def _expect(path: Path, value: Any, types: type | tuple, what: str) -> Any:
     return value
 
 
-def _check_module_meta(path: Path, meta: dict) -> None:
+def check_module_meta(path: Path, meta: dict) -> None:
     model = _expect(path, meta.get("model"), dict, "'model'")
     _expect(path, model.get("class"), str, "'model.class'")
     library = model.get("library")
     if library not in (None, "diffusers", "transformers"):
-        raise LoadError(f"{path}: unknown model library {_clip(library)} (diffusers or transformers)")
+        raise LoadError(f"{path}: unknown model library {clipped(library)} (diffusers or transformers)")
     config = model.get("config")
     if config is not None:
         _expect(path, config, dict, "'model.config'")
-        _check_config(path, config, strip=True)
+        check_config(path, config, strip=True)
     scripts = _expect(path, meta.get("scripts"), list, "'scripts'")
     if not all(isinstance(text, str) for text in scripts):
         raise LoadError(f"{path}: 'scripts' must list script texts")
@@ -96,13 +98,16 @@ def _check_module_meta(path: Path, meta: dict) -> None:
         _expect(path, step, dict, f"step {i}")
         key = _expect(path, step.get("key"), str, f"step {i} key")
         if registry.get(key) is None:
-            raise LoadError(f"{path}: step {i} uses transform {_clip(key)}, which this transformdsl "
+            raise LoadError(f"{path}: step {i} uses transform {clipped(key)}, which this transformdsl "
                             f"({__version__}) does not know")
         for field in ("options", "common", "record"):
             _expect(path, step.get(field), dict, f"step {i} {field}")
         # Informational fields, kept in the loaded model's history (and saved again).
         _expect(path, step.get("line"), int, f"step {i} line")
         _expect(path, step.get("statement"), str, f"step {i} statement")
+        version = _expect(path, step.get("record_version", 1), int, f"step {i} record_version")
+        if version < 1:
+            raise LoadError(f"{path}: step {i} record_version {version} is not a version (1 or more)")
         index = _expect(path, step.get("script_index"), int, f"step {i} script_index")
         if not 0 <= index < max(len(scripts), 1):
             raise LoadError(f"{path}: step {i} script_index {index} does not name one of the {len(scripts)} scripts")
@@ -131,16 +136,16 @@ def _check_pipeline_meta(path: Path, meta: dict) -> None:
     components = _expect(path, meta.get("components"), dict, "'components'")
     for name, how in components.items():
         if not name.isidentifier():
-            raise LoadError(f"{path}: invalid component name {_clip(name)}")
+            raise LoadError(f"{path}: invalid component name {clipped(name)}")
         if how not in ("transformdsl", "library"):
-            raise LoadError(f"{path}: component '{name}' has unknown storage {_clip(how)}")
+            raise LoadError(f"{path}: component '{name}' has unknown storage {clipped(how)}")
 
 
 #: Configuration keys that point a library at code to import (custom classes, pipelines).
 _CODE_KEYS = frozenset({"auto_map", "custom_pipeline", "trust_remote_code", "custom_code"})
 
 
-def _check_config(path: Path, config: Any, scheduler: bool = False, strip: bool = False) -> None:
+def check_config(path: Path, config: Any, scheduler: bool = False, strip: bool = False) -> None:
     """Refuse configuration values that could make a library fetch or run code, or reach the hub.
 
     At every depth: ``auto_map`` / ``custom_pipeline`` / ``trust_remote_code`` (custom
@@ -149,7 +154,7 @@ def _check_config(path: Path, config: Any, scheduler: bool = False, strip: bool 
     a hub repository as ``backbone`` (looked up online).  A scheduler's numbers are
     bounded (``num_train_timesteps: 3e9`` allocates gigabytes).  Saved configurations
     carry none of these, so their presence means tampering.  With ``strip`` (a model
-    configuration that :func:`_sanitized` cleans before use) code keys and pretrained
+    configuration that :func:`sanitized` cleans before use) code keys and pretrained
     backbones are left to it.
     """
     stack: list[Any] = [config]
@@ -159,15 +164,15 @@ def _check_config(path: Path, config: Any, scheduler: bool = False, strip: bool 
         for key, value in items:
             if isinstance(key, str):
                 if key in _CODE_KEYS and not strip and value not in (None, False, {}, [], ""):
-                    raise LoadError(f"{path}: the configuration names code to run ({key}: {_clip(value)}); "
+                    raise LoadError(f"{path}: the configuration names code to run ({key}: {clipped(value)}); "
                                     "refusing to load code shipped with a saved file")
                 if "implementation" in key:
                     values = value.values() if isinstance(value, dict) else [value]
                     if any(isinstance(v, str) and ("/" in v or ":" in v) for v in values):
-                        raise LoadError(f"{path}: the configuration asks for the code kernel {_clip(value)} "
+                        raise LoadError(f"{path}: the configuration asks for the code kernel {clipped(value)} "
                                         f"({key}); refusing to load code named by a saved file")
                 if key.endswith("backbone") and isinstance(value, str) and ("/" in value or ":" in value):
-                    raise LoadError(f"{path}: the configuration names the hub repository {_clip(value)} ({key}); "
+                    raise LoadError(f"{path}: the configuration names the hub repository {clipped(value)} ({key}); "
                                     "a save must hold its whole model (loading never reaches the network)")
                 if key == "use_pretrained_backbone" and value is True and not strip:
                     raise LoadError(f"{path}: the configuration asks for pretrained backbone weights "
@@ -175,7 +180,7 @@ def _check_config(path: Path, config: Any, scheduler: bool = False, strip: bool 
                                     "weights")
             if scheduler and isinstance(value, (int, float)) and not isinstance(value, bool) and (
                     value != value or abs(value) > MAX_SCHEDULER_NUMBER):
-                raise LoadError(f"{path}: scheduler setting {key} = {_clip(value)} is out of range "
+                raise LoadError(f"{path}: scheduler setting {key} = {clipped(value)} is out of range "
                                 f"(at most {MAX_SCHEDULER_NUMBER:g})")
             if scheduler and isinstance(value, list) and len(value) > MAX_SCHEDULER_NUMBER:
                 raise LoadError(f"{path}: scheduler setting {key} lists {len(value)} values")
@@ -183,10 +188,10 @@ def _check_config(path: Path, config: Any, scheduler: bool = False, strip: bool 
                 stack.append(value)
 
 
-def _sanitized(config: dict) -> dict:
+def sanitized(config: dict) -> dict:
     """A copy of a saved model configuration without what could reach code or the network:
     ``auto_map``-like keys are dropped and ``use_pretrained_backbone`` is false (the
-    weights come from the save), at every depth.  What :func:`_check_config` refuses
+    weights come from the save), at every depth.  What :func:`check_config` refuses
     (hub kernels and repositories) is refused before this."""
     def clean(node: Any) -> Any:
         if isinstance(node, dict):
@@ -200,7 +205,7 @@ def _sanitized(config: dict) -> dict:
 
 
 
-def _rebuild_options(cls, values: dict, path: Path, key: str, common: bool = False):
+def rebuild_options(cls, values: dict, path: Path, key: str, common: bool = False):
     from ..options import CommonOptions
 
     target = CommonOptions if common else cls.Options
@@ -214,7 +219,7 @@ def _rebuild_options(cls, values: dict, path: Path, key: str, common: bool = Fal
         raise LoadError(f"{path}: step '{key}' has invalid options: {exc}") from None
 
 
-def _check_record(cls, raw: dict, options: Any, path: Path) -> None:
+def check_record(cls, raw: dict, options: Any, path: Path) -> None:
     """A step's record against its (checked) options: a field named like an option, at the
     top of the record or in its ``options``, must hold the option's value; so a tampered
     record cannot bring in a value the script could not (``compute: "load"``,
@@ -225,11 +230,11 @@ def _check_record(cls, raw: dict, options: Any, path: Path) -> None:
     if nested is not None:
         if not isinstance(nested, dict):
             raise LoadError(f"{path}: step '{raw['key']}' record options are malformed")
-        checked = _rebuild_options(cls, nested, path, raw["key"])
+        checked = rebuild_options(cls, nested, path, raw["key"])
         if dataclasses.asdict(checked) != values:
-            raise LoadError(f"{path}: step '{raw['key']}' record options {_clip(nested)} disagree with its "
-                            f"options {_clip(values)}")
+            raise LoadError(f"{path}: step '{raw['key']}' record options {clipped(nested)} disagree with its "
+                            f"options {clipped(values)}")
     for name, value in values.items():
         if name in record and record[name] != value:
-            raise LoadError(f"{path}: step '{raw['key']}' record field {name} = {_clip(record[name])} disagrees "
+            raise LoadError(f"{path}: step '{raw['key']}' record field {name} = {clipped(record[name])} disagrees "
                             f"with the option's checked value {value!r}")

@@ -6,11 +6,11 @@ import os
 from typing import Any
 
 from ..errors import LoadError
-from ..safetensors_io import is_padding
-from ..savedir import SaveDir
 from .checks import read_metadata
 from .format import META_FILE
-from .read import _TensorFiles
+from .read import TensorFiles
+from .safetensors_io import is_padding
+from .savedir import SaveDir
 
 
 def _interop_summary(value: Any) -> dict | None:
@@ -48,7 +48,7 @@ def _inspect(folder: SaveDir) -> dict:
         return {"kind": "pipeline", "format_version": meta["format_version"],
                 "pipeline_class": meta["pipeline_class"], "components": parts}
     by_dtype: dict[str, dict[str, int]] = {}
-    files = _TensorFiles(folder, meta["tensors"]["files"])
+    files = TensorFiles(folder, meta["tensors"]["files"])
     for name, _, source in files.opened:
         path = folder.path / name
         try:

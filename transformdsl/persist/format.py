@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import __version__
+from ..version import __version__
 
 FORMAT = "transformdsl"
 #: The newest format this version reads.  A save writes the lowest version that can read it:
@@ -42,7 +42,7 @@ MAX_TENSOR_FILES = 10_000
 
 
 
-def _model_description(module: nn.Module) -> dict:
+def model_description(module: nn.Module) -> dict:
     """Library, class and configuration: enough for load() to rebuild the architecture."""
     cls = type(module)
     library = cls.__module__.split(".", 1)[0]
@@ -63,7 +63,7 @@ def _json_default(value):
     return str(value)
 
 
-def _versions() -> dict:
+def library_versions() -> dict:
     from importlib import metadata
 
     out = {"transformdsl": __version__}
@@ -76,12 +76,12 @@ def _versions() -> dict:
 
 
 
-def _write_json(path: Path, data: dict) -> None:
+def write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=1, sort_keys=False, default=_json_default))
 
 
 
-def _clip(value: Any, limit: int = 80) -> str:
+def clipped(value: Any, limit: int = 80) -> str:
     """``repr(value)``, shortened: hostile files may hold megabytes in one field."""
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."

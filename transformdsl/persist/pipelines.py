@@ -15,17 +15,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import guard
 from ..errors import LoadError, TransformError
-from ..executor import history_of
-from ..savedir import SaveDir
-from .checks import _check_config, _read_json, read_metadata
-from .format import FORMAT, META_FILE, _clip, _versions, _write_json
-from .read import _module_budget, _module_limit, _TensorFiles, load_module
+from ..history import history_of
+from . import guard
+from .checks import check_config, read_json, read_metadata
+from .format import FORMAT, META_FILE, clipped, library_versions, write_json
+from .read import TensorFiles, load_module, module_budget, module_limit
+from .savedir import SaveDir
 from .write import save_module
 
 
-def _save_pipeline(pipe: Any, directory: Path, max_shard_size: int, save_id: str, format: str = FORMAT) -> None:
+def save_pipeline(pipe: Any, directory: Path, max_shard_size: int, save_id: str, format: str = FORMAT) -> None:
     if format in ("transformers", "compressed-tensors"):
         raise TransformError(f"format={format!r} saves a transformers model; a pipeline is saved with "
                              "format='diffusers' (its transformers components in their own layout)")
@@ -50,15 +50,15 @@ def _save_pipeline(pipe: Any, directory: Path, max_shard_size: int, save_id: str
             components[name] = "library"
         else:
             raise TransformError(f"cannot save pipeline component '{name}' ({type(component).__name__})")
-    _write_json(directory / META_FILE, {
+    write_json(directory / META_FILE, {
         "format": FORMAT, "format_version": 1, "kind": "pipeline",  # its components say what they need
-        "pipeline_class": type(pipe).__name__, "components": components, "versions": _versions(),
+        "pipeline_class": type(pipe).__name__, "components": components, "versions": library_versions(),
         "save_id": save_id,
     })
 
 
 
-def _load_pipeline(folder: SaveDir, meta: dict, device: torch.device, mmap: bool) -> Any:
+def load_pipeline(folder: SaveDir, meta: dict, device: torch.device, mmap: bool) -> Any:
     """A saved pipeline, assembled by calling its class with an explicit mapping of the
     components its signature declares: no name from a file becomes a keyword argument,
     and diffusers' own loading (custom pipelines, remote code) is never entered."""
@@ -71,14 +71,14 @@ def _load_pipeline(folder: SaveDir, meta: dict, device: torch.device, mmap: bool
     except Exception:  # diffusers' lazy module raises for pipelines whose backend is missing
         cls = None
     if not (isinstance(cls, type) and issubclass(cls, diffusers.DiffusionPipeline)):
-        raise LoadError(f"{path}: {_clip(name)} is not a diffusers pipeline class")
+        raise LoadError(f"{path}: {clipped(name)} is not a diffusers pipeline class")
     guard.offline_constants()
     expected, optional = cls._get_signature_keys(cls)
     components_meta: dict[str, str] = meta["components"]
     index_path = folder.path / "model_index.json"
     if not folder.exists("model_index.json"):
         raise LoadError(f"{index_path}: cannot read the pipeline index: missing")
-    index = _read_json(folder, "model_index.json", "pipeline index")
+    index = read_json(folder, "model_index.json", "pipeline index")
     _check_pipeline_index(index_path, index, name, components_meta, set(expected), set(optional))
     loaded: dict[str, Any] = {}
     for comp in sorted(expected):
@@ -112,18 +112,18 @@ def _check_pipeline_index(index_path: Path, index: Any, name: str, components: d
         raise LoadError(f"{index_path}: cannot read the pipeline index: not a JSON object")
     if index.get("_class_name") != name:
         # A [file, class] pair here is custom pipeline code diffusers would run.
-        raise LoadError(f"{index_path}: model_index.json names {_clip(index.get('_class_name'))}, "
+        raise LoadError(f"{index_path}: model_index.json names {clipped(index.get('_class_name'))}, "
                         f"the metadata '{name}'")
     declared = ", ".join(sorted(expected))
     for comp in components:
         if comp not in expected:
-            raise LoadError(f"{index_path.parent / META_FILE}: {_clip(comp)} is not a component of {name} "
+            raise LoadError(f"{index_path.parent / META_FILE}: {clipped(comp)} is not a component of {name} "
                             f"(its components: {declared}); refusing to pass it on")
     for key, entry in index.items():
         if key.startswith("_"):
             continue  # diffusers' own keys
         if key not in expected and key not in optional:
-            raise LoadError(f"{index_path}: {_clip(key)} is neither a component nor an argument of {name}")
+            raise LoadError(f"{index_path}: {clipped(key)} is neither a component nor an argument of {name}")
         if key in expected and key not in components and entry not in ([None, None], [None], None):
             raise LoadError(f"{index_path}: component '{key}' of model_index.json is not in the metadata's "
                             "components; refusing to let diffusers load it")
@@ -155,12 +155,12 @@ def _load_library_component(library: str, name: str, folder: SaveDir, index_path
 
     Before the library sees the folder: no entry is a symbolic link or anything but a
     regular file or folder; no JSON file in it names code, a hub repository or a kernel
-    (:func:`_check_config`), or a weights file outside the folder (shard indexes).  The
+    (:func:`check_config`), or a weights file outside the folder (shard indexes).  The
     library gets the folder as ``/proc/self/fd/N`` (the folder checked, not its name),
     ``local_files_only``, ``use_safetensors`` and ``trust_remote_code=False``.
     """
     if library not in ("diffusers", "transformers") or not name.isidentifier():
-        raise LoadError(f"{index_path}: component class {_clip(library)[1:-1]}.{_clip(name)[1:-1]} is not allowed "
+        raise LoadError(f"{index_path}: component class {clipped(library)[1:-1]}.{clipped(name)[1:-1]} is not allowed "
                         "(only diffusers and transformers classes are loaded)")
     import diffusers
     import transformers
@@ -185,8 +185,8 @@ def _load_library_component(library: str, name: str, folder: SaveDir, index_path
         if not rel.endswith(".json"):
             continue
         holder, name = folder.descend(rel)
-        content = _read_json(holder, name, "component file")
-        _check_config(folder.path / rel, content, scheduler=scheduler)
+        content = read_json(holder, name, "component file")
+        check_config(folder.path / rel, content, scheduler=scheduler)
         if rel.endswith(".index.json"):
             _check_shard_index(folder.path / rel, content, files)
     kwargs: dict[str, Any] = {"local_files_only": True}
@@ -195,12 +195,12 @@ def _load_library_component(library: str, name: str, folder: SaveDir, index_path
     limit = contextlib.nullcontext()
     if issubclass(cls, nn.Module):
         kwargs["use_safetensors"] = True
-        weights = _TensorFiles(folder, sorted(r for r in files if "/" not in r and r.endswith(".safetensors")))
+        weights = TensorFiles(folder, sorted(r for r in files if "/" not in r and r.endswith(".safetensors")))
         try:
             saved = sum(weights.count_tensors())
         finally:
             weights.close()
-        limit = _module_limit(_module_budget(saved), folder.path)
+        limit = module_limit(module_budget(saved), folder.path)
     try:
         with limit:
             return cls.from_pretrained(folder.fd_path(), **kwargs)
@@ -217,7 +217,7 @@ def _check_shard_index(path: Path, index: Any, files: set[str]) -> None:
         raise LoadError(f"{path}: a shard index without a weight_map")
     for target in set(weight_map.values()):
         if not isinstance(target, str) or target not in files or "/" in target:
-            raise LoadError(f"{path}: the shard index names {_clip(target)}, which is not a file of this folder; "
+            raise LoadError(f"{path}: the shard index names {clipped(target)}, which is not a file of this folder; "
                             "refusing to read weights from elsewhere")
 
 

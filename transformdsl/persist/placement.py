@@ -297,12 +297,12 @@ def _called(module: nn.Module):
 
 
 def _page_ranges(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
-    from ..spill import _PAGE, _span
+    from ..spill import PAGE, page_span
 
-    spans = sorted((t.data_ptr(), t.data_ptr() + _span(t)) for t in tensors if t.numel())
+    spans = sorted((t.data_ptr(), t.data_ptr() + page_span(t)) for t in tensors if t.numel())
     out: list[tuple[int, int]] = []
     for start, end in spans:
-        first, last = start // _PAGE * _PAGE, -(-end // _PAGE) * _PAGE
+        first, last = start // PAGE * PAGE, -(-end // PAGE) * PAGE
         if out and first <= out[-1][1]:
             out[-1] = (out[-1][0], max(out[-1][1], last))
         else:
@@ -312,11 +312,11 @@ def _page_ranges(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
 
 def _give_back(ranges: list[tuple[int, int]]) -> None:
     """Drop the pages of an offloaded module after it ran, unless some were written to (kept then)."""
-    from ..spill import _madvise, _pages_are_the_files
+    from ..spill import madvise_dontneed, pages_are_the_files
 
     for first, last in ranges:
-        if _pages_are_the_files(first, last):
-            _madvise(first, last - first)
+        if pages_are_the_files(first, last):
+            madvise_dontneed(first, last - first)
 
 
 def _send(value: Any, device: torch.device) -> Any:

@@ -21,113 +21,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import guard, plain_tensors, registry
+from .. import registry
 from ..errors import LoadError
-from ..executor import AppliedStep, History, set_history
-from ..safetensors_io import is_padding
-from ..savedir import SaveDir, Vanished
-from .checks import _check_record, _rebuild_options, _sanitized, read_metadata
-from .format import META_FILE, _clip
-
-
-def load(directory: str | os.PathLike, model: nn.Module | Callable[[], nn.Module] | None = None, *,
-         device: str | torch.device | None = None, mmap: bool = True, device_map: str | dict | None = None,
-         max_memory: dict | None = None, offload_folder: str | os.PathLike | None = None) -> Any:
-    """Load a model saved by :func:`save`; returns a new module (or pipeline).
-
-    The architecture is rebuilt from the saved configuration (diffusers and transformers
-    models), or from ``model``: a module used as a template (it is not modified: its
-    structure is copied onto the meta device) or a factory called with no arguments.
-    Each transform's structure is replayed without recomputation and the saved tensors
-    are loaded as they are.  Any problem raises :class:`LoadError` saying what is wrong.
-
-    The directory is opened once and every file is read through that descriptor (see
-    :mod:`.savedir`), so a load sees one save, never a mix of two; if a concurrent
-    :func:`save` replaces it while it is read, the load starts over on the new one.
-    Library calls run with the hub offline and standard input closed (:mod:`.guard`);
-    nothing from the directory is imported or executed.
-
-    With ``mmap=True`` (the default) tensors on the CPU are memory-mapped from the saved
-    files (copy on write): do not truncate or rewrite those files in place while the model
-    is in use (:func:`save` never does; it writes a new directory and swaps it in).
-
-    ``device_map`` (instead of ``device``) spreads the model over devices, CPU and disk the way
-    ``from_pretrained(device_map=...)`` does: ``"auto"`` (accelerate computes the map from
-    ``max_memory``, never splitting a transformed layer or a module of ``_no_split_modules``) or a
-    dict ``{module path: device | "cpu" | "disk" | "meta"}``; ``"disk"`` modules are kept in
-    ``offload_folder`` and read from there at each call.  Quantized layers stay quantized where
-    they land.  See :mod:`.placement` and spec.md "Placing a model over devices".
-    """
-    directory = Path(directory)
-    if device_map is None:
-        if max_memory is not None or offload_folder is not None:
-            raise LoadError("load(max_memory=..., offload_folder=...): these place a model with device_map=; "
-                            "add device_map='auto'")
-        return _load(directory, model, _check_device(device or "cpu"), mmap)
-    if device is not None:
-        raise LoadError("load(device=..., device_map=...): give one of device= and device_map= "
-                        "(device_map={'': 'cuda:0'} is device='cuda:0')")
-    loaded = _load(directory, model, torch.device("cpu"), mmap)
-    if not isinstance(loaded, nn.Module):
-        raise LoadError(f"{directory}: device_map= places one model; this is a pipeline: load it, then place "
-                        "its components with transformdsl.persist.placement.place(component, device_map, ...)")
-    from .placement import place
-
-    return place(loaded, device_map, max_memory=max_memory, offload_folder=offload_folder)
-
-
-def _load(directory: Path, model: Any, device: torch.device, mmap: bool) -> Any:
-    """:func:`load` on one device."""
-    for attempt in range(_LOAD_ATTEMPTS):
-        try:
-            with guard.loading(), SaveDir.open(directory) as folder:
-                if not folder.exists(META_FILE) and folder.exists("config.json"):
-                    from ..interop.imports import load_library_directory
-
-                    return load_library_directory(folder, model, device, mmap)
-                meta = read_metadata(folder)
-                if meta["kind"] == "pipeline":
-                    if model is not None:
-                        raise LoadError(f"{directory}: a saved pipeline is loaded from its files alone; drop model=")
-                    from .pipelines import _load_pipeline
-
-                    return _load_pipeline(folder, meta, device, mmap)
-                return load_module(folder, meta, model, device, mmap)
-        except Vanished:
-            if attempt == _LOAD_ATTEMPTS - 1:
-                raise
-        except OSError as exc:  # anything the checks above did not name
-            raise LoadError(f"{directory}: cannot read the save: {exc.strerror or exc}") from None
-    raise AssertionError("unreachable")  # pragma: no cover
-
-
-#: A load restarts when a concurrent save replaces the directory under it; this often.
-_LOAD_ATTEMPTS = 5
-
-
-def _check_device(device: str | torch.device) -> torch.device:
-    """``device`` as a torch.device that exists on this machine, else a LoadError naming it."""
-    try:
-        parsed = torch.device(device)
-    except (RuntimeError, TypeError, ValueError) as exc:
-        raise LoadError(f"load(device={device!r}): not a device: {exc}") from None
-    kind, index = parsed.type, parsed.index
-    if kind == "cpu":
-        if index not in (None, 0):
-            raise LoadError(f"load(device={device!r}): this machine has one CPU device, 'cpu'")
-        return parsed
-    if kind == "meta":
-        raise LoadError(f"load(device={device!r}): the meta device holds no data; load to 'cpu' or an accelerator")
-    backend = getattr(torch, kind, None)
-    available = getattr(backend, "is_available", None)
-    count = getattr(backend, "device_count", None)
-    if not (callable(available) and available()):
-        raise LoadError(f"load(device={device!r}): no {kind} device on this machine; use device='cpu'")
-    if index is not None and callable(count) and index >= count():
-        raise LoadError(f"load(device={device!r}): this machine has {count()} {kind} device(s) "
-                        f"({kind}:0 to {kind}:{count() - 1})")
-    return parsed
-
+from ..history import AppliedStep, History, set_history
+from . import plain_tensors
+from .checks import check_record, rebuild_options, sanitized
+from .format import META_FILE, clipped
+from .safetensors_io import is_padding
+from .savedir import SaveDir
 
 
 @contextlib.contextmanager
@@ -157,7 +58,7 @@ def load_module(folder: SaveDir, meta: dict, model: Any, device: torch.device, m
         from ..interop import layout
 
         tensors = layout.to_own(tensors, meta["tensors"]["layout"], folder.path)
-    _assign(skeleton, tensors, meta, folder.path)
+    assign_tensors(skeleton, tensors, meta, folder.path)
     plain_tensors.restore(skeleton, attributes, attribute_tensors, folder.path)
     opened.finalize()
     left = [n for n, t in list(skeleton.named_parameters()) + list(skeleton.named_buffers()) if t.is_meta]
@@ -171,7 +72,7 @@ def load_module(folder: SaveDir, meta: dict, model: Any, device: torch.device, m
 
 def saved_history(meta: dict) -> History:
     """The scripts and steps a save's (checked) metadata lists, as a loaded model carries them."""
-    return History(list(meta["scripts"]), [AppliedStep(**{k: raw.get(k) for k in AppliedStep.__dataclass_fields__})
+    return History(list(meta["scripts"]), [AppliedStep(**{k: raw[k] for k in AppliedStep.__dataclass_fields__ if k in raw})
                                            for raw in meta["steps"]])
 
 
@@ -182,7 +83,7 @@ class OpenedModule:
 
     folder: SaveDir
     meta: dict
-    files: _TensorFiles
+    files: TensorFiles
     skeleton: nn.Module
     #: (transform class, raw step, checked options) per saved step, in order.
     steps: list[tuple[type, dict, Any]]
@@ -206,19 +107,23 @@ def open_module(folder: SaveDir, meta: dict, model: Any) -> OpenedModule:
     bounds the size of the model the metadata may describe.  The caller closes the result.
     """
     meta_path = folder.path / META_FILE
-    files = _TensorFiles(folder, meta["tensors"]["files"])
+    files = TensorFiles(folder, meta["tensors"]["files"])
     try:
         saved = sum(files.count_tensors())
         aliases = meta["tensors"].get("aliases", {})
-        if len(aliases) > _module_budget(saved):
+        if len(aliases) > module_budget(saved):
             raise LoadError(f"{meta_path}: {len(aliases)} tensor aliases for {saved} saved tensors; refusing")
-        skeleton = _skeleton(meta, model, meta_path, max_modules=_module_budget(saved))
+        skeleton = _skeleton(meta, model, meta_path, max_modules=module_budget(saved))
         steps = []
         for raw in meta["steps"]:
             cls = registry.get(raw["key"])
-            options = _rebuild_options(cls, raw["options"], meta_path, raw["key"])
-            _rebuild_options(cls, raw["common"], meta_path, raw["key"], common=True)
-            _check_record(cls, raw, options, meta_path)
+            if raw.get("record_version", 1) > cls.record_version:
+                raise LoadError(f"{meta_path}: step '{raw['key']}' was saved with record version "
+                                f"{raw['record_version']}, and this transformdsl reads '{raw['key']}' records up to "
+                                f"version {cls.record_version}: load it with the transformdsl that saved it (or newer)")
+            options = rebuild_options(cls, raw["options"], meta_path, raw["key"])
+            rebuild_options(cls, raw["common"], meta_path, raw["key"], common=True)
+            check_record(cls, raw, options, meta_path)
             # the layers a pass rebuilds are skeletons too (bitsandbytes' layers are nn.Linear:
             # their constructor would initialise a meta weight, through slow meta kernels)
             with _step_errors(meta_path, raw, "cannot replay", "on this architecture"), _no_weight_init():
@@ -244,13 +149,13 @@ def _skeleton(meta: dict, model: Any, meta_path: Path, max_modules: int) -> nn.M
         raise LoadError(f"model= takes an nn.Module or a factory, not {type(model).__name__}")
     library, name, config = description.get("library"), description["class"], description.get("config")
     if isinstance(config, dict):
-        config = _sanitized(config)
+        config = sanitized(config)
     if library is None or not isinstance(config, dict):
         raise LoadError(f"{meta_path}: the saved model ({name}) has no configuration to rebuild it from; "
                         "pass model= (a module of the same architecture, or a factory)")
-    cls = _model_class(library, name, meta_path)
+    cls = lookup_model_class(library, name, meta_path)
     try:
-        with torch.device("meta"), _module_limit(max_modules, meta_path), _no_weight_init():
+        with torch.device("meta"), module_limit(max_modules, meta_path), _no_weight_init():
             if library == "diffusers":
                 return cls.from_config(config)
             config_cls = cls.config_class
@@ -262,7 +167,7 @@ def _skeleton(meta: dict, model: Any, meta_path: Path, max_modules: int) -> nn.M
                         f"{type(exc).__name__}: {exc}") from None
 
 
-def _module_budget(tensors: int) -> int:
+def module_budget(tensors: int) -> int:
     """How many submodules a model rebuilt from a saved configuration may have.
 
     Every module with weights holds at least one saved tensor, and weightless modules
@@ -278,7 +183,7 @@ class _TooManyModules(LoadError):
 
 
 @contextlib.contextmanager
-def _module_limit(limit: int, where: Path):
+def module_limit(limit: int, where: Path):
     """Stop building a model (in this thread) once it registers more than ``limit`` submodules."""
     from torch.nn.modules.module import register_module_module_registration_hook
 
@@ -348,10 +253,10 @@ def _no_weight_init():
                 _init_saved.clear()
 
 
-def _model_class(library: str, name: str, meta_path: Path) -> type:
+def lookup_model_class(library: str, name: str, meta_path: Path) -> type:
     """A model class by name, only among diffusers' or transformers' exported model classes."""
     if not name.isidentifier():
-        raise LoadError(f"{meta_path}: invalid class name {_clip(name)}")
+        raise LoadError(f"{meta_path}: invalid class name {clipped(name)}")
     if library == "diffusers":
         import diffusers
 
@@ -396,7 +301,7 @@ _ITEM_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2":
                "I16": 2, "I8": 1, "U8": 1, "BOOL": 1, "U16": 2, "U32": 4, "U64": 8}
 
 
-class _TensorFiles:
+class TensorFiles:
     """The safetensors files of one saved module, opened through the save's folder.
 
     Each is opened once, by name relative to the folder, not following links, and
@@ -517,7 +422,7 @@ class _TensorFiles:
         return tensors
 
 
-def _assign(skeleton: nn.Module, tensors: dict[str, torch.Tensor], meta: dict, directory: Path,
+def assign_tensors(skeleton: nn.Module, tensors: dict[str, torch.Tensor], meta: dict, directory: Path,
             only: Callable[[str], bool] | None = None) -> None:
     """Put the saved ``tensors`` in the skeleton, checked against what it expects.
 

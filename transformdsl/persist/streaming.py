@@ -35,26 +35,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import guard
 from ..edit import Edit
 from ..errors import LoadError, TransformError
-from ..executor import (
-    AppliedStep,
-    NothingToDoWarning,
-    _append_history,
-    apply_step,
-    idle_statements,
-    set_history,
-)
+from ..executor import NothingToDoWarning, apply_step, idle_statements
 from ..extend import ApplyContext
+from ..history import AppliedStep, append_history, set_history
 from ..planner import DENOISERS, Plan, plan
-from ..savedir import SaveDir
 from ..tree import WEIGHTS_PENDING
+from . import guard
 from .atomic import writing
-from .checks import _read_json, read_metadata
-from .format import DEFAULT_SHARD_BYTES, FORMAT, META_FILE, _versions, _write_json
-from .read import OpenedModule, _assign, open_module, saved_history
-from .write import ShardWriter, _collect_tensors, write_module_metadata
+from .checks import read_json, read_metadata
+from .format import DEFAULT_SHARD_BYTES, FORMAT, META_FILE, library_versions, write_json
+from .read import OpenedModule, assign_tensors, open_module, saved_history
+from .savedir import SaveDir
+from .write import ShardWriter, collect_tensors, write_module_metadata
 
 
 def convert(source: str | os.PathLike, script: Any, out: str | os.PathLike, *, component: str | None = None,
@@ -140,11 +134,11 @@ def _locate(folder: SaveDir, component: str | None) -> _Located:
             if component is not None:
                 raise LoadError(f"{folder.path}: a saved module, not a pipeline; drop component=")
             return _Located(folder, meta)
-        index = _read_json(folder, "model_index.json", "pipeline index")
+        index = read_json(folder, "model_index.json", "pipeline index")
         components = dict(meta["components"])
         pipeline_class = meta["pipeline_class"]
     elif folder.exists("model_index.json"):
-        index = _read_json(folder, "model_index.json", "pipeline index")
+        index = read_json(folder, "model_index.json", "pipeline index")
         if not isinstance(index, dict) or not isinstance(index.get("_class_name"), str):
             raise LoadError(f"{folder.path / 'model_index.json'}: not a diffusers pipeline index")
         components = {name: "library" for name, entry in index.items()
@@ -196,10 +190,10 @@ def _copy_pipeline(folder: SaveDir, located: _Located, tmp: Path, save_id: str) 
                 os.close(fd)
         if not (tmp / name).exists():
             (tmp / name).mkdir()
-    _write_json(tmp / "model_index.json", index)
-    _write_json(tmp / META_FILE, {
+    write_json(tmp / "model_index.json", index)
+    write_json(tmp / META_FILE, {
         "format": FORMAT, "format_version": 1, "kind": "pipeline", "pipeline_class": pipeline_class,
-        "components": components, "versions": _versions(), "save_id": save_id,
+        "components": components, "versions": library_versions(), "save_id": save_id,
     })
 
 
@@ -364,9 +358,9 @@ class _Stream:
             applied.append(AppliedStep(
                 key=step.transform.key(), line=step.statement.line, statement=step.text(source),
                 options=dataclasses.asdict(step.transform.options), common=dataclasses.asdict(step.transform.common),
-                record=record, script_index=0))
+                record=record, script_index=0, record_version=step.transform.record_version))
         set_history(self.root, history)
-        _append_history(self.root, source, applied)
+        append_history(self.root, source, applied)
         write_module_metadata(self.directory, self.root, files, layout, self.save_id)
 
     def _empty_record(self, step) -> dict:
@@ -389,7 +383,7 @@ class _Stream:
     def _unit(self, unit: Unit, steps, deferred: set[int], records, layout: dict, attributes: dict,
               notes: dict) -> int:
         """Read, transform, write and drop one unit; the source bytes it read."""
-        from .. import plain_tensors
+        from . import plain_tensors
 
         root = self.root
         keys = [key for key in self.sizes if unit.has_key(key) and key not in self.aliases]
@@ -397,7 +391,7 @@ class _Stream:
         restore = self._slots(unit)
         tensors = self.opened.files.read_some(keys, self.sizes)
         attribute_tensors = plain_tensors.take(tensors, attribute_layout, self.opened.folder.path)
-        _assign(root, tensors, self.meta, self.opened.folder.path, only=unit.has_key)
+        assign_tensors(root, tensors, self.meta, self.opened.folder.path, only=unit.has_key)
         plain_tensors.restore(root, attribute_layout, attribute_tensors, self.opened.folder.path)
         del tensors, attribute_tensors
         edit = Edit()
@@ -409,7 +403,7 @@ class _Stream:
                 ctx = ApplyContext(root, edit, _no_progress, notes)
                 records[i].append((list(step.targets).index(targets[0]), self._apply(step, ctx, targets)))
         edit.commit()
-        out, part = _collect_tensors(root, only=unit.has_key)
+        out, part = collect_tensors(root, only=unit.has_key)
         self.writer.add(out)
         del out
         layout["nonpersistent"].extend(part["nonpersistent"])

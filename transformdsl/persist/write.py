@@ -6,17 +6,13 @@ import os
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
-from .. import plain_tensors
 from ..errors import TransformError
-from ..executor import History, history_of
-from ..planner import is_pipeline
-from ..safetensors_io import StreamingWriter, save_aligned
-from .atomic import writing
+from ..history import History, history_of
+from . import plain_tensors
 from .format import (
     DEFAULT_SHARD_BYTES,
     FORMAT,
@@ -24,44 +20,11 @@ from .format import (
     META_FILE,
     SCRIPT_FILE,
     WEIGHTS,
-    _model_description,
-    _versions,
-    _write_json,
+    library_versions,
+    model_description,
+    write_json,
 )
-
-
-def save(model: Any, directory: str | os.PathLike, *, max_shard_size: int = DEFAULT_SHARD_BYTES,
-         format: str = FORMAT) -> Path:
-    """Save ``model`` (transformed or not; a module or a pipeline) to ``directory``.
-
-    ``format="transformers"`` or ``"diffusers"`` writes what the library's stock
-    ``from_pretrained`` loads without transformdsl (see :mod:`transformdsl.interop`); a
-    statement the format cannot carry is a :class:`TransformError` before anything is written.
-
-    The write is atomic: everything is written to a temporary sibling directory, flushed,
-    then swapped into place, so an interrupted save leaves any previous save intact and
-    no temporary files behind.  ``directory`` must be new, empty, or a previous save (it
-    is replaced as a whole).  A failure to write (disk full, permissions) is a
-    :class:`TransformError` naming the directory and the cause.
-    """
-    from ..interop import check_format
-
-    check_format(format)
-    directory = Path(directory)
-    with writing(directory) as (tmp, save_id):
-        if is_pipeline(model):
-            from .pipelines import _save_pipeline
-
-            _save_pipeline(model, tmp, max_shard_size, save_id, format)
-        elif isinstance(model, nn.Module) and format != FORMAT:
-            from ..interop.export import save_library_module
-
-            save_library_module(model, tmp, format, max_shard_size)
-        elif isinstance(model, nn.Module):
-            save_module(model, tmp, max_shard_size, save_id)
-        else:
-            raise TransformError(f"save() takes an nn.Module or a diffusers pipeline, not {type(model).__name__}")
-    return directory
+from .safetensors_io import StreamingWriter, save_aligned
 
 
 def save_module(module: nn.Module, directory: Path, max_shard_size: int = DEFAULT_SHARD_BYTES,
@@ -72,7 +35,7 @@ def save_module(module: nn.Module, directory: Path, max_shard_size: int = DEFAUL
     file, so that a reader can tell files of two saves apart.
     """
     save_id = save_id or uuid.uuid4().hex
-    tensors, layout = _collect_tensors(module)
+    tensors, layout = collect_tensors(module)
     writer = ShardWriter(directory, max_shard_size, save_id)
     writer.add(tensors)
     write_module_metadata(directory, module, writer.finish(), layout, save_id)
@@ -82,23 +45,23 @@ def write_module_metadata(directory: Path, module: nn.Module, files: list[str], 
                           history: History | None = None) -> None:
     """``transformdsl.json`` and ``script.tfm`` of a saved module whose tensor ``files`` are written.
 
-    ``layout`` is what :func:`_collect_tensors` returns beside the tensors; ``history`` is the
-    module's own (:func:`~transformdsl.executor.history_of`) unless given.
+    ``layout`` is what :func:`collect_tensors` returns beside the tensors; ``history`` is the
+    module's own (:func:`~transformdsl.history.history_of`) unless given.
     """
     history = history or history_of(module) or History([], [])
     meta = {
         "format": FORMAT,
         "format_version": 2 if plain_tensors.saved_names(layout.get("attributes", {})) else 1,
         "kind": "module",
-        "model": _model_description(module),
+        "model": model_description(module),
         "scripts": history.scripts,
         "steps": [s.to_json() for s in history.steps],
         "tensors": {"files": files, **layout},
-        "versions": _versions(),
+        "versions": library_versions(),
         "save_id": save_id,
     }
     (directory / SCRIPT_FILE).write_text("\n".join(history.scripts) + ("\n" if history.scripts else ""))
-    _write_json(directory / META_FILE, meta)
+    write_json(directory / META_FILE, meta)
 
 
 class ShardWriter:
@@ -159,11 +122,11 @@ class ShardWriter:
                 save_aligned(shard, self.directory / name, metadata=self.metadata)
         if count > 1:
             weight_map = {key: name for name, shard in zip(names, self.shards) for key in shard}
-            _write_json(self.directory / INDEX, {"metadata": {"total_size": self.total}, "weight_map": weight_map})
+            write_json(self.directory / INDEX, {"metadata": {"total_size": self.total}, "weight_map": weight_map})
         return names
 
 
-def _collect_tensors(module: nn.Module, only: Callable[[str], bool] | None = None
+def collect_tensors(module: nn.Module, only: Callable[[str], bool] | None = None
                      ) -> tuple[dict[str, torch.Tensor], dict]:
     """state_dict plus non-persistent buffers, with shared tensors stored once; and their layout
     (non-persistent names, aliases, plain attributes).
@@ -229,7 +192,7 @@ def _unshare(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _shard(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
+def split_shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for key, tensor in tensors.items():

@@ -199,6 +199,12 @@ class AttentionBehaviour:
         """Nothing structural."""
 
     @classmethod
+    def export(cls, step, out) -> None:
+        """Nothing to store: the backend is a run-time setting."""
+        out.notes.append(f"{out.where(step)}: not stored; after from_pretrained call set_attention_backend "
+                         "(diffusers) or pass attn_implementation= (transformers); transformdsl.load sets it again")
+
+    @classmethod
     def finalize(cls, root: nn.Module, record: dict, options: Any) -> None:
         """Set the backend again on the loaded model, if this machine can run it (else LoadError, or the fallback)."""
         library, backend = record["library"], record["backend"]

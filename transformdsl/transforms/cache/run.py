@@ -137,7 +137,7 @@ def fresh_context(model: Any, name: str = "transformdsl"):
     """Run ``model`` (a module or a pipeline) once as a fresh denoising loop: each component with a
     step cache is reset and called inside ``cache_context(name)``, and reset again afterwards (so a
     check, e.g. ``verify``, leaves no cached step behind)."""
-    from ...executor import module_components
+    from ...planner import module_components
 
     cached = [m for m in module_components(model).values() if getattr(m, "is_cache_enabled", False)]
     with contextlib.ExitStack() as stack:
@@ -284,6 +284,12 @@ class CacheBehaviour:
     @classmethod
     def rebuild(cls, root: nn.Module, record: dict, options: Any) -> None:
         """Nothing structural: hooks change no module and no state_dict key."""
+
+    @classmethod
+    def export(cls, step, out) -> None:
+        """Nothing to store: a step cache is hooks, set at run time."""
+        out.notes.append(f"{out.where(step)}: not stored ({out.library} keeps no step cache in a checkpoint); call "
+                         "model.enable_cache(...) after from_pretrained; transformdsl.load enables it again")
 
     @classmethod
     def finalize(cls, root: nn.Module, record: dict, options: Any) -> None:

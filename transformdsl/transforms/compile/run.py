@@ -86,6 +86,12 @@ class CompileBehaviour:
         """Nothing structural: compiling changes no module and no state_dict key."""
 
     @classmethod
+    def export(cls, step, out) -> None:
+        """Nothing to store: compiled code is not portable."""
+        out.notes.append(f"{out.where(step)}: not stored ({out.library} keeps no compiled code); call "
+                         "torch.compile after from_pretrained; transformdsl.load compiles again")
+
+    @classmethod
     def finalize(cls, root: nn.Module, record: dict, options: Any) -> None:
         """Compile the recorded modules again (compiled artefacts are never saved)."""
         kwargs = compile_kwargs(record.get("options") or options)

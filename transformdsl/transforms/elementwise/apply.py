@@ -30,9 +30,10 @@ from typing import Any, ClassVar
 
 from torch import nn
 
-from ...extend import ApplyContext, TransformError
+from ...extend import ApplyContext, LoadError, TransformError
 from ...selectors import select, topmost
 from ...tree import ModuleInfo, ModuleTree, is_below
+from ..common.modules import is_conv1d, put_module
 from . import BiasActDropout as BiasActDropoutDeclaration
 from . import BiasDropoutResidual as BiasDropoutResidualDeclaration
 from . import BiasDropoutResidualLayerNorm as BiasDropoutResidualLayerNormDeclaration
@@ -162,6 +163,12 @@ class ElementwiseBehaviour:
         return {"chains": chains, "kernel": self.options.kernel}
 
     @classmethod
+    def export(cls, step, out) -> None:
+        """The keys never changed: the library runs the unfused forward."""
+        out.notes.append(f"{out.where(step)}: same keys as the original; {out.library} runs the unfused forward "
+                         "(same outputs); transformdsl.load fuses again")
+
+    @classmethod
     def rebuild(cls, root: nn.Module, record: dict, options: Any) -> None:
         """Swap the recorded modules of a skeleton for fused copies (no tensor is touched)."""
         for chain in record["chains"]:
@@ -176,9 +183,10 @@ class ElementwiseBehaviour:
             if isinstance(found, dict):  # as apply saw it: the mode decides e.g. whether the norm is fused
                 found = cls.adjust(found)
             if json.loads(json.dumps(found)) != chain["spec"]:
-                raise ValueError(f"{path}: the record describes {chain['spec']!r}; the module is {found!r}")
-            parent._modules[name] = fused_copy(parent._modules[name], PATTERNS[chain["pattern"]], chain["spec"],
-                                               record.get("kernel", "inductor"))
+                raise LoadError(f"{cls.key()}: {path}: the record describes {chain['spec']!r}; the module is "
+                                f"{found!r}")
+            put_module(root, path, fused_copy(parent._modules[name], PATTERNS[chain["pattern"]], chain["spec"],
+                                              record.get("kernel", "inductor")), cls.key())
 
 
 class BiasActDropout(ElementwiseBehaviour, BiasActDropoutDeclaration):
@@ -194,7 +202,7 @@ class BiasActDropout(ElementwiseBehaviour, BiasActDropoutDeclaration):
             if any(is_below(info.path, seen) for seen in self._seen):
                 continue  # a target, or inside one: already reported
             children = tree.children(info.path)
-            projections = [c.name for c in children if issubclass(c.cls, nn.Linear) or c.cls.__name__ == "Conv1D"]
+            projections = [c.name for c in children if issubclass(c.cls, nn.Linear) or is_conv1d(c.cls, c.module)]
             activations = [c.name for c in children
                            if "act" in c.name and c.module is not None and activation_kind(c.module)]
             if projections and activations:

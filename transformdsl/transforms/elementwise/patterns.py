@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..common.modules import is_conv1d
 from . import FUSED
 from .kernels import kernel
 
@@ -49,19 +50,13 @@ def activation_kind(module: Any) -> str | None:
     return None
 
 
-def _is_conv1d(layer: Any) -> bool:
-    """transformers' ``Conv1D`` (GPT-2): a linear layer with a transposed ``(in, out)`` weight."""
-    cls = type(layer)
-    return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers")
-
-
 def _is_projection(layer: Any) -> bool:
-    return type(layer) is nn.Linear or _is_conv1d(layer)
+    return type(layer) is nn.Linear or is_conv1d(type(layer), layer)
 
 
 def _in_features(layer: nn.Module) -> int:
     weight = layer.weight
-    return weight.shape[0] if _is_conv1d(layer) else weight.shape[1]
+    return weight.shape[0] if is_conv1d(type(layer), layer) else weight.shape[1]
 
 
 def _project(layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -74,7 +69,7 @@ def _project(layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     cls = type(layer)
     if cls is nn.Linear:
         return F.linear(x, layer.weight), layer.bias
-    if cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers"):
+    if is_conv1d(cls, layer):
         return torch.matmul(x, layer.weight), layer.bias
     return layer(x), None
 
@@ -365,7 +360,7 @@ class ResidualChain(FusedModule):
     @classmethod
     def probe_inputs(cls, module, spec, make):
         dense = module.dense
-        out = dense.weight.shape[1] if _is_conv1d(dense) else dense.weight.shape[0]
+        out = dense.weight.shape[1] if is_conv1d(type(dense), dense) else dense.weight.shape[0]
         return make(_in_features(dense)), make(out)
 
     def _setup(self, spec, backend):

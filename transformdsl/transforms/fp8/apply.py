@@ -34,6 +34,7 @@ from torch import nn
 from ...errors import LoadError
 from ...extend import ApplyContext
 from ...tree import ModuleInfo, ModuleTree, class_names
+from ..common.modules import is_conv1d, put_module, tied_weights
 from ..quantize import QUANTIZED_CLASS_NAMES
 from . import SCALE_MODES
 from . import FP8Native as NativeDeclaration
@@ -62,7 +63,7 @@ def _kind(cls: type) -> str | None:
             return "conv"
     if issubclass(cls, nn.Embedding) and _same_computation(cls, nn.Embedding, ("forward",)):
         return "embedding"
-    if cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers."):
+    if is_conv1d(cls):
         return "conv1d"
     return None
 
@@ -71,29 +72,7 @@ def _same_computation(cls: type, base: type, methods: tuple[str, ...]) -> bool:
     return all(getattr(cls, name, None) is getattr(base, name, None) for name in methods)
 
 
-def _weight_owners(tree: ModuleTree) -> dict[int, list[str]]:
-    """id(weight tensor) → paths of the live modules holding it (to spot tied weights)."""
-    owners: dict[int, list[str]] = {}
-    for info in tree:
-        module = info.module
-        weight = module._parameters.get("weight") if module is not None else None
-        if weight is not None:
-            owners.setdefault(id(weight), []).append(info.path)
-    return owners
-
-
-def _shared_with(info: ModuleInfo, tree: ModuleTree, cache: dict) -> list[str]:
-    key = id(tree)
-    if cache.get("tree") != key:
-        cache.clear()
-        cache.update(tree=key, owners=_weight_owners(tree))
-    weight = info.module._parameters.get("weight") if info.module is not None else None
-    if weight is None:
-        return []
-    return [p for p in cache["owners"].get(id(weight), []) if p != info.path]
-
-
-def _layer_reason(info: ModuleInfo, tree: ModuleTree, cache: dict, kinds: tuple[str, ...], verb: str) -> str | None:
+def _layer_reason(info: ModuleInfo, tree: ModuleTree, kinds: tuple[str, ...], verb: str) -> str | None:
     """Why a selected module cannot get an fp8 weight (a near miss), or ``None``."""
     if info.module is not None and isinstance(info.module, FP8Module):
         return "already has a float8 weight"
@@ -105,7 +84,8 @@ def _layer_reason(info: ModuleInfo, tree: ModuleTree, cache: dict, kinds: tuple[
     dtype = info.facts.get("dtype") if module is None else getattr(module, "weight", None).dtype
     if dtype is not None and dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return f"weight dtype {dtype} is not float32/bfloat16/float16"
-    shared = _shared_with(info, tree, cache)
+    weight = info.module._parameters.get("weight") if info.module is not None else None
+    shared = [p for p in tied_weights(tree).get(id(weight), []) if p != info.path] if weight is not None else []
     if shared:
         return f"weight is tied to {', '.join(shared[:2])}: an fp8 copy would keep both in memory"
     if kind == "embedding" and module is not None and module.max_norm is not None:
@@ -169,7 +149,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _with_weighttorch_dtype(layer: FP8Module, spec: dict, path: str) -> FP8Module:
+def _with_weight_dtype(layer: FP8Module, spec: dict, path: str) -> FP8Module:
     """The layer with the weight dtype its record names (records before it was kept: the
     skeleton's dtype, which the constructor took)."""
     name = spec.get("weight_dtype")
@@ -183,11 +163,6 @@ def _with_weighttorch_dtype(layer: FP8Module, spec: dict, path: str) -> FP8Modul
     return layer
 
 
-def _set(root: nn.Module, path: str, module: nn.Module) -> None:
-    """Put ``module`` at ``path`` on a skeleton (loading: no undo log needed)."""
-    root.set_submodule(path, module)
-
-
 def _ratio_note(before: int, after: int) -> str:
     from ...explain import human_bytes
 
@@ -198,15 +173,19 @@ def _ratio_note(before: int, after: int) -> str:
 # --------------------------------------------------------------------------- fp8 storage
 
 
+def export_fp8(cls, step, out) -> None:
+    """fp8 layers in transformers' (or compressed-tensors') fp8 format (:mod:`.export`)."""
+    from .export import export_fp8 as export
+
+    export(step, out)
+
+
 class FP8Storage(StorageDeclaration):
     KINDS = ("linear", "conv", "embedding", "conv1d")
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._cache: dict = {}
+    export = classmethod(export_fp8)
 
     def candidate(self, info: ModuleInfo, tree: ModuleTree) -> str | None:
-        return _layer_reason(info, tree, self._cache, self.KINDS, "fp8 storage")
+        return _layer_reason(info, tree, self.KINDS, "fp8 storage")
 
     def scale_count(self, info: ModuleInfo) -> int:
         """Scales kept for this layer under the ``scale`` option."""
@@ -236,7 +215,7 @@ class FP8Storage(StorageDeclaration):
             kind = _kind(type(old))
             ctx.edit.replace(ctx.root, path, _convert(old, kind, fmt, compute, self.options.scale))
             layers[path] = {"kind": kind, "weight_dtype": _dtype_name(old.weight.dtype)}
-        return {"format": 1, "dtype": self.options.dtype, "compute": self.options.compute,
+        return {"dtype": self.options.dtype, "compute": self.options.compute,
                 "scale": self.options.scale, "layers": layers}
 
     @classmethod
@@ -248,12 +227,16 @@ class FP8Storage(StorageDeclaration):
                             f"{', '.join(SCALE_MODES)})")
         for path, spec in record["layers"].items():
             layer = _empty(root.get_submodule(path), spec["kind"], fmt, compute, scale)
-            _set(root, path, _with_weighttorch_dtype(layer, spec, path))
+            put_module(root, path, _with_weight_dtype(layer, spec, path), cls.key())
 
 
 def _layer_class(kind: str) -> type[FP8Module]:
     """The fp8 module class for a layer kind (``linear``, ``conv``, ``embedding``, ``conv1d``)."""
-    return {"linear": FP8Linear, "conv": FP8Conv, "embedding": FP8Embedding}.get(kind, FP8Conv1D)
+    classes = {"linear": FP8Linear, "conv": FP8Conv, "embedding": FP8Embedding, "conv1d": FP8Conv1D}
+    if kind not in classes:
+        raise LoadError(f"fp8: unknown layer kind {str(kind)[:40]!r} in the record (expected one of "
+                        f"{', '.join(classes)})")
+    return classes[kind]
 
 
 def _convert(old: nn.Module, kind: str, fmt: torch.dtype, compute: torch.dtype, scale: str = "row") -> FP8Module:
@@ -272,10 +255,7 @@ def _empty(old: nn.Module, kind: str, fmt: torch.dtype, compute: torch.dtype, sc
 
 
 class FP8Native(NativeDeclaration):
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._cache: dict = {}
+    export = classmethod(export_fp8)
 
     @property
     def compute(self) -> torch.dtype:
@@ -288,7 +268,7 @@ class FP8Native(NativeDeclaration):
                                      _has_bias(info))
 
     def candidate(self, info: ModuleInfo, tree: ModuleTree) -> str | None:
-        return _layer_reason(info, tree, self._cache, ("linear",), "fp8 native")
+        return _layer_reason(info, tree, ("linear",), "fp8 native")
 
     def check(self, info: ModuleInfo, tree: ModuleTree) -> str | None:
         if not self.options.strict:
@@ -363,7 +343,7 @@ class FP8Native(NativeDeclaration):
             layers[path] = {"kind": "linear", "native": not problems, "weight_dtype": _dtype_name(old.weight.dtype)}
             if problems:
                 layers[path]["fallback"] = "; ".join(problems)
-        return {"format": 1, "scaling": self.options.scaling, "compute": self.options.compute,
+        return {"scaling": self.options.scaling, "compute": self.options.compute,
                 "strict": self.options.strict, "layers": layers}
 
     @classmethod
@@ -372,4 +352,4 @@ class FP8Native(NativeDeclaration):
         for path, spec in record["layers"].items():
             layer = FP8Linear.empty(root.get_submodule(path), NATIVE_DTYPE, compute, native=spec["native"],
                                     scaling=scaling, strict=record["strict"])
-            _set(root, path, _with_weighttorch_dtype(layer, spec, path))
+            put_module(root, path, _with_weight_dtype(layer, spec, path), cls.key())

@@ -57,10 +57,8 @@ from ...tree import ModuleInfo, ModuleTree, below_any
 from . import QKVFusion as declared_fusion
 from . import QKVOptions, shared_projection
 
-#: Version of the record :meth:`QKVFusion.apply` returns (bump on any change of its layout).
-#: 2: adds ``forward: "shared"`` and the group names of :data:`PROJECTIONS`; version 1
-#: records (saved before) still load: every entry they can hold means the same in version 2.
-RECORD_VERSION = 2
+#: Record versions :meth:`QKVFusion.rebuild` reads (the declaration's ``record_version`` is the newest):
+#: every entry a version 1 record can hold means the same in version 2.
 READABLE_VERSIONS = (1, 2)
 
 DIFFUSERS_ATTENTION = "diffusers.models.attention_processor.Attention"
@@ -456,7 +454,7 @@ def _llama_attention(module: nn.Module, options: QKVOptions) -> Fusion | str:
     klass = _base_class(module, LLAMA_ATTENTION)
     if _fingerprint(klass.forward) != LLAMA_FORWARD_FINGERPRINT:
         return (f"{klass.__name__}.forward of this transformers version differs from the one this pass "
-                "mirrors (transformers 5.24): fusing could change outputs")
+                "mirrors: fusing could change outputs")
     groups = _groups(module, ["qkv_proj"], equal=False)
     if isinstance(groups, str):
         return groups
@@ -693,7 +691,7 @@ class QKVFusion(declared_fusion):
                          dtype=sources[0].facts.get("dtype"))
 
     def apply(self, ctx: ApplyContext, targets: list[str]) -> dict:
-        """Fuse each target; returns ``{"version", "modules": [{"path", **Fusion.to_json()}]}``."""
+        """Fuse each target; returns ``{"modules": [{"path", **Fusion.to_json()}]}``."""
         fused = []
         for path in ctx.progress(targets, total=len(targets), desc="fuse qkv"):
             module = ctx.root.get_submodule(path)
@@ -702,7 +700,13 @@ class QKVFusion(declared_fusion):
                 raise TransformError(f"fuse qkv: {path or '<root>'}: {fusion} (the model changed after planning)")
             _install(ctx.edit, module, fusion, _concatenated)
             fused.append({"path": path, **fusion.to_json()})
-        return {"version": RECORD_VERSION, "modules": fused}
+        return {"modules": fused}
+
+    @classmethod
+    def export(cls, step, out) -> None:
+        from .export import export_unfused
+
+        export_unfused(step, out)
 
     @classmethod
     def rebuild(cls, root: nn.Module, record: dict, options: QKVOptions) -> None:
@@ -712,7 +716,8 @@ class QKVFusion(declared_fusion):
         architecture, or a library version whose attention this pass no longer mirrors, is a
         :class:`LoadError`, never a model that loads and then computes something else.
         """
-        if record.get("version") not in READABLE_VERSIONS:
+        # Saves made before record versions were saved beside the step carried theirs here.
+        if record.get("version", 1) not in READABLE_VERSIONS:
             raise LoadError(f"fuse qkv: record version {record.get('version')!r}, expected one of "
                             f"{', '.join(map(str, READABLE_VERSIONS))} (saved by a newer transformdsl?)")
         edit = Edit()   # nothing to roll back on a skeleton; the Edit just carries the changes

@@ -19,7 +19,6 @@ themselves are saved and reloaded as they are (never quantized again).
 from __future__ import annotations
 
 import math
-import weakref
 from typing import Any
 
 import torch
@@ -30,6 +29,7 @@ from ...explain import human_bytes
 from ...extend import ApplyContext
 from ...options import DTYPES
 from ...tree import ModuleInfo, ModuleTree
+from ..common.modules import is_conv1d, put_module, tied_weights
 from . import QUANTIZED_CLASS_NAMES, HQQOptions
 from . import FP4Quantization as FP4Declaration
 from . import HQQQuantization as HQQDeclaration
@@ -50,16 +50,11 @@ def _backend():
 # --------------------------------------------------------------------------- layers
 
 
-def _is_conv1d(module: nn.Module | None, cls: type) -> bool:
-    """GPT-2's ``Conv1D``: a linear layer whose weight is stored (in_features, out_features)."""
-    return cls.__name__ == "Conv1D" and (module is None or hasattr(module, "nf"))
-
-
 def linear_dims(info: ModuleInfo) -> tuple[int, int] | None:
     """(in_features, out_features) of a linear layer on the planning snapshot, if known."""
     shape = info.facts.get("weight_shape")
     if shape is not None and len(shape) == 2:
-        return (shape[0], shape[1]) if _is_conv1d(info.module, info.cls) else (shape[1], shape[0])
+        return (shape[0], shape[1]) if is_conv1d(info.cls, info.module) else (shape[1], shape[0])
     in_f, out_f = info.facts.get("in_features"), info.facts.get("out_features")
     return (in_f, out_f) if isinstance(in_f, int) and isinstance(out_f, int) else None
 
@@ -67,7 +62,7 @@ def linear_dims(info: ModuleInfo) -> tuple[int, int] | None:
 def float_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The layer's weight as (out_features, in_features) and its bias: views, no copy."""
     weight = module.weight
-    if _is_conv1d(module, type(module)):
+    if is_conv1d(type(module), module):
         weight = weight.t()
     return weight.detach(), None if module.bias is None else module.bias.detach()
 
@@ -78,21 +73,6 @@ def state_bytes(module: nn.Module) -> int:
 
 
 #: Planning snapshot → its tied weights: one walk per snapshot, not one per candidate.
-_TIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _tied_weights(tree: ModuleTree) -> dict[int, list[str]]:
-    """id(weight) → the paths of the modules holding it, for weights held by several."""
-    if tree not in _TIED:
-        owners: dict[int, list[str]] = {}
-        for info in tree:
-            weight = info.module._parameters.get("weight") if info.module is not None else None
-            if weight is not None:
-                owners.setdefault(id(weight), []).append(info.path)
-        _TIED[tree] = {key: paths for key, paths in owners.items() if len(paths) > 1}
-    return _TIED[tree]
-
-
 def _read_by_parent(info: ModuleInfo, tree: ModuleTree) -> bool:
     """``nn.MultiheadAttention.out_proj`` (SigLIP's and CLIP's pooling heads): the parent passes
     ``out_proj.weight`` to ``F.multi_head_attention_forward`` and never calls the layer."""
@@ -109,16 +89,6 @@ def targets_device_type(tree: ModuleTree, targets: list[str]) -> str | None:
         if weight is not None:
             return weight.device.type
     return None
-
-
-def _put(root: nn.Module, path: str, module: nn.Module) -> None:
-    """Place ``module`` at ``path`` of a skeleton being rebuilt (no undo needed there)."""
-    parent_path, _, name = path.rpartition(".")
-    parent = root.get_submodule(parent_path) if parent_path else root
-    if name not in parent._modules:
-        raise LoadError(f"quantize: the saved model has a quantized layer at '{path}', which this "
-                        "architecture does not have")
-    parent._modules[name] = module
 
 
 # --------------------------------------------------------------------------- the transforms
@@ -140,7 +110,7 @@ class QuantizeBehaviour:
         if not self.float_weight and _read_by_parent(info, tree):
             return ("nn.MultiheadAttention reads out_proj.weight itself and never calls out_proj; a quantized "
                     "weight would reach its matmul")
-        if info.cls.__name__ == "Conv1D" and not _is_conv1d(info.module, info.cls):
+        if info.cls.__name__ == "Conv1D" and not is_conv1d(info.cls, info.module):
             return "a Conv1D that is not GPT-2's transposed linear layer"
         dtype = info.facts.get("dtype")
         if dtype is not None and dtype not in FLOAT_DTYPES:
@@ -154,7 +124,7 @@ class QuantizeBehaviour:
             bias = info.module._parameters.get("bias")
             if bias is not None and bias.dtype not in FLOAT_DTYPES:
                 return f"its bias is {str(bias.dtype).removeprefix('torch.')}; expected float32/bf16/fp16"
-            shared = _tied_weights(tree).get(id(weight))
+            shared = tied_weights(tree).get(id(weight))
             if shared:
                 others = ", ".join(p for p in shared if p != info.path)
                 return f"its weight is tied to {others}; quantizing it would untie them"
@@ -240,6 +210,14 @@ class QuantizeBehaviour:
             "source": type(old).__name__,
         }
 
+    # -- other formats -------------------------------------------------------------
+
+    @classmethod
+    def export(cls, step, out) -> None:
+        from .export import export_bitsandbytes
+
+        export_bitsandbytes(step, out)
+
     # -- loading ------------------------------------------------------------------
 
     @classmethod
@@ -249,7 +227,7 @@ class QuantizeBehaviour:
             with torch.device("meta"):
                 weight = torch.empty(layer["out"], layer["in"], dtype=DTYPES[layer["dtype"]])
                 bias = None if layer["bias"] is None else torch.empty(layer["out"], dtype=DTYPES[layer["bias"]])
-            _put(root, layer["path"], cls.build(backend, options, weight, bias, layer))
+            put_module(root, layer["path"], cls.build(backend, options, weight, bias, layer), cls.key())
 
 
 def _checked_layers(record: dict, key: str) -> list[dict]:
@@ -363,6 +341,12 @@ AUTO_GROUP_SIZES = (128, 64, 32, 16, 8)
 
 class HQQQuantization(QuantizeBehaviour, HQQDeclaration):
     float_weight = True  # HQQLayer.weight: the dequantized weight
+
+    @classmethod
+    def export(cls, step, out) -> None:
+        from .export import refuse_hqq
+
+        refuse_hqq(step, out)
 
     def candidate(self, info: ModuleInfo, tree: ModuleTree) -> str | None:
         """A layer the group size does not suit is a near miss (the others are quantized)."""

@@ -16,7 +16,7 @@ import os
 import stat
 from pathlib import Path
 
-from .errors import LoadError
+from ..errors import LoadError
 
 _PROC_FD = Path("/proc/self/fd")
 

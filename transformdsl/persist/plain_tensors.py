@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import LoadError
+from ..errors import LoadError
 
 
 def collect(root: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

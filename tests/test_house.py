@@ -1,0 +1,92 @@
+"""The house rules that keep the package easy to change (CONTRIBUTING.md, "Layout")."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tools import imports
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_no_import_circle_and_no_private_name_imported_across_modules(capsys):
+    status = imports.main([str(ROOT / "transformdsl"), str(ROOT / "benchmarks")])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "no import circle" in out
+
+
+def test_the_checker_finds_a_circle_and_a_private_import(tmp_path, capsys):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("def f():\n    from .b import _g  # deferred: still a circle\n")
+    (package / "b.py").write_text("from . import a\n\ndef _g():\n    pass\n")
+    assert imports.main([str(package)]) == 1
+    out = capsys.readouterr().out
+    assert "circle of 2 in pkg: pkg.a, pkg.b" in out
+    assert "imports _g from pkg.b" in out
+
+
+def test_package_data_copies_match_their_sources():
+    """An installed package reads its own copies: they must be the files the repository documents."""
+    pairs = [("grammar/transformdsl.lark", "transformdsl/transformdsl.lark"), ("examples/demo.tfm", "transformdsl/demo.tfm")]
+    for source, copy in pairs:
+        assert (ROOT / source).read_bytes() == (ROOT / copy).read_bytes(), f"{copy} differs from {source}"
+    declared = (ROOT / "pyproject.toml").read_text()
+    for name in ("transformdsl.lark", "demo.tfm", "measured.json"):
+        assert f'"{name}"' in declared, f"{name} is not package data"
+
+
+# --------------------------------------------------------------------------- record versions, checked on load
+
+
+def _tampered(tmp_path, script: str, change) -> Path:
+    import json
+
+    import transformdsl
+    from transformdsl import models
+
+    model = transformdsl.transform(models.tiny_llama(), script)
+    directory = tmp_path / "saved"
+    transformdsl.save(model, directory)
+    meta_path = directory / "transformdsl.json"
+    meta = json.loads(meta_path.read_text())
+    change(meta["steps"][0])
+    meta_path.write_text(json.dumps(meta))
+    return directory
+
+
+def test_a_record_newer_than_this_transformdsl_reads_is_refused_naming_the_versions(tmp_path):
+    import pytest
+
+    import transformdsl
+
+    directory = _tampered(tmp_path, "fp8 storage", lambda step: step.update(record_version=7))
+    with pytest.raises(transformdsl.LoadError, match=r"step 'fp8 storage' was saved with record version 7, and "
+                                                     r"this transformdsl reads 'fp8 storage' records up to version 1"):
+        transformdsl.load(directory)
+
+
+def test_a_save_without_record_versions_loads_as_version_1(tmp_path):
+    import torch
+
+    import transformdsl
+    from transformdsl import models
+
+    directory = _tampered(tmp_path, "quantize int8 weight_only=true", lambda step: step.pop("record_version"))
+    reference = models.run(transformdsl.transform(models.tiny_llama(), "quantize int8 weight_only=true"))
+    assert torch.equal(models.run(transformdsl.load(directory)), reference)
+
+
+def test_an_unknown_fp8_layer_kind_is_a_load_error_not_a_guess(tmp_path):
+    import pytest
+
+    import transformdsl
+
+    def change(step):
+        path = next(iter(step["record"]["layers"]))
+        step["record"]["layers"][path]["kind"] = "lstm"
+
+    with pytest.raises(transformdsl.LoadError, match="unknown layer kind 'lstm' in the record"):
+        transformdsl.load(_tampered(tmp_path, "fp8 storage", change))
