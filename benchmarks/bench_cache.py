@@ -229,19 +229,30 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--no-compile", action="store_true", help="skip the compile regional rows")
+    parser.add_argument("--compile-models", default="tiny,medium", help="models that get the compile regional rows")
     parser.add_argument("--out", default=str(RESULTS / "cache.md"))
     args = parser.parse_args(argv)
     started = time.time()
     rows, compiled = [], []
-    for name in args.models.split(","):
-        r, c = measure(name, args.steps, args.rounds, not args.no_compile)
+    for name in args.models.split(","):  # the page is written after each model: a long run keeps what it measured
+        r, c = measure(name, args.steps, args.rounds,
+                       not args.no_compile and name in args.compile_models.split(","))
         rows += r
         compiled += c
+        write_page(args, rows, compiled, started)
+
+
+def write_page(args, rows: list[dict], compiled: list[dict], started: float) -> None:
+    done = sorted({row["model"] for row in rows}, key=args.models.split(",").index)
     command = f"`.venv/bin/python benchmarks/bench_cache.py --models {args.models} --steps {args.steps} " \
-              f"--rounds {args.rounds}{' --no-compile' if args.no_compile else ''}`"
-    body = (f"CPU: {cpu_name()}.  Command: {command}, {time.time() - started:.0f} s.  Loop: {args.steps} denoiser "
+              f"--rounds {args.rounds}{' --no-compile' if args.no_compile else ''}" \
+              f"{'' if args.compile_models == 'tiny,medium' else ' --compile-models ' + args.compile_models}`"
+    body = (f"CPU: {cpu_name()}.  Command: {command}, {time.time() - started:.0f} s"
+            f"{'' if len(done) == len(args.models.split(',')) else ' (so far: ' + ', '.join(done) + ')'}.  "
+            f"Loop: {args.steps} denoiser "
             f"calls in one cache context (flow matching, timestep 1 → 0), {args.rounds} interleaved "
-            "rounds after a warm-up; loop s is the median, each ratio the median of the rounds' ratios.  Models: " + "; ".join(f"{k}: {MODELS[k][0]}" for k in args.models.split(","))
+            "rounds after a warm-up; loop s is the median, each ratio the median of the rounds' ratios.  Models: "
+            + "; ".join(f"{k}: {MODELS[k][0]}" for k in done)
             + ".  **Random weights say little about image quality**: the error column says how far each cache "
             "moves this loop's final latent (RMS ÷ RMS of the uncached one), not how an image would look; with "
             "random weights the block residuals change more from step to step than a trained model's, so "
@@ -259,10 +270,10 @@ def main(argv=None) -> None:
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(page)
-    print(page)
+    print(page, flush=True)
     if path.resolve() == (RESULTS / "cache.md").resolve():  # a trial run (--out elsewhere) leaves RESULTS.md alone
         splice(HERE / "RESULTS.md", f"{SECTION}\n\nFrom [results/cache.md](results/cache.md), written by the script "
-                                f"that measured it.\n\n{body}")
+                                    f"that measured it.\n\n{body}")
 
 
 if __name__ == "__main__":
