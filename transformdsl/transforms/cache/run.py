@@ -334,7 +334,7 @@ def enable(model: nn.Module, cls: type, options: Any, statement: str) -> list[st
     registry.register_hook(guard, GUARD_HOOK)
     registry.invalidate_child_registries_cache()
     names = [name for name, _ in wrapped]
-    hooked = {name for name, m in model.named_modules() if name and getattr(m, "_diffusers_hook", None) is not None
+    hooked = {name for name, m in model.named_modules() if getattr(m, "_diffusers_hook", None) is not None
               and any(h != GUARD_HOOK for h in m._diffusers_hook.hooks)}
     missing = [name for name in names if name not in hooked]
     if missing:  # our reading of the hooks' rules disagrees with diffusers: say so rather than mislead
