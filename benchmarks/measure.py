@@ -358,7 +358,7 @@ def _apply_round(job: Job, comparison: Comparison) -> dict:
 def covered_bytes(model) -> list[int] | None:
     """[before, after]: the bytes of the layers our script replaced, as its records give them
     (quantize writes ``bytes_before``/``bytes_after``); None when no statement records them."""
-    from transformdsl.executor import history_of
+    from transformdsl.history import history_of
 
     history = history_of(model)
     records = [step.record for step in (history.steps if history else ())

@@ -521,6 +521,20 @@ def convert_section() -> str:
     return text.replace("\n## ", "\n### ")
 
 
+def quantized_compute_section() -> str:
+    """Issue 25's targets (``benchmarks/bench_quantized_compute.py`` writes ``results/quantized_compute.md``):
+    the page's measurement line and its targets table."""
+    page = HERE / "results" / "quantized_compute.md"
+    if not page.exists():
+        return ("\nNot yet measured: `benchmarks/bench_quantized_compute.py` writes "
+                "`benchmarks/results/quantized_compute.md`.\n")
+    text = page.read_text()
+    measured = next((line for line in text.splitlines() if line.startswith("Measured ")), "")
+    targets = text.split("## Targets\n", 1)[1].split("\n## ", 1)[0] if "## Targets\n" in text else ""
+    return (f"\n{measured}\n{targets.rstrip()}\n\nDetails (per layer, whole models, the crossover, imports): "
+            "[results/quantized_compute.md](results/quantized_compute.md).\n")
+
+
 def gaps_section(rows: list[dict]) -> str:
     """Every ratio past its limit, grouped under its explanation (each explanation once)."""
     groups: dict[str, list[str]] = defaultdict(list)
@@ -746,6 +760,7 @@ def write_report(rows: list[dict], scaling: list[dict], meta: dict, out: Path, d
     text += "\n## Streaming a checkpoint through a script (convert)\n" + convert_section()
     if "convert" in figures:
         text += f"\n![convert]({figures['convert']})\n"
+    text += "\n## Quantized compute (W8A8, packed int8/int4 weight-only)\n" + quantized_compute_section()
     text += "\n" + cache_section()
     text += "\n## GPU\n" + gpu_section()
     text += "\n## Not measured\n\n" + NOT_MEASURED

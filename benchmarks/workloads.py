@@ -77,7 +77,8 @@ def model_class(family: str):
 
 def build(workload: Workload) -> torch.nn.Module:
     """A new model with random weights (seed 0): the built-in one for ``tiny``."""
-    from transformdsl.models import BUILTIN, LLM_ATTENTION
+    from transformdsl.models import BUILTIN
+    from transformdsl.models.builtin import LLM_ATTENTION
 
     if workload.config is None:
         return BUILTIN[workload.family]()

@@ -69,7 +69,10 @@ def test_int8_plan_notes_the_missing_int8_kernel_on_this_cpu():
         assert f"device: {step.device_note}" in str(step_plan := transformdsl.plan(tiny_llama(), "quantize int8"))
         assert step_plan.to_json()["steps"][0]["device_note"] == step.device_note
     weight_only = transformdsl.plan(tiny_llama(), "quantize int8 weight_only=true").steps[0]
-    assert weight_only.device_note is None  # a float matmul: nothing slow to say
+    bf16 = transformdsl.plan(tiny_llama().to(torch.bfloat16), "quantize int8 weight_only=true").steps[0]
+    assert bf16.device_note is None  # bfloat16 activations: the packed kernel decodes
+    if "int8" in capabilities.packed_cpu_kernels():  # float32 activations cannot use it: said, with the fix
+        assert "model.to(torch.bfloat16)" in weight_only.device_note
 
 
 def test_hqq_and_fp8_native_note_their_fallbacks_on_a_cpu():

@@ -29,6 +29,8 @@ SCRIPTS = [
     "fuse qkv",
     "quantize int8",
     "quantize int8 weight_only=true",
+    "quantize w8a8",
+    "quantize int4 group_size=32",
     "quantize nf4",
     "quantize fp4",
     "quantize hqq",

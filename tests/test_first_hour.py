@@ -165,7 +165,7 @@ def test_version(capsys):
 #: What a declaration states (what `check` validates with), which its implementation must not restate.
 DECLARED = ("verb", "mode", "summary", "Options", "default_target", "default_except", "honoured_declarations",
             "runs_after", "runs_before", "exclusive", "overrides", "changes_weights", "requires_scope",
-            "record_version", "switches", "incompatible", "error_bound")
+            "record_version", "switches", "quant_methods", "incompatible", "error_bound")
 
 
 @pytest.mark.parametrize("key", registry.keys())
@@ -418,6 +418,9 @@ _ELSEWHERE = {
     "fuse bias_dropout_residual_layernorm in encoder.layer.*": "a BERT-style encoder",
     "fp8 native scaling=row strict=true": "a GPU with fp8 matmul (strict=true refuses the CPU fallback)",
     "attention flash in transformer_blocks.*": "a CUDA machine with flash-attn",
+    "fp8 dynamic": "a GPU with fp8 matmul (fp8 dynamic has no CPU fallback; tests/test_fp8_dynamic.py runs it "
+                   "with the CPU reference switched on)",
+    "fp8 dynamic scaling=row": "a GPU with fp8 matmul (as above)",
 }
 
 

@@ -90,3 +90,26 @@ def test_an_unknown_fp8_layer_kind_is_a_load_error_not_a_guess(tmp_path):
 
     with pytest.raises(transformdsl.LoadError, match="unknown layer kind 'lstm' in the record"):
         transformdsl.load(_tampered(tmp_path, "fp8 storage", change))
+
+
+def test_a_library_checkpoint_is_read_by_the_transform_that_declares_its_quant_method(tmp_path):
+    """``load(dir)`` of a quantized library checkpoint asks the registry which transform declares the
+    config's ``quant_method`` (``quant_methods``); an undeclared one is refused naming those that are."""
+    import json
+
+    import pytest
+
+    import transformdsl
+    from transformdsl import models, registry
+
+    claimed = {key: registry.declaration(key).quant_methods for key in registry.keys()}
+    assert {key for key, methods in claimed.items() if "bitsandbytes" in methods} == {
+        "quantize int8", "quantize nf4", "quantize fp4"}
+    directory = tmp_path / "llama"
+    models.tiny_llama().save_pretrained(directory)
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(transformdsl.LoadError, match=r"quantization method 'gptq' is not one transformdsl "
+                                                     r"rebuilds \(it rebuilds bitsandbytes\)"):
+        transformdsl.load(directory)

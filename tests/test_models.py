@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from transformdsl import models
+from transformdsl import LoadError, models
 
 NAMES = list(models.BUILTIN)
 ROOT = Path(__file__).resolve().parent.parent
@@ -272,7 +272,7 @@ def test_resolve_directory_errors(tmp_path):
     with pytest.raises(ValueError, match="diffusers has no class 'NoSuchModel'"):
         models.resolve_model(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
-    with pytest.raises(ValueError, match="cannot load it as GPT2LMHeadModel"):
+    with pytest.raises(LoadError, match="cannot load transformers.GPT2LMHeadModel: no safetensors weights"):
         models.resolve_model(str(tmp_path))  # no weights
 
 

@@ -19,7 +19,7 @@ from transformdsl import LoadError, models
 from transformdsl.persist.placement import no_split_classes
 
 SCRIPTS = ["quantize int8", "quantize nf4", "quantize hqq bits=4 group_size=16", "fp8 storage",
-           "quantize int8 weight_only=true"]
+           "quantize int8 weight_only=true", "quantize w8a8", "quantize int4 group_size=32"]
 BUILDERS = {"flux": models.tiny_flux, "llama": models.tiny_llama}
 
 

@@ -18,8 +18,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from . import quiet
 from .errors import LoadError, ScriptError, TransformError
 from .version import __version__
+
+quiet.install()  # before anything imports bitsandbytes (diffusers and transformers do): see quiet.py
 
 #: The public names defined in other modules (imported on first access).
 _LAZY = ("parse", "plan", "Plan", "transform", "save", "load", "convert")

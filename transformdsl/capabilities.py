@@ -28,9 +28,12 @@ True
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import json
+import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +53,37 @@ CITED = (("flux-medium", "quantize int8"), ("flux-medium", "quantize int8 weight
 # --------------------------------------------------------------------------- detection
 
 
-@functools.cache
+#: Environment variable naming CPU flags to treat as absent (comma- or space-separated): how a test
+#: or a benchmark sees what a CPU without them gets (the plan's notes, the kernels layers choose).
+HIDE_FLAGS_ENV = "TRANSFORMDSL_HIDE_CPU_FLAGS"
+
+
 def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (``flags`` on x86, ``Features`` on Arm); empty when unknown."""
+    """The CPU's feature flags (``flags`` on x86, ``Features`` on Arm), less those hidden by
+    :data:`HIDE_FLAGS_ENV` (:func:`hidden_cpu_flags`); empty when unknown."""
+    hidden = os.environ.get(HIDE_FLAGS_ENV, "")
+    flags = _proc_cpu_flags()
+    return flags.difference(hidden.replace(",", " ").split()) if hidden.strip() else flags
+
+
+@contextlib.contextmanager
+def hidden_cpu_flags(*flags: str) -> Iterator[None]:
+    """Within the block (and in subprocesses started in it) the CPU is seen without ``flags``:
+    ``with hidden_cpu_flags(*INT8_DOT_FLAGS):`` plans and builds layers as on a CPU without int8
+    dot products.  Layers built inside keep the kernel they chose."""
+    previous = os.environ.get(HIDE_FLAGS_ENV)
+    os.environ[HIDE_FLAGS_ENV] = " ".join(sorted({*(previous or "").replace(",", " ").split(), *flags}))
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(HIDE_FLAGS_ENV, None)
+        else:
+            os.environ[HIDE_FLAGS_ENV] = previous
+
+
+@functools.cache
+def _proc_cpu_flags() -> frozenset[str]:
     try:
         text = Path("/proc/cpuinfo").read_text(errors="replace")
     except OSError:
@@ -81,6 +112,34 @@ def cpu_int8_matmul() -> str:
     if cpu_flags().intersection(INT8_DOT_FLAGS):
         return "int8 dot product"
     return "int_mm without int8 dot product"
+
+
+def cpu_int8_dot() -> bool:
+    """Whether this CPU has int8 dot-product instructions (what makes ``torch._int_mm`` fast)."""
+    return bool(cpu_flags().intersection(INT8_DOT_FLAGS))
+
+
+def w8a8_kernel(device_type: str) -> str:
+    """How ``quantize w8a8`` layers multiply on ``device_type``: ``"int_mm"`` (``torch._int_mm``,
+    int32 accumulation: a CPU with int8 dot products, or CUDA) or ``"float"`` (the int8 values
+    multiplied in float32: ``torch._int_mm`` without int8 dot products ran ~35x slower than fp32)."""
+    if device_type == "cuda" or (device_type == "cpu" and cpu_int8_dot()):
+        return "int_mm"
+    return "float"
+
+
+def packed_cpu_kernels() -> tuple[str, ...]:
+    """The packed weight-only CPU kernels this torch has (``"int8"``: ``aten._weight_int8pack_mm``,
+    ``"int4"``: ``aten._weight_int4pack_mm_for_cpu``); both are fast with bfloat16 activations only."""
+    import torch
+
+    ops = torch.ops.aten
+    found = []
+    if hasattr(ops, "_weight_int8pack_mm"):
+        found.append("int8")
+    if hasattr(ops, "_weight_int4pack_mm_for_cpu") and hasattr(ops, "_convert_weight_to_int4pack_for_cpu"):
+        found.append("int4")
+    return tuple(found)
 
 
 def cuda_fp8_matmul(index: int = 0) -> bool:
@@ -209,6 +268,41 @@ def int8_note(device_type: str) -> str | None:
                   f"{faster}", alternative)
 
 
+def w8a8_note(device_type: str) -> str | None:
+    """What ``quantize w8a8`` costs on ``device_type`` where it has no fast int8 matmul, or None.
+
+    The figures: ``benchmarks/bench_quantized_compute.py`` on an AMD EPYC with avx512_vnni (square
+    layers of width 3072-4096, 512 tokens, one thread), the fallback measured there with the int8
+    dot-product flags hidden."""
+    if device_type != "cpu" or w8a8_kernel("cpu") == "int_mm":
+        return None
+    return ("this CPU has no int8 dot-product instructions (avx512_vnni, avx_vnni, amx_int8): torch._int_mm "
+            "runs ~35× slower than fp32 on such a CPU, so these layers multiply their int8 values in float32 "
+            "(same results up to float rounding), measured 1.0-1.6× the fp32 layer; 'quantize int8 "
+            "weight_only=true' keeps the same int8 weights with less error; with VNNI/AMX these layers ran "
+            "0.13-0.17× fp32 (benchmarks/results/quantized_compute.md, width 3072-4096, 512 tokens)")
+
+
+def weight_only_note(device_type: str, dtypes: set[str], bits: int) -> str | None:
+    """That packed weight-only layers (int8, int4) compute in float32 on a CPU, where their packed
+    kernels need bfloat16 activations; or that the kernel is missing; else None."""
+    if device_type != "cpu":
+        return None
+    name = "int8" if bits == 8 else "int4"
+    if name not in packed_cpu_kernels():
+        return (f"this torch has no packed {name} CPU kernel: these layers dequantize their weight at every "
+                "call (about the float layer's cost)")
+    if bits == 8 and dtypes and dtypes <= {"bfloat16"}:
+        return None
+    if bits == 8:
+        return ("these layers compute in " + "/".join(sorted(dtypes)) + ": the packed bf16 × int8 kernel "
+                "(aten._weight_int8pack_mm, decode-sized inputs) takes bfloat16 activations only, so they "
+                "multiply a float copy of the weight (about the float layer's cost); with model.to(torch.bfloat16) "
+                "before the transform a Llama-7B-wide layer decoded at 0.49× the fp32 model's time per token "
+                "(bfloat16 alone 0.65×; benchmarks/results/quantized_compute.md)")
+    return None
+
+
 def four_bit_note(device_type: str, compute: str) -> str | None:
     """That 4-bit layers computing in float32 leave a CPU's bfloat16 instructions unused, or None."""
     if device_type != "cpu" or compute != "float32" or not cpu_bf16_matmul():
@@ -250,6 +344,7 @@ def hqq_note(device_type: str) -> str | None:
     return note
 
 
-__all__ = ["cpu_flags", "cpu_capability", "cpu_int8_matmul", "cuda_fp8_matmul", "hqq_compiled_backend",
+__all__ = ["cpu_int8_dot", "w8a8_kernel", "w8a8_note", "packed_cpu_kernels", "weight_only_note",
+           "hidden_cpu_flags", "HIDE_FLAGS_ENV", "cpu_flags", "cpu_capability", "cpu_int8_matmul", "cuda_fp8_matmul", "hqq_compiled_backend",
            "cpu_bf16_matmul", "cpu_kind", "cpu_text", "describe_cpu", "measured", "int8_note", "hqq_note", "four_bit_note",
            "fp8_cost", "CITED", "INT8_DOT_FLAGS", "BF16_FLAGS"]

@@ -33,7 +33,8 @@ def _read_script(path: str):
     return parse_file(path)
 
 
-def _model(spec: str):
+def _model(spec: str, dtype: str = "auto"):
+    from .dtypes import parse_dtype
     from .models import resolve_model
 
     directory = os.path.expanduser(spec)
@@ -41,9 +42,12 @@ def _model(spec: str):
         # A transformdsl save (``apply --out``): loaded as `load` would, its transforms replayed.
         from .persist import load
 
+        if dtype != "auto":
+            raise TransformError(f"--model {spec}: a transformdsl save is read in the dtypes it was saved in; "
+                                 "drop --dtype")
         return load(directory)
     try:
-        return resolve_model(spec)
+        return resolve_model(spec, dtype=parse_dtype(dtype))
     except ValueError as exc:
         message = str(exc)  # resolve_model names the spec itself in most messages: not twice
         raise TransformError(message if message.startswith("--model ") else f"--model {spec}: {message}") from None
@@ -69,7 +73,7 @@ def cmd_check(args) -> int:
 def cmd_explain(args) -> int:
     from .planner import plan
 
-    the_plan = plan(_model(args.model), _read_script(args.file))
+    the_plan = plan(_model(args.model, args.dtype), _read_script(args.file))
     if args.json:
         print(json.dumps(the_plan.to_json(), indent=1))
     else:
@@ -82,7 +86,9 @@ def cmd_apply(args) -> int:
     from .persist import save
     from .planner import plan
 
-    model = _model(args.model)
+    model = _model(args.model, args.dtype)
+    if args.verify or args.verify_with is not None:
+        _check_verify(model)
     script = _read_script(args.file)
     the_plan = plan(model, script)
     if not args.quiet:
@@ -96,7 +102,7 @@ def cmd_apply(args) -> int:
         warnings.simplefilter("always", NothingToDoWarning)
         try:
             transform(model, the_plan, progress=not args.quiet and sys.stderr.isatty(),
-                      log=None if args.quiet else print, verify=args.verify, strict=args.strict)
+                      log=None if args.quiet else print, verify=_verify_arg(args), strict=args.strict)
         except TransformError as exc:
             raise TransformError(_cli_words(str(exc))) from exc
     for warning in caught:
@@ -124,7 +130,7 @@ def cmd_convert(args) -> int:
         warnings.simplefilter("always", NothingToDoWarning)
         convert(args.model, _read_script(args.file), args.out, component=args.component,
                 progress=not args.quiet and sys.stderr.isatty(), max_shard_size=args.max_shard_size,
-                strict=args.strict)
+                strict=args.strict, log=None if args.quiet else print)
     for warning in caught:
         if issubclass(warning.category, NothingToDoWarning):
             _err(f"warning: {warning.message} (--strict makes this an error)")
@@ -145,12 +151,35 @@ def _byte_count(text: str) -> int:
     raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 5GB, 500MB)")
 
 
+def _verify_arg(args) -> object:
+    """``transform``'s ``verify=`` from ``--verify`` and ``--verify-with``."""
+    if args.verify_with is not None:
+        from .verification import parse_cli
+
+        return parse_cli(args.verify_with)
+    return args.verify
+
+
 def _cli_words(message: str) -> str:
     """An error of the Python API, its fix said the way the command line can do it."""
     from .executor import VERIFY_INPUTS_HINT
 
-    return message.replace(VERIFY_INPUTS_HINT, "drop --verify: the command line can feed only the models it "
-                                               "knows their sample input (from Python, transform() takes yours)")
+    return message.replace(VERIFY_INPUTS_HINT, _VERIFY_FIX)
+
+
+#: How to do without the command line's sample inputs.
+_VERIFY_FIX = "drop --verify, or verify from Python, where transform() takes sample inputs of your own"
+
+
+def _check_verify(model) -> None:
+    """``--verify`` on a model the command line cannot make a sample input for: refused before anything runs."""
+    from .models import SAMPLE_KINDS, sample_inputs_problem
+
+    problem = sample_inputs_problem(model)
+    if problem:
+        raise TransformError(f"--verify runs the model on a sample input, which the command line makes from the "
+                             f"model's config for {SAMPLE_KINDS} (and subclasses): not for {problem}; "
+                             f"{_VERIFY_FIX} (nothing was changed)")
 
 
 def cmd_fmt(args) -> int:
@@ -247,7 +276,11 @@ def _print_inspect(info: dict, human_bytes, indent: str) -> None:
     if interop.get("imported"):
         print(f"{indent}a {interop['imported']} checkpoint; layers it holds already quantized are listed as applied")
     elif interop.get("format"):
-        print(f"{indent}saved in the {interop['format']} layout: its stock from_pretrained loads it")
+        if interop.get("stock_needs"):
+            print(f"{indent}saved in the {interop['format']} layout: its stock from_pretrained loads it only with "
+                  f"{interop['stock_needs']}; transformdsl.load reads it on any machine")
+        else:
+            print(f"{indent}saved in the {interop['format']} layout: its stock from_pretrained loads it")
         for note in interop["notes"]:
             print(f"{indent}  {note}")
     if info["steps"]:
@@ -288,9 +321,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     model_help = ("a built-in tiny model (unet, sd3, flux, llama, gpt2, sd-pipeline), a local diffusers or "
                   "transformers directory, or package.module:factory")
+    dtype_help = ("floating dtype to read the model in: auto (default: a directory's checkpoint dtype; the built-ins "
+                  "are float32), float32, bfloat16 or float16; the plan's first line says which")
     p = sub.add_parser("explain", help="show what a script will do to a model")
     p.add_argument("file", metavar="FILE")
     p.add_argument("--model", required=True, metavar="SPEC", help=model_help)
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"), help=dtype_help)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("-q", "--quiet", action="store_true",
                    help="no warnings or progress bars from the model libraries")
@@ -299,13 +335,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("apply", help="transform a model and save it")
     p.add_argument("file", metavar="FILE")
     p.add_argument("--model", required=True, metavar="SPEC", help=model_help)
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"), help=dtype_help)
     p.add_argument("--out", metavar="DIR", help="directory to save the transformed model to")
     p.add_argument("--format", default="transformdsl", choices=("transformdsl", "transformers", "diffusers", "compressed-tensors"),
                    help="layout of the save: transformdsl's (default), or one the library's stock from_pretrained "
                         "loads without transformdsl (spec.md 'Interchange')")
     p.add_argument("--verify", action="store_true",
                    help="compare the model's output on a sample input before and after; fail (and leave the "
-                        "model unchanged) if it moved beyond the script's error bound")
+                        "model unchanged) if it moved beyond the script's error bound (per-token KL for "
+                        "logits, relative RMS otherwise)")
+    p.add_argument("--verify-with", metavar="CHECK",
+                   help="--verify with another metric or bound: a metric (kl, top1, rms, max), a bound on the "
+                        "default metric (0.05), or both (kl=0.05)")
     p.add_argument("--strict", action="store_true",
                    help="fail, changing nothing, if a statement would change no module (else a warning)")
     p.add_argument("-q", "--quiet", action="store_true",

@@ -17,8 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from . import verification
 from .edit import Edit
 from .errors import TransformError
 from .explain import human_bytes
@@ -29,6 +28,14 @@ from .planner import Plan, module_components, plan
 from .spill import UndoStore, auto_budget, check_undo_options
 from .tree import parameter_bytes
 from .validate import ValidatedScript
+from .verification import (  # noqa: F401  (importable from here, as before the guard had its module)
+    ROUNDING_EPS,
+    VERIFIED_BEFORE,
+    VERIFY_INPUTS_HINT,
+    relative_error,
+    sample_output,
+    script_error_bound,
+)
 
 logger = logging.getLogger("transformdsl")
 
@@ -84,7 +91,7 @@ def _log_device_notes(the_plan: Plan, log: Callable[[str], None] | None) -> None
 
 
 def transform(model: Any, script: str | Path | Script | ValidatedScript | Plan, *, progress: bool = False,
-              log: Callable[[str], None] | None = None, verify: bool = False,
+              log: Callable[[str], None] | None = None, verify: bool | float | str | dict = False,
               verify_inputs: tuple[tuple, dict] | list[tuple[tuple, dict]] | None = None, strict: bool = False,
               undo: str = "auto", undo_budget: int | None = None, undo_dir: str | Path | None = None) -> Any:
     """Apply ``script`` to ``model`` (an ``nn.Module`` or a diffusers pipeline); return the model.
@@ -97,10 +104,14 @@ def transform(model: Any, script: str | Path | Script | ValidatedScript | Plan, 
     ``verify=True`` runs the model on a sample input before and after (that of
     :func:`transformdsl.models.sample_inputs`, or ``verify_inputs=(args, kwargs)``, which
     implies ``verify``) and fails the same way, leaving the model as it was, when the
-    output changed by more than the script's error bound (:func:`script_error_bound`).
+    output moved more than the script's error bound: per-token KL for logits, relative RMS
+    otherwise (:mod:`transformdsl.verification`).  ``verify=`` also takes a bound
+    (``verify=0.05``), a metric (``verify="top1"``) or both (``verify={"kl": 0.05}``).
     ``verify_inputs=[(args, kwargs), ...]`` checks several samples, the worst error counts:
     how much a lossy transform moves the output varies from input to input (2x across random
     inputs on a narrow UNet), so one sample that happens to sit under the bound proves little.
+    A script that compiles is verified just before its ``compile`` statement runs, on the transformed
+    model not yet compiled (compiling changes no weight; after it, each sample would be compiled).
 
     A statement that changes no module (its selectors name nothing the transform can change on
     this model) is a :class:`NothingToDoWarning`; with ``strict=True`` it is a
@@ -120,24 +131,33 @@ def transform(model: Any, script: str | Path | Script | ValidatedScript | Plan, 
     """
     check_undo_options(undo, undo_budget)
     the_plan = script if isinstance(script, Plan) else plan(model, script)
+    if the_plan.skeletons:
+        which = "the model's" if the_plan.skeletons == [""] else f"{', '.join(the_plan.skeletons)}'s"
+        raise TransformError(f"{which} weights are all on the meta device (none loaded): load them before "
+                             "transforming (plan() and explain show what the script would do); nothing was changed")
     idle = idle_statements(the_plan)
     if idle and strict:
         raise TransformError("; ".join(idle) + " (strict: nothing was changed)")
     for line in idle:
         warnings.warn(line, NothingToDoWarning, stacklevel=2)
     _log_device_notes(the_plan, log)
-    verify = verify or verify_inputs is not None
+    checks = verification.checks(verify) or ([verification.Check()] if verify_inputs is not None else [])
     samples = verify_inputs if isinstance(verify_inputs, list) else [verify_inputs]
     if not samples:
         raise TransformError("verify_inputs=[] holds no sample: pass [(args, kwargs), ...] (nothing was changed)")
-    reference = [_reference_output(model, sample) for sample in samples] if verify else None
+    reference = [verification.reference_output(model, sample) for sample in samples] if checks else None
     components = module_components(model)
     edit = Edit(_undo_store(undo, undo_budget, undo_dir, components))
     applied: dict[str, list[AppliedStep]] = {}
     source = the_plan.script.source
     make_progress = _progress_factory(progress)
+    verified = not checks
+    statements = [(step.text(source), step.transform) for step in the_plan.steps]
     try:
         for step in the_plan.steps:
+            if not verified and step.transform.verb in VERIFIED_BEFORE:
+                verification.verify(model, reference, samples, statements, checks, log, before=step.transform.verb)
+                verified = True
             root = components[step.component]
             before = parameter_bytes(root)
             started = time.perf_counter()
@@ -159,8 +179,8 @@ def transform(model: Any, script: str | Path | Script | ValidatedScript | Plan, 
                 script_index=0,
                 record_version=step.transform.record_version,
             ))
-        if verify:
-            _verify(model, reference, samples, [step.transform for step in the_plan.steps], log)
+        if not verified:
+            verification.verify(model, reference, samples, statements, checks, log)
     except BaseException:
         try:
             edit.rollback()
@@ -218,107 +238,3 @@ def _json_checked(record: Any, step) -> dict:
         raise TransformError(f"'{step.statement.key}' returned a record that is not JSON: {exc}") from None
     return record
 
-
-# --------------------------------------------------------------------------- verification
-
-#: Float rounding allowed on top of the script's bound, in units of the output dtype's
-#: epsilon: exact transforms (fusing projections) may still change summation order.
-ROUNDING_EPS = 16
-
-
-def script_error_bound(transforms: list) -> float | None:
-    """The bound of a script: the sum of its steps' ``error_bound`` (``None`` if one has none).
-
-    Errors of successive approximations add up to first order, so the sum is the bound
-    that holds whatever order the steps run in; a maximum would understate two lossy steps.
-    """
-    total = 0.0
-    for step in transforms:
-        bound = step.error_bound
-        if bound is None:
-            return None
-        total += bound
-    return total
-
-
-def relative_error(before: torch.Tensor, after: torch.Tensor) -> float:
-    """``max|after - before| / max|before|`` in float32 (the absolute error if ``before`` is all zeros)."""
-    before, after = before.detach().float().cpu(), after.detach().float().cpu()
-    scale = before.abs().max().item() if before.numel() else 0.0
-    difference = (after - before).abs().max().item() if before.numel() else 0.0
-    return difference / scale if scale > 0 else difference
-
-
-def sample_output(model: Any, inputs: tuple[tuple, dict] | None = None) -> torch.Tensor:
-    """The model's output tensor on ``inputs`` (default: :func:`transformdsl.models.sample_inputs`).
-
-    Modules run in eval mode (no dropout, no batch-norm statistics updated: the run must
-    not change the model it checks); their training flags are restored afterwards.
-    """
-    from . import models
-    from .transforms.cache.run import fresh_context  # a step cache runs each sample as a fresh denoising loop
-
-    modules = list(module_components(model).values())
-    flags = [(m, m.training) for root in modules for m in root.modules()]
-    try:
-        for root in modules:
-            root.eval()
-        with fresh_context(model):
-            if inputs is None:
-                return models.run(model, seed=0)
-            args, kwargs = inputs
-            with torch.no_grad():
-                return models.one_tensor(model(*args, **kwargs))  # the tensor models.run() returns
-    finally:
-        for module, training in flags:
-            module.training = training
-
-
-#: How a Python caller gives ``verify`` an input (the command line says it its own way).
-VERIFY_INPUTS_HINT = "pass verify_inputs=(args, kwargs)"
-
-
-def _checked_output(model: Any, inputs, when: str) -> torch.Tensor:
-    """:func:`sample_output`, any failure explained as a TransformError."""
-    try:
-        return sample_output(model, inputs)
-    except Exception as exc:
-        hint = f"; {VERIFY_INPUTS_HINT}" if inputs is None else ""
-        raise TransformError(f"verify: cannot run the model on its sample input {when}: {type(exc).__name__}: "
-                             f"{exc}{hint} (the model was left unchanged)") from exc
-
-
-def _reference_output(model: Any, inputs) -> torch.Tensor:
-    """The output to compare against, checked before anything is changed."""
-    reference = _checked_output(model, inputs, "before transforming")
-    if not torch.isfinite(reference).all():
-        raise TransformError("verify: the model's output is not finite before transforming; cannot verify "
-                             "(the model was left unchanged)")
-    return reference
-
-
-def _verify(model: Any, references: list[torch.Tensor], samples: list, transforms: list, log) -> None:
-    """Raise TransformError if an output moved beyond the script's bound (the caller rolls back)."""
-    keys = ", ".join(f"{t.key()}: {t.error_bound}" for t in transforms) or "no statement"
-    error = 0.0
-    for reference, inputs in zip(references, samples):
-        output = _checked_output(model, inputs, "after transforming")
-        if tuple(output.shape) != tuple(reference.shape):
-            raise TransformError(f"verify: the output's shape changed from {tuple(reference.shape)} to "
-                                 f"{tuple(output.shape)}; the model was left unchanged")
-        if not torch.isfinite(output).all():
-            raise TransformError("verify: the transformed model's output is not finite; the model was left unchanged")
-        error = max(error, relative_error(reference, output))
-    reference = references[0]
-    bound = script_error_bound(transforms)
-    if bound is None:
-        if log is not None:
-            log(f"verify: relative error {error:.3g} (no bound: {keys})")
-        return
-    tolerance = bound + ROUNDING_EPS * torch.finfo(reference.dtype if reference.is_floating_point()
-                                                   else torch.float32).eps
-    if error > tolerance:
-        raise TransformError(f"verify: the output changed by {error:.3g} (max|after - before| / max|before|), more "
-                             f"than the script's bound {bound:g} ({keys}); the model was left unchanged")
-    if log is not None:
-        log(f"verify: relative error {error:.3g} within the bound {bound:g}")

@@ -25,7 +25,15 @@ def render_plan(plan: Plan) -> str:
     if len(plan.components) > 1 or "" not in plan.components:
         parts = ", ".join(f"{k}={v}" for k, v in plan.components.items())
         what += f" ({parts})"
-    lines.append(f"model: {what}: {plan.module_count} modules, {human_bytes(plan.total_bytes)} of parameters")
+    from .dtypes import describe
+
+    dtype = describe(plan.dtypes)
+    lines.append(f"model: {what}: {plan.module_count} modules, {human_bytes(plan.total_bytes)} of parameters"
+                 + (f" in {dtype}" if dtype else ""))
+    if plan.skeletons:
+        which = "" if plan.skeletons == [""] else f" ({', '.join(plan.skeletons)})"
+        lines.append(f"weights{which}: on the meta device, none loaded: planned as they will be once loaded "
+                     "(transform needs them loaded)")
     if not plan.steps:
         lines.append("plan: nothing to do")
         return "\n".join(lines)

@@ -50,11 +50,14 @@ from .ir import Statement
 from .options import CommonOptions, NoOptions, option
 
 if TYPE_CHECKING:  # pragma: no cover  (the declarations import no torch: `check` validates without it)
+    from pathlib import Path
+
     from torch import nn
 
     from .edit import Edit
     from .history import AppliedStep
     from .interop.export import Exported
+    from .interop.imports import Headers
     from .tree import ModuleInfo, ModuleTree
 
 __all__ = ["ApplyContext", "CommonOptions", "LoadError", "NoOptions", "Transform", "TransformError", "option"]
@@ -90,12 +93,13 @@ class Transform:
     changes_weights: ClassVar[bool] = True
     #: Whether a plan with this transform needs a statement ``in`` clause.
     requires_scope: ClassVar[bool] = False
-    #: The most the transform may change the model's output on its sample input, as a
-    #: relative error ``max|after - before| / max|before|`` (spec.md "Errors", checked by
-    #: ``transform(..., verify=True)``).  ``0.0``: exact up to float rounding (the default:
-    #: a lossy transform must say how lossy); ``None``: no bound.  A transform whose bound
+    #: The most the transform may change the model's output (spec.md "Numerical guard", checked by
+    #: ``transform(..., verify=True)``): a mapping metric -> bound (``kl``, ``top1``, ``rms``,
+    #: ``max``: :mod:`transformdsl.verification`), or a number: a bound on the relative RMS error
+    #: ``‖after - before‖ / ‖before‖``.  ``0.0``: exact up to float rounding in every metric (the
+    #: default: a lossy transform must say how lossy); ``None``: no bound.  A transform whose bound
     #: depends on its options defines ``error_bound`` as a property instead.
-    error_bound: ClassVar[float | None] = 0.0
+    error_bound: ClassVar[float | dict[str, float] | None] = 0.0
     #: Number fields of the record that add up over parts of the targets (:meth:`merge_records`).
     summed_record_fields: ClassVar[tuple[str, ...]] = ()
     #: Version of the record :meth:`apply` returns, saved beside it; bump it when the record's layout
@@ -108,6 +112,9 @@ class Transform:
     implementation: ClassVar[str | None] = None
     #: The runtime switches (:class:`transformdsl.switches.Switch`) this transform's modules read.
     switches: ClassVar[tuple] = ()
+    #: ``quant_method`` values of a library checkpoint's ``quantization_config`` whose layers this
+    #: transform rebuilds as its own (:meth:`import_checkpoint`): ``load(dir)`` reads such a checkpoint.
+    quant_methods: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, statement: Statement, options: Any, common: CommonOptions | None = None):
         self.statement = statement
@@ -208,6 +215,14 @@ class Transform:
         """Runs after the saved tensors are in place (e.g. to compile again)."""
 
     # ------------------------------------------------------------------ other formats
+
+    @classmethod
+    def import_checkpoint(cls, path: Path, quantization_config: dict, headers: Headers) -> tuple[list[dict], str]:
+        """The saved steps (as in ``transformdsl.json``) and the script a library checkpoint's
+        ``quantization_config`` (one of :attr:`quant_methods`) stands for, from its safetensors
+        ``headers`` (tensor name → file; ``headers.info``: name → (dtype, shape)); a
+        :class:`LoadError` when the checkpoint is not what the config says."""
+        raise LoadError(f"{path}: '{cls.key()}' reads no library checkpoint")
 
     @classmethod
     def export(cls, step: AppliedStep, out: Exported) -> None:

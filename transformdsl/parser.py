@@ -29,13 +29,16 @@ from .regexes import compile_regex
 #: Scripts longer than this are refused before parsing (no unbounded work on hostile input).
 MAX_SCRIPT_CHARS = 256 * 1024
 
-#: Statements (counting comments, see :func:`_pieces`) a script may hold: real scripts
+#: Statements (not comments, see :func:`_pieces`) a script may hold: real scripts
 #: have a few dozen; 32k one-word statements (256 KiB) took seconds to check, and each
 #: statement is planned against every module of the model.
 MAX_STATEMENTS = 256
 #: Selectors and options a script may hold, counted (over-counted) as its commas and ``=``.
 MAX_LIST_ITEMS = 256
 _PIECE_RE = re.compile(r"[^\s;]+[^;\n]*")
+#: A script's tokens as far as comments go: a quoted string (to its closing quote or the end of
+#: its line, so that no match ever backtracks), a comment, or a run of anything else.
+_COMMENT_SCAN_RE = re.compile(r""""(?:[^"\\\n]|\\.)*"?|'(?:[^'\\\n]|\\.)*'?|#[^\n]*|[^"'#]+""")
 
 _MODE_RE = re.compile(r"[a-z][a-z0-9_]*\Z")
 _IDENT_RE = re.compile(r"[a-z0-9_]+\Z")
@@ -136,9 +139,10 @@ def parse(text: str, filename: str | None = None) -> Script:
 def _check_counts(text: str, filename: str | None) -> None:
     """Refuse, before parsing, scripts with more statements, selectors or options than
     :data:`MAX_STATEMENTS` / :data:`MAX_LIST_ITEMS` (planning cost grows with each)."""
-    counts = (("statements or comments", _pieces(text), MAX_STATEMENTS),
-              ("commas (selectors)", text.count(","), MAX_LIST_ITEMS),
-              ("'=' signs (options)", text.count("="), MAX_LIST_ITEMS))
+    code = _without_comments(text)
+    counts = (("statements", _pieces(code), MAX_STATEMENTS),
+              ("commas (selectors)", code.count(","), MAX_LIST_ITEMS),
+              ("'=' signs (options)", code.count("="), MAX_LIST_ITEMS))
     for what, count, limit in counts:
         if count > limit:
             span = Span(filename, 1, 1, 1, 2)
@@ -146,9 +150,16 @@ def _check_counts(text: str, filename: str | None) -> None:
                                        "cost grows with each)", [span])], text)
 
 
+def _without_comments(text: str) -> str:
+    """``text`` without its comments, in one linear pass and without parsing (a ``#`` inside a
+    quoted string is not a comment).  Where a quote is left open the rest of its line is kept:
+    the counts stay upper bounds."""
+    return "".join(m.group() for m in _COMMENT_SCAN_RE.finditer(text) if not m.group().startswith("#"))
+
+
 def _pieces(text: str) -> int:
-    """An upper bound on the statements in ``text``: its non-blank pieces between ``;``
-    and newlines (comments and quoted separators count too), found without parsing."""
+    """An upper bound on the statements in ``text`` (comments removed): its non-blank pieces
+    between ``;`` and newlines (quoted separators count too), found without parsing."""
     return sum(1 for _ in _PIECE_RE.finditer(text))
 
 

@@ -22,10 +22,10 @@ from .extend import Transform
 from .hints import candidates_for, conflict_fix, exclusion_fix, working_names
 from .ir import Script, Selector, source_lines
 from .parser import make_selector, parse, parse_file
-from .regexes import SelectorTooSlow, regex_budget
+from .regexes import SelectorTooSlow, budget_spent, regex_budget
 from .registry import key_matches
 from .selectors import matches, select, suggestions, topmost
-from .tree import ModuleTree, below_any, parameter_bytes
+from .tree import WEIGHTS_PENDING, ModuleTree, below_any, is_skeleton, parameter_bytes
 from .validate import ValidatedScript, validate
 
 #: Pipeline components that hold the denoiser, in the order they are looked for.
@@ -134,6 +134,10 @@ class Plan:
     components: dict[str, str]
     module_count: int
     total_bytes: int
+    #: Component (``""`` for a plain module) -> the floating dtype holding most of its parameters.
+    dtypes: dict[str, str] = field(default_factory=dict)
+    #: Components whose weights are all on the meta device (none loaded): planned as they will be.
+    skeletons: list[str] = field(default_factory=list)
 
     def __iter__(self):
         return iter(self.steps)
@@ -147,6 +151,8 @@ class Plan:
             "components": self.components,
             "modules": self.module_count,
             "bytes": self.total_bytes,
+            "dtypes": self.dtypes,
+            "skeletons": self.skeletons,
             "steps": [s.to_json(self.script.source) for s in self.steps],
         }
 
@@ -156,15 +162,21 @@ class Plan:
         return render_plan(self)
 
 
-def plan(model: Any, script: str | Path | Script | ValidatedScript) -> Plan:
+def plan(model: Any, script: str | Path | Script | ValidatedScript, *, component: str | None = None) -> Plan:
     """Validate ``script`` and resolve it against ``model`` (an ``nn.Module`` or a pipeline).
+
+    ``component``: ``model`` is that component of a pipeline, planned alone (``convert`` streams
+    one component per run): statements with ``component=`` that name it apply to it, those that
+    name another are problems saying how to convert that one.
 
     Raises :class:`ScriptError` for any problem: invalid script, a selector that matches
     nothing (with the nearest names), two statements changing the same module in ways
     that exclude each other, options that do not suit a selected module.
     """
     validated = script if isinstance(script, ValidatedScript) else validate(load_script(script))
-    return Planner(model, validated).run()
+    planner = Planner(model, validated)
+    planner.component_name = component if isinstance(model, nn.Module) else None
+    return planner.run()
 
 
 #: Selectors matching nothing for which the plan looks up the nearest names.
@@ -187,6 +199,8 @@ class Planner:
         self.claims: dict[tuple[str, str], dict[str, Step]] = {}
         #: Selectors that matched nothing so far (nearest names are looked for the first few).
         self.suggested = 0
+        #: The pipeline component ``model`` is, when it is planned alone (:func:`plan`'s ``component``).
+        self.component_name: str | None = None
 
     def tree(self, component: str) -> ModuleTree:
         if component not in self.trees:
@@ -196,9 +210,11 @@ class Planner:
     def run(self) -> Plan:
         default = denoiser_name(self.model)
         steps = []
-        with regex_budget():
+        with regex_budget():  # one budget for the plan and the plans its hints make
             for transform in self.validated.steps:
                 component = transform.common.component or default
+                if component == self.component_name:
+                    component = ""
                 if component not in self.components:
                     self._component_problem(transform, component)
                     continue
@@ -209,23 +225,36 @@ class Planner:
                     continue
                 if step is not None:
                     steps.append(step)
-        if self.problems:
-            if self.hints:
-                for compute in self.pending:
-                    compute()
-            raise ScriptError(self.problems, self.script.source)
+            if self.problems:
+                if self.hints:
+                    for compute in self.pending:
+                        if budget_spent():  # hints re-plan the script: not with a pattern that is too slow
+                            break
+                        compute()
+                raise ScriptError(self.problems, self.script.source)
         # The snapshots counted their modules and bytes; components no statement used are walked here.
         module_count = sum(self.trees[n].module_count if n in self.trees else sum(1 for _ in m.modules())
                            for n, m in self.components.items())
         total = sum(self.trees[n].total_bytes if n in self.trees else parameter_bytes(m)
                     for n, m in self.components.items())
+        from .dtypes import model_dtypes
+
+        skeletons = [name for name, m in self.components.items()
+                     if not m.__dict__.get(WEIGHTS_PENDING) and is_skeleton(m)]
         return Plan(self.script, steps, type(self.model).__name__,
-                    {name: type(m).__name__ for name, m in self.components.items()}, module_count, total)
+                    {name: type(m).__name__ for name, m in self.components.items()}, module_count, total,
+                    model_dtypes(self.model), skeletons)
 
     def _component_problem(self, transform: Transform, component: str) -> None:
         statement = transform.statement
         span = next((o.span for o in statement.options if o.name == "component"), statement.span)
-        if isinstance(self.model, nn.Module):
+        if self.component_name is not None:
+            self.problems.append(Problem(
+                f"component={component}: convert streams one pipeline component per run, and this run converts "
+                f"'{self.component_name}'", [span],
+                hint=f"convert {component} in a run of its own: --component {component}, with a script of its "
+                     f"statements"))
+        elif isinstance(self.model, nn.Module):
             self.problems.append(Problem("component= applies to pipelines; this model is a single module",
                                          [span]))
         else:
@@ -329,8 +358,12 @@ class Planner:
                 continue
             step.targets.append(path)
         if errors:
-            shown = "; ".join(f"{p or '<root>'}: {e}" for p, e in errors[:5])
-            more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
+            by_error: dict[str, list[str]] = {}  # one device problem is said once, not per module
+            for p, e in errors:
+                by_error.setdefault(e, []).append(p or "<root>")
+            shown = "; ".join(", ".join(ps[:2]) + (f" (+{len(ps) - 2})" if len(ps) > 2 else "") + f": {e}"
+                              for e, ps in list(by_error.items())[:5])
+            more = f" (and {len(by_error) - 5} more)" if len(by_error) > 5 else ""
             problem = Problem(f"'{statement.key}' cannot transform {len(errors)} selected "
                               f"module(s): {shown}{more}", [statement.span],
                               hint="exclude them with 'except' or change the options")

@@ -46,6 +46,7 @@ BUILTIN: dict[str, str] = {
     "cache text_kv": "transformdsl.transforms.cache:TextKVCache",
     "compile": "transformdsl.transforms.compile:WholeCompile",
     "compile regional": "transformdsl.transforms.compile:RegionalCompile",
+    "fp8 dynamic": "transformdsl.transforms.fp8:FP8Dynamic",
     "fp8 native": "transformdsl.transforms.fp8:FP8Native",
     "fp8 storage": "transformdsl.transforms.fp8:FP8Storage",
     "fuse bias_act_dropout": "transformdsl.transforms.elementwise:BiasActDropout",
@@ -56,6 +57,8 @@ BUILTIN: dict[str, str] = {
     "quantize hqq": "transformdsl.transforms.quantize:HQQQuantization",
     "quantize int8": "transformdsl.transforms.quantize:Int8Quantization",
     "quantize nf4": "transformdsl.transforms.quantize:NF4Quantization",
+    "quantize int4": "transformdsl.transforms.quantize:Int4Quantization",
+    "quantize w8a8": "transformdsl.transforms.quantize:W8A8Quantization",
 }
 
 

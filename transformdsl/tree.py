@@ -70,6 +70,8 @@ def module_facts(module: nn.Module) -> dict[str, Any]:
     if weight is not None:
         facts["weight_shape"] = tuple(weight.shape)
         facts["dtype"] = weight.dtype
+        if weight.is_meta:
+            facts["meta"] = True
     for attr in ("in_features", "out_features", "nf"):
         value = module.__dict__.get(attr)
         if isinstance(value, int):
@@ -123,6 +125,8 @@ class ModuleTree:
         self.total_bytes = 0
         #: Whether meta-device weights will be read before the statements apply (:data:`WEIGHTS_PENDING`).
         self.weights_pending = False
+        #: Whether every parameter of the model is on the meta device (none loaded: a skeleton to plan on).
+        self.all_meta = False
         for info in infos:
             if info.path not in self._infos:
                 self._order.append(info.path)
@@ -151,6 +155,7 @@ class ModuleTree:
         tree = cls(infos)
         tree.module_count, tree.total_bytes = len(infos), total
         tree.weights_pending = bool(root.__dict__.get(WEIGHTS_PENDING))
+        tree.all_meta = is_skeleton(root)
         return tree
 
     def _paths(self) -> list[str]:
@@ -312,6 +317,17 @@ def below_any(path: str, roots: frozenset[str] | set[str]) -> bool:
 def is_below(path: str, ancestor: str) -> bool:
     """``path`` is ``ancestor`` or lies in its subtree."""
     return ancestor == "" or path == ancestor or path.startswith(ancestor + ".")
+
+
+def is_skeleton(module: nn.Module) -> bool:
+    """Whether ``module`` has parameters and every one is on the meta device (an architecture built
+    under ``torch.device("meta")`` or accelerate's ``init_empty_weights``: no weight loaded)."""
+    found = False
+    for param in module.parameters():
+        if not param.is_meta:
+            return False
+        found = True
+    return found
 
 
 def parameter_bytes(module: nn.Module) -> int:

@@ -59,6 +59,8 @@ SCRIPTS = {
     "quantize hqq auto": "quantize hqq group_size=auto",  # the tiny models' layers are narrower than 64
     "fp8 storage": "fp8 storage",
     "fp8 native": "fp8 native",
+    "quantize w8a8": "quantize w8a8",
+    "quantize int4": "quantize int4 group_size=32",  # the smallest group: the tiny models' layers are narrow
     "fuse qkv; quantize int8": "fuse qkv; quantize int8",
     "fuse bias_act_dropout": "fuse bias_act_dropout kernel=eager",
     "fuse bias_dropout_residual": "fuse bias_dropout_residual kernel=eager",
@@ -160,7 +162,14 @@ def run_cell(model_id: str, script_name: str) -> dict:
 
     import transformdsl
     from transformdsl.errors import LoadError, ScriptError, TransformError
-    from transformdsl.executor import ROUNDING_EPS, relative_error, script_error_bound
+    from transformdsl.verification import (
+        METRICS,
+        VerifyError,
+        default_metric,
+        measure,
+        model_output,
+        script_error_bound,
+    )
 
     from . import corpus
 
@@ -204,12 +213,18 @@ def run_cell(model_id: str, script_name: str) -> dict:
         cell["not_fused"] = not_fused(model, plan)
     if cell["changed"] == 0:
         return done("not applicable", "no statement selected a module it can change")
-    bound = script_error_bound([step.transform for step in plan.steps])
-    cell["bound"] = bound
-    tolerance = None if bound is None else bound + ROUNDING_EPS * torch.finfo(reference.dtype).eps
+    # verify's metric (KL per token for logits, relative RMS otherwise) and the script's bound in it
+    transforms = [step.transform for step in plan.steps]
+    metric = default_metric(model_output(model, inputs).kind, transforms)
+    bound = script_error_bound(transforms, metric)
+    cell["metric"], cell["bound"] = metric, bound
+    tolerance = None if bound is None else METRICS[metric].tolerance(bound, reference)
 
     try:
         transformdsl.transform(model, plan, verify=True, verify_inputs=verify_samples)
+    except VerifyError as exc:
+        cell["error"] = exc.report.value
+        return done("refused by verify", _first_line(exc))
     except TransformError as exc:
         message = str(exc)
         moved = re.search(r"verify: the output changed by ([0-9.eE+-]+|inf|nan)", message)
@@ -228,8 +243,8 @@ def run_cell(model_id: str, script_name: str) -> dict:
         output_heldout = _run(model, heldout)
     except Exception as exc:
         return done("crash in forward", _exception(exc))
-    cell["error"] = relative_error(reference, output)
-    cell["error_heldout"] = relative_error(reference_heldout, output_heldout)
+    cell["error"] = measure(metric, reference, output)
+    cell["error_heldout"] = measure(metric, reference_heldout, output_heldout)
     if tolerance is not None and not cell["error_heldout"] <= tolerance:
         past = f"held-out sample: error {cell['error_heldout']:.3g} > bound {bound:g}"
     else:
@@ -262,7 +277,7 @@ def run_cell(model_id: str, script_name: str) -> dict:
         difference = (reloaded.float() - output.float()).abs().max().item() if reloaded.shape == output.shape else None
         return done("reload mismatch", f"max |reloaded - transformed| = {difference}")
     cell["reload"] = "bit-identical"
-    cell["formats"] = save_formats(model, entry, inputs, reference, tolerance)
+    cell["formats"] = save_formats(model, entry, inputs, reference, tolerance, metric, cell["error"])
     if past:
         return done("past bound silently", past)
     return done("ok")
@@ -288,14 +303,21 @@ def not_fused(model, plan) -> dict[str, str]:
     return out
 
 
-def save_formats(model, entry: dict, inputs, reference, tolerance) -> dict[str, dict]:
-    """Step 6 of the module docstring: ``format -> {"status", "detail", "error"}``."""
+#: A stock model whose 4-bit rows bitsandbytes misreads on this CPU, and whose error is this many times
+#: the error of the same save read back by transformdsl, is ``written`` (misread), not ``ok``.
+MISREAD_RATIO = 1.5
+
+
+def save_formats(model, entry: dict, inputs, reference, tolerance, metric: str = "rms",
+                 own_error: float | None = None) -> dict[str, dict]:
+    """Step 6 of the module docstring: ``format -> {"status", "detail", "error"}`` (``own_error``: the
+    transformed model's error on ``inputs``, in ``metric``)."""
     import importlib
     import importlib.util
 
     import transformdsl
     from transformdsl.errors import TransformError
-    from transformdsl.executor import relative_error
+    from transformdsl.verification import measure
 
     from . import corpus
 
@@ -327,8 +349,11 @@ def save_formats(model, entry: dict, inputs, reference, tolerance) -> dict[str, 
             except Exception as exc:
                 result.update(status="stock load fails", detail=_exception(exc))
                 continue
-            result["error"] = relative_error(reference, output)
-            if tolerance is not None and not result["error"] <= tolerance and misread:
+            result["error"] = measure(metric, reference, output)
+            # a misread shows as an error past the bound, or (the bounds being set for trained models,
+            # loose on these tiny ones) as one measurably above the same model read back by transformdsl
+            worse = own_error is not None and result["error"] > MISREAD_RATIO * own_error
+            if misread and (worse or tolerance is not None and not result["error"] <= tolerance):
                 result.update(status="written", detail=f"stock bitsandbytes misreads this CPU's 4-bit rows of "
                               f"{misread} weights (not whole blocks; error {result['error']:.3g}); the file "
                               "is what transformdsl reads back exactly")

@@ -33,8 +33,9 @@ SHORT = {
 
 LEGEND = """\
 Each cell: status · modules changed (for `fuse qkv`: fused / attention modules with separate q, k, v) ·
-relative error `max|after - before| / max|before|` on the model's test input · `=` when `load(dir)` (no
-`model=`) gave a bit-identical output.
+the error verify measures on the model's test input (spec.md "Numerical guard": KL per token for logits,
+relative RMS error `‖after - before‖ / ‖before‖` otherwise) · `=` when `load(dir)` (no `model=`) gave a
+bit-identical output.
 
 | status | meaning |
 |---|---|

@@ -30,6 +30,21 @@ def check_format(value: object) -> str:
     return value  # type: ignore[return-value]
 
 
+#: Quantize modes a diffusers save carries as a bitsandbytes ``quantization_config``.
+_BNB_KEYS = ("quantize int8", "quantize nf4", "quantize fp4")
+
+
+def stock_needs(fmt: str | None, step_keys: list[str]) -> str | None:
+    """What the library's stock ``from_pretrained`` needs, beyond the library, to load a save in
+    layout ``fmt`` made by the steps ``step_keys`` (None: nothing more; ``inspect`` says so)."""
+    if fmt == "diffusers" and any(key in _BNB_KEYS for key in step_keys):
+        return ("a GPU (CUDA, XPU or MPS): diffusers' bitsandbytes loader refuses without one "
+                "(\"No GPU found\"), even for a pre-quantized checkpoint")
+    if fmt == "compressed-tensors":
+        return "the compressed-tensors package (transformers reads the format through it)"
+    return None
+
+
 def summary(value: object) -> dict | None:
     """The metadata's ``interop`` field as ``inspect`` reports it: checked, printable, bounded
     (it comes from a file)."""

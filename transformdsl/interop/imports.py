@@ -18,13 +18,14 @@ and saves as usual.  Nothing is fetched from the Hub and no code named by a file
 
 from __future__ import annotations
 
-import json
+import math
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from .. import registry
 from ..errors import LoadError
 from ..persist.checks import check_config, check_module_meta, read_json, sanitized
 from ..persist.format import FORMAT, FORMAT_VERSION
@@ -36,15 +37,21 @@ from . import CONFIG_FILE
 #: The weight files a library directory may hold (single file or index), per library.
 _WEIGHTS = {"transformers": ("model.safetensors", "model.safetensors.index.json"),
             "diffusers": ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.safetensors.index.json")}
-_QUANT_STATE = "weight.quant_state.bitsandbytes__"
-_MAX_STATE_BYTES = 65536
 
 
-class _Located(type(Path())):
+class Located(type(Path())):
     """A weights file's path (in messages) that also knows where to read it: ``source``, the
     descriptor path of the file opened through the save's folder (:mod:`transformdsl.persist.savedir`)."""
 
     source: str = ""
+
+
+class Headers(dict):
+    """Saved tensor name → its file (:class:`Located`); ``info``: name → (dtype, shape), from
+    the headers, each parsed once (a header lists every tensor: parsing it per layer made an
+    import of 3,000 layers take 77 s)."""
+
+    info: dict[str, tuple[str, list[int]]]
 
 
 def library_metadata(folder: SaveDir) -> tuple[dict, dict[str, Path]]:
@@ -67,14 +74,19 @@ def library_metadata(folder: SaveDir) -> tuple[dict, dict[str, Path]]:
     library, name = _library_class(config_path, config)
     names = _weight_files(folder, library)
     files = TensorFiles(folder, names)
-    headers: dict[str, Path] = {}
+    headers = Headers()
+    headers.info = {}
     try:
         for file_name, _, source in files.opened:
-            path = _Located(directory / file_name)
+            path = Located(directory / file_name)
             path.source = source
             try:
                 with safe_open(source, framework="pt") as f:
-                    headers.update({key: path for key in f.keys() if not is_padding(key)})
+                    for key in f.keys():
+                        if not is_padding(key):
+                            piece = f.get_slice(key)
+                            headers[key] = path
+                            headers.info[key] = (piece.get_dtype(), list(piece.get_shape()))
             except Exception as exc:
                 raise LoadError(f"{path}: corrupt or truncated safetensors file: {exc}") from None
         steps, script = _steps(config_path, config.get("quantization_config"), headers)
@@ -107,8 +119,12 @@ def library_skeleton(folder: SaveDir) -> tuple[dict, nn.Module]:
     config_path = folder.path / CONFIG_FILE
     description = meta["model"]
     cls = lookup_model_class(description["library"], description["class"], config_path)
-    skeleton = _skeleton(cls, description["library"], description["config"], config_path,
-                         module_budget(len(headers)))
+    # zero-size tensors hold nothing: 400,000 of them must not let a configuration build 100,000 layers
+    budget = module_budget(sum(1 for _, shape in headers.info.values() if math.prod(shape) > 0))
+    from .preflight import check_shapes
+
+    check_shapes(cls, description["library"], description["config"], headers.info, config_path, budget)
+    skeleton = _skeleton(cls, description["library"], description["config"], config_path, budget)
     meta["tensors"]["aliases"] = _tied(skeleton, headers)
     return meta, skeleton
 
@@ -138,111 +154,18 @@ def _weight_files(folder: SaveDir, library: str) -> list[str]:
     raise LoadError(f"{directory}: no {single} (or {index}); only safetensors weights are loaded")
 
 
-def _steps(path: Path, quant: Any, headers: dict[str, Path]) -> tuple[list[dict], str]:
-    """The ``quantize`` steps a bitsandbytes ``quantization_config`` stands for."""
+def _steps(path: Path, quant: Any, headers: Headers) -> tuple[list[dict], str]:
+    """The steps a ``quantization_config`` stands for, from the transform whose declaration names its
+    ``quant_method`` (``Transform.quant_methods``; bitsandbytes: ``transforms/quantize/imports.py``)."""
     if quant is None:
         return [], ""
     method = quant.get("quant_method") if isinstance(quant, dict) else None
-    if method != "bitsandbytes":
+    keys = [key for key in registry.keys() if method in registry.declaration(key).quant_methods]
+    if not isinstance(method, str) or not keys:
+        known = sorted({m for key in registry.keys() for m in registry.declaration(key).quant_methods})
         raise LoadError(f"{path}: quantization method {str(method)[:40]!r} is not one transformdsl rebuilds "
-                        "(bitsandbytes 8-bit and 4-bit are); load it with its library")
-    if quant.get("load_in_8bit"):
-        mode = "int8"
-        threshold = quant.get("llm_int8_threshold", 6.0)
-        if not isinstance(threshold, (int, float)) or isinstance(threshold, bool) or threshold < 0:
-            raise LoadError(f"{path}: llm_int8_threshold is malformed")
-        options: dict[str, Any] = {"threshold": float(threshold)}
-        layers = [_int8_layer(k[: -len(".SCB")], headers) for k in sorted(headers) if k.endswith(".SCB")]
-    elif quant.get("load_in_4bit"):
-        mode = quant.get("bnb_4bit_quant_type", "fp4")
-        if mode not in ("nf4", "fp4"):
-            raise LoadError(f"{path}: bnb_4bit_quant_type {str(mode)[:20]!r} is not nf4 or fp4")
-        compute = quant.get("bnb_4bit_compute_dtype") or "float32"
-        if compute not in ("float32", "float16", "bfloat16"):
-            raise LoadError(f"{path}: bnb_4bit_compute_dtype {str(compute)[:20]!r} is not a float dtype")
-        if quant.get("bnb_4bit_quant_storage", "uint8") != "uint8":
-            raise LoadError(f"{path}: bnb_4bit_quant_storage other than uint8 is not supported")
-        layers, blocksizes, nested = [], set(), set()
-        for key in sorted(headers):
-            if key.endswith(_QUANT_STATE + mode):
-                layer, state = _four_bit_layer(key[: -len("." + _QUANT_STATE + mode)], key, headers)
-                layers.append(layer)
-                blocksizes.add(state["blocksize"])
-                nested.add("nested_blocksize" in state)
-        if len(blocksizes) > 1 or len(nested) > 1:
-            raise LoadError(f"{path}: 4-bit layers with different block sizes or double quantization")
-        options = {"compute": compute, "double_quant": bool(nested and nested.pop()),
-                   "blocksize": blocksizes.pop() if blocksizes else 64}
-    else:
-        raise LoadError(f"{path}: a bitsandbytes quantization_config with neither load_in_8bit nor load_in_4bit")
-    if not layers:
-        raise LoadError(f"{path}: the quantization_config says bitsandbytes {mode}, but no tensor of the weight "
-                        "files is quantized that way")
-    words = " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in options.items())
-    statement = f"quantize {mode} {words}"
-    script = (f"# imported: {len(layers)} layer(s) already quantized with bitsandbytes {mode} (read from "
-              f"config.json, not re-run)\n{statement}")
-    step = {"key": f"quantize {mode}", "line": 2, "statement": statement, "options": options, "common": {},
-            "record": {"layers": layers, "imported": True}, "script_index": 0}
-    return [step], script
-
-
-def _shape(headers: dict[str, Path], key: str) -> tuple[str, list[int]]:
-    from safetensors import safe_open
-
-    with safe_open(headers[key].source or str(headers[key]), framework="pt") as f:
-        piece = f.get_slice(key)
-        return piece.get_dtype(), list(piece.get_shape())
-
-
-_FLOAT = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
-
-
-def _bias(path: str, headers: dict[str, Path]) -> str | None:
-    key = f"{path}.bias"
-    if key not in headers:
-        return None
-    dtype, _ = _shape(headers, key)
-    if dtype not in _FLOAT:
-        raise LoadError(f"{headers[key]}: bias '{key}' is {dtype}, not a float tensor")
-    return _FLOAT[dtype]
-
-
-def _int8_layer(path: str, headers: dict[str, Path]) -> dict:
-    if f"{path}.weight" not in headers:
-        raise LoadError(f"{headers[path + '.SCB']}: '{path}.SCB' without '{path}.weight'")
-    dtype, shape = _shape(headers, f"{path}.weight")
-    if dtype != "I8" or len(shape) != 2:
-        raise LoadError(f"{headers[path + '.weight']}: '{path}.weight' is {dtype}{shape}, not a 2-D int8 weight")
-    return {"path": path, "in": shape[1], "out": shape[0], "dtype": "float16", "bias": _bias(path, headers),
-            "source": "Linear"}
-
-
-def _four_bit_layer(path: str, key: str, headers: dict[str, Path]) -> tuple[dict, dict]:
-    from safetensors import safe_open
-
-    dtype, shape = _shape(headers, key)
-    if dtype != "U8" or len(shape) != 1 or shape[0] > _MAX_STATE_BYTES:
-        raise LoadError(f"{headers[key]}: '{key}' is not a bitsandbytes quant state")
-    with safe_open(headers[key].source or str(headers[key]), framework="pt") as f:
-        raw = f.get_tensor(key)
-    try:
-        state = json.loads(bytes(raw.tolist()).decode("utf-8"))
-    except (ValueError, UnicodeDecodeError):
-        raise LoadError(f"{headers[key]}: '{key}' does not hold JSON") from None
-    shape_ok = (isinstance(state, dict) and isinstance(state.get("shape"), list) and len(state["shape"]) == 2
-                and all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in state["shape"]))
-    if not shape_ok or state.get("dtype") not in _FLOAT.values() or not isinstance(state.get("blocksize"), int):
-        raise LoadError(f"{headers[key]}: '{key}' is not a 2-D bitsandbytes quant state")
-    out_features, in_features = state["shape"]
-    layer = {"path": path, "in": in_features, "out": out_features, "dtype": state["dtype"],
-             "bias": _bias(path, headers), "source": "Linear"}
-    if "nested_offset" in state:
-        offset = state["nested_offset"]
-        if not isinstance(offset, (int, float)) or isinstance(offset, bool):
-            raise LoadError(f"{headers[key]}: '{key}' has a malformed nested_offset")
-        layer["offset"] = float(offset)
-    return layer, state
+                        f"(it rebuilds {', '.join(known)}); load it with its library")
+    return registry.get(keys[0]).import_checkpoint(path, quant, headers)
 
 
 def _skeleton(cls: type, library: str, config: dict, path: Path, max_modules: int) -> nn.Module:

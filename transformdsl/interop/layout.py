@@ -49,9 +49,14 @@ def check(path: Path, layout: object) -> list[dict]:
     return layout  # type: ignore[return-value]
 
 
-def to_own(tensors: dict[str, torch.Tensor], layout: list[dict], directory: Path) -> dict[str, torch.Tensor]:
+def to_own(tensors: dict[str, torch.Tensor], layout: list[dict], directory: Path,
+           expected: dict[str, tuple[int, ...]] | None = None) -> dict[str, torch.Tensor]:
     """Our tensors from the saved ones (``tensors`` is modified and returned); the entries are
-    undone in reverse order (an fp8 scale renamed after its projection was unfused)."""
+    undone in reverse order (an fp8 scale renamed after its projection was unfused).
+
+    ``expected``: the model's tensor shapes by name.  A tensor an entry builds (a concatenation with
+    zero rows inserted) is checked against it before it is allocated; without it, zero rows are at
+    most the rows of the parts (they stand for a missing part)."""
     for entry in reversed(layout):
         key, sources, op = entry["key"], entry["from"], entry["op"]
         missing = [s for s in sources if s not in tensors]
@@ -69,7 +74,15 @@ def to_own(tensors: dict[str, torch.Tensor], layout: list[dict], directory: Path
         elif op == "cat":
             if len({(p.dtype, p.shape[1:]) for p in parts}) != 1 or any(p.dim() == 0 for p in parts):
                 raise LoadError(f"{directory}: tensors {sources} cannot be concatenated into '{key}'")
-            for position, rows in sorted(entry.get("zeros", ())):
+            zeros = sorted(entry.get("zeros", ()))
+            shape = (sum(p.shape[0] for p in parts) + sum(rows for _, rows in zeros), *parts[0].shape[1:])
+            want = (expected or {}).get(key)
+            if want is not None and tuple(want) != shape or want is None and zeros and \
+                    sum(rows for _, rows in zeros) > sum(p.shape[0] for p in parts):
+                raise LoadError(f"{directory}: 'tensors.layout' builds '{key}' as {list(shape)}"
+                                + (f"; the model expects {list(want)}" if want is not None else
+                                   ", more zero rows than saved ones") + "; refusing to allocate it")
+            for position, rows in zeros:
                 if position > len(parts):
                     raise LoadError(f"{directory}: malformed 'tensors.layout' entry for '{key}': zeros at {position}")
                 parts.insert(position, parts[0].new_zeros((rows, *parts[0].shape[1:])))

@@ -47,7 +47,7 @@ from .builtin import (
     tiny_sd_pipeline,
     tiny_unet,
 )
-from .inputs import one_tensor, run, sample_inputs
+from .inputs import SAMPLE_KINDS, one_tensor, run, sample_inputs, sample_inputs_problem
 from .resolve import resolve_model
 
 __all__ = [
@@ -65,6 +65,8 @@ __all__ = [
     "tiny_sd_pipeline",
     "tiny_clip_tokenizer",
     "sample_inputs",
+    "sample_inputs_problem",
+    "SAMPLE_KINDS",
     "run",
     "one_tensor",
     "resolve_model",

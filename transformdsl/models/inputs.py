@@ -29,11 +29,17 @@ _BUILTIN_KINDS = {"unet": "unet", "sd3": "sd3", "flux": "flux", "llama": "lm", "
 #: Class name (anywhere in the model's MRO) -> kind of inputs.  Checked in order.
 _CLASS_KINDS = (
     ("UNet2DConditionModel", "unet"),
+    ("UNet2DModel", "unet2d"),
     ("SD3Transformer2DModel", "sd3"),
     ("FluxTransformer2DModel", "flux"),
-    ("PreTrainedModel", "lm"),  # any transformers model that takes input_ids
+    ("PreTrainedModel", "transformers"),  # by its main input: see _TRANSFORMERS_INPUTS
     ("DiffusionPipeline", "pipeline"),
 )
+#: A transformers model's ``main_input_name`` -> kind of inputs.
+_TRANSFORMERS_INPUTS = {"input_ids": "lm", "pixel_values": "pixels", "input_features": "speech"}
+#: What :func:`sample_inputs` makes inputs for, in words (for messages).
+SAMPLE_KINDS = ("UNet2DConditionModel, UNet2DModel, SD3Transformer2DModel, FluxTransformer2DModel, transformers "
+                "models whose main input is input_ids, pixel_values or input_features, and diffusers pipelines")
 
 
 def _unwrap(model: Any) -> Any:
@@ -47,9 +53,27 @@ def _kind(model: Any) -> str:
     names = {cls.__name__ for cls in type(model).__mro__}
     for class_name, kind in _CLASS_KINDS:
         if class_name in names:
+            if kind == "transformers":
+                main = getattr(model, "main_input_name", "input_ids")
+                if main not in _TRANSFORMERS_INPUTS:
+                    raise ValueError(f"no sample inputs for a {type(model).__name__} (its main input is {main}); "
+                                     f"they are made for {SAMPLE_KINDS}")
+                return _TRANSFORMERS_INPUTS[main]
             return kind
-    supported = ", ".join(name for name, _ in _CLASS_KINDS)
-    raise ValueError(f"no sample inputs for a {type(model).__name__}; supported: {supported} and subclasses")
+    raise ValueError(f"no sample inputs for a {type(model).__name__}; they are made for {SAMPLE_KINDS} "
+                     "(and subclasses)")
+
+
+def sample_inputs_problem(model: Any) -> str | None:
+    """The model, in words, if :func:`sample_inputs` cannot make inputs for it (``"a WanTransformer3DModel"``;
+    None: it can), without running it."""
+    model = _unwrap(model)
+    try:
+        _kind(model)
+    except ValueError:
+        main = getattr(model, "main_input_name", None) if isinstance(model, nn.Module) else None
+        return f"a {type(model).__name__}" + (f", whose main input is {main}" if isinstance(main, str) else "")
+    return None
 
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -96,7 +120,11 @@ def sample_inputs(
     * ``FluxTransformer2DModel``: ``(hidden_states,)`` (packed tokens of a 4x4 grid) +
       ``encoder_hidden_states``, ``pooled_projections``, ``timestep``, ``img_ids``, ``txt_ids``
       (and ``guidance`` if the model embeds it);
-    * a transformers model: ``(input_ids,)`` + ``use_cache=False``;
+    * ``UNet2DModel``: ``(sample,)`` + ``timestep`` (and ``class_labels`` when it embeds classes);
+    * a transformers model, by its ``main_input_name``: ``(input_ids,)``, ``(pixel_values,)`` (from
+      ``image_size`` and ``num_channels``) or ``(input_features,)`` (``num_mel_bins`` x twice
+      ``max_source_positions`` frames); models whose ``forward`` takes ``decoder_input_ids`` get
+      those too, and ``use_cache=False`` where ``forward`` takes it;
     * a diffusers pipeline: ``("a cat",)`` + 2 steps, 32x32, ``output_type="np"`` and a CPU generator.
 
     Batch 2, text length 8.  Tensors are drawn from a private generator seeded with ``seed`` (the global
@@ -123,10 +151,16 @@ def sample_inputs(
 
     if kind == "pipeline":
         return (PIPELINE_PROMPT,), {**PIPELINE_CALL, "generator": generator}
-    if kind == "lm":
-        vocab = _config_get(config, "vocab_size", 256)
-        ids = torch.randint(0, vocab, (BATCH, TEXT_TOKENS), generator=generator).to(device)
-        return (ids,), {"use_cache": False}
+    if kind in ("lm", "pixels", "speech"):
+        return _transformers_inputs(name_or_model, kind, config, randn, generator, device)
+    if kind == "unet2d":
+        size = config.sample_size or 32  # None: any size the blocks divide
+        size = tuple(size) if isinstance(size, (list, tuple)) else (size, size)
+        kwargs = {"timestep": torch.tensor([10, 500][:BATCH], device=device)}
+        if _config_get(config, "num_class_embeds"):
+            kwargs["class_labels"] = torch.randint(0, config.num_class_embeds, (BATCH,), generator=generator).to(device)
+        return (randn(BATCH, config.in_channels, *size),), kwargs
+
     if kind == "unet":
         size = config.sample_size
         size = tuple(size) if isinstance(size, (list, tuple)) else (size, size)
@@ -164,6 +198,40 @@ def sample_inputs(
             kwargs["guidance"] = torch.full((BATCH,), 3.5, device=device, dtype=dtype)
         return (randn(BATCH, rows * cols, config.in_channels),), kwargs
     raise AssertionError(kind)  # pragma: no cover
+
+
+def _forward_parameters(model: Any) -> set[str] | None:
+    """Names ``model.forward`` takes (None for a built-in name or when they cannot be read)."""
+    import inspect
+
+    try:
+        return set(inspect.signature(_unwrap(model).forward).parameters)
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def _transformers_inputs(model: Any, kind: str, config: Any, randn, generator, device) -> tuple[tuple, dict]:
+    """Inputs of a transformers model, by the kind of its main input."""
+    vocab = _config_get(config, "vocab_size", 256)
+
+    def ids() -> torch.Tensor:
+        return torch.randint(0, vocab, (BATCH, TEXT_TOKENS), generator=generator).to(device)
+
+    if kind == "pixels":
+        size = _config_get(config, "image_size", 224)
+        size = tuple(size) if isinstance(size, (list, tuple)) else (size, size)
+        args: tuple = (randn(BATCH, _config_get(config, "num_channels", 3), *size),)
+    elif kind == "speech":
+        args = (randn(BATCH, config.num_mel_bins, 2 * config.max_source_positions),)
+    else:
+        args = (ids(),)
+    takes = _forward_parameters(model)
+    kwargs: dict[str, Any] = {}
+    if takes is None or "use_cache" in takes:
+        kwargs["use_cache"] = False
+    if takes is not None and "decoder_input_ids" in takes and _config_get(config, "is_encoder_decoder"):
+        kwargs["decoder_input_ids"] = ids()
+    return args, kwargs
 
 
 def one_tensor(output: Any) -> torch.Tensor:

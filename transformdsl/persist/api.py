@@ -97,6 +97,9 @@ def load(directory: str | os.PathLike, model: nn.Module | Callable[[], nn.Module
     if device is not None:
         raise LoadError("load(device=..., device_map=...): give one of device= and device_map= "
                         "(device_map={'': 'cuda:0'} is device='cuda:0')")
+    if offload_folder is not None and Path(offload_folder).resolve().is_relative_to(directory.resolve()):
+        raise LoadError(f"load(offload_folder={str(offload_folder)!r}): inside the directory being loaded, "
+                        f"{directory}; offloading there would write into it: give a directory of its own")
     loaded = _load(directory, model, torch.device("cpu"), mmap)
     if not isinstance(loaded, nn.Module):
         raise LoadError(f"{directory}: device_map= places one model; this is a pipeline: load it, then place "

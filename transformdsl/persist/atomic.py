@@ -56,14 +56,17 @@ def writing(directory: Path) -> Iterator[tuple[Path, str]]:
         yield tmp, save_id
         _write_manifest(tmp)
         _fsync_tree(tmp)
-        (tmp / _TMP_MARKER).unlink()
+        # The marker goes with the new save and is removed once it is in place: until then a kill
+        # leaves a temporary that carries it (the proof that this library made it).
         _swap_into_place(tmp, final)
     except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_ours(tmp)
         raise _save_error(final, exc) from exc
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_ours(tmp)
         raise
+    with contextlib.suppress(OSError):
+        (final / _TMP_MARKER).unlink()
 
 
 def _check_target(final: Path) -> None:
@@ -93,6 +96,7 @@ def _not_a_complete_save(final: Path) -> str | None:
     if listed is None:
         return "it holds a transformdsl save without a file list (saved by an older version)"
     listed = set(listed) | {META_FILE}
+    present.discard(_TMP_MARKER)  # a save killed just after its swap, before removing its marker
     extra, missing = sorted(present - listed), sorted(listed - present)
     if links:
         return f"it holds symbolic links ({', '.join(sorted(links)[:3])})"
@@ -144,34 +148,73 @@ def _boot_tag() -> str:
 
 
 #: ``PID.BOOTTAG.random`` after ``.NAME.tmp-``: a temporary directory named by the save that made it.
-_TMP_NAME = re.compile(r"(\d{1,10})\.([0-9a-z]{1,16})\.")
+_TMP_NAME = re.compile(r"(\d{1,10})\.([0-9a-z]{1,16})\.(.*)", re.DOTALL)
+
+
+#: mkdtemp's random suffix: a temporary directory's whole name is ``.NAME.tmp-PID.BOOTTAG.XXXXXXXX``.
+_MKDTEMP_SUFFIX = re.compile(r"[a-z0-9_]{8}")
 
 
 def _remove_stale_temporaries(final: Path) -> None:
     """Remove ``.NAME.tmp-*`` / ``.NAME.old-*`` siblings left by saves that were killed.
 
-    Only directories carrying our marker (or old copies named by a dead process id) whose
-    writing process is gone (not running on this boot) are removed: a save still in
-    progress elsewhere is left alone.
+    Only what carries proof that a save made it is removed: a directory holding the marker
+    (:data:`_TMP_MARKER`, ``PID BOOT_ID``, the process id its name gives, if any), or an empty
+    one named exactly as :func:`writing` names its temporaries; and only when that process is
+    gone (not running on this boot).  A name that merely looks like ours (``.NAME.old-2024``, a
+    user's notes in ``.NAME.tmp-1.x``) is left alone, and so is a save still being written.
     """
     for sibling in final.parent.glob(f".{glob.escape(final.name)}.*-*"):
-        kind = sibling.name[len(final.name) + 2:].split("-", 1)[0]
+        kind, _, rest = sibling.name[len(final.name) + 2:].partition("-")
         if kind not in ("tmp", "old") or sibling.is_symlink() or not sibling.is_dir():
             continue
-        try:
-            named = _TMP_NAME.match(sibling.name[len(final.name) + 6:]) if kind == "tmp" else None
-            if named:
-                pid_text, boot = named.group(1), _boot_id() if named.group(2) == _boot_tag() else "other boot"
-            elif kind == "tmp":
-                pid_text, boot = (sibling / _TMP_MARKER).read_text().split()
-            else:
-                pid_text, boot = sibling.name.rsplit("-", 1)[1], _boot_id()
-            pid = int(pid_text)
-        except (OSError, ValueError):
-            continue  # not ours (no marker), or finished and being swapped in: leave it
+        owner = _owner(sibling, kind, rest)
+        if owner is None:
+            continue  # not ours, or finished and being swapped in: leave it
+        pid, boot = owner
         if boot == _boot_id() and _process_alive(pid):
             continue
-        shutil.rmtree(sibling, ignore_errors=True)
+        _remove_ours(sibling)
+
+
+def _owner(sibling: Path, kind: str, rest: str) -> tuple[int, str] | None:
+    """``(pid, boot id)`` of the save that made ``sibling``, if it carries the proof (see above)."""
+    named = _TMP_NAME.fullmatch(rest) if kind == "tmp" else re.fullmatch(r"(\d{1,10})", rest)
+    name_pid = int(named.group(1)) if named else None
+    try:
+        pid_text, boot = (sibling / _TMP_MARKER).read_text(encoding="ascii").split()
+        pid = int(pid_text)
+    except (OSError, ValueError):
+        pid = None
+    if pid is not None:
+        return (pid, boot) if name_pid in (None, pid) else None
+    # No marker: a save killed between making its directory and writing the marker (or while
+    # removing a temporary, marker last): empty, and named exactly as writing() names it.
+    if kind != "tmp" or not named or not _MKDTEMP_SUFFIX.fullmatch(named.group(3)):
+        return None
+    try:
+        if any(sibling.iterdir()):
+            return None
+    except OSError:
+        return None
+    return name_pid, _boot_id() if named.group(2) == _boot_tag() else "other boot"
+
+
+def _remove_ours(directory: Path) -> None:
+    """Remove a temporary directory of ours, its marker last: a kill in the middle leaves what
+    carries the marker, or an empty directory, both recognised as ours by the next save."""
+    with contextlib.suppress(OSError):
+        for entry in list(directory.iterdir()):
+            if entry.name == _TMP_MARKER:
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink()
+    with contextlib.suppress(OSError):
+        (directory / _TMP_MARKER).unlink()
+    with contextlib.suppress(OSError):
+        directory.rmdir()
 
 
 def _process_alive(pid: int) -> bool:
@@ -221,19 +264,27 @@ def _swap_into_place(new: Path, final: Path) -> None:
         # leaves something the next save cleans up.
         with contextlib.suppress(OSError):
             (new / _TMP_MARKER).write_text(f"{os.getpid()} {_boot_id()}\n")
-        shutil.rmtree(new, ignore_errors=True)
+        _remove_ours(new)
         _fsync_directory(final.parent)
         return
     # No atomic exchange on this platform: move the old copy aside first, so that at
     # every moment one complete save exists (at `final` or at `old`).
     old = final.with_name(f".{final.name}.old-{os.getpid()}")
-    os.rename(final, old)
+    (final / _TMP_MARKER).write_text(f"{os.getpid()} {_boot_id()}\n")  # the old copy carries the proof
+    try:
+        os.rename(final, old)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            (final / _TMP_MARKER).unlink()
+        raise
     try:
         os.rename(new, final)
     except BaseException:
         os.rename(old, final)  # put the previous save back where it was
+        with contextlib.suppress(OSError):
+            (final / _TMP_MARKER).unlink()
         raise
-    shutil.rmtree(old, ignore_errors=True)
+    _remove_ours(old)
     _fsync_directory(final.parent)
 
 

@@ -174,6 +174,12 @@ def check_config(path: Path, config: Any, scheduler: bool = False, strip: bool =
                 if key.endswith("backbone") and isinstance(value, str) and ("/" in value or ":" in value):
                     raise LoadError(f"{path}: the configuration names the hub repository {clipped(value)} ({key}); "
                                     "a save must hold its whole model (loading never reaches the network)")
+                if (key == "backbone" and isinstance(value, str) and value
+                        and not (isinstance(node, dict) and node.get("use_timm_backbone") is True)):
+                    # transformers looks a named (not timm) backbone up on the hub, with or without a '/'
+                    raise LoadError(f"{path}: the configuration names its backbone {clipped(value)} ({key}), which "
+                                    "transformers looks up on the hub; a save must describe its whole model "
+                                    "(backbone_config), loading never reaches the network")
                 if key == "use_pretrained_backbone" and value is True and not strip:
                     raise LoadError(f"{path}: the configuration asks for pretrained backbone weights "
                                     "(use_pretrained_backbone: true), which would be downloaded; a save holds its "

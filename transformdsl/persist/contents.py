@@ -19,6 +19,17 @@ def _interop_summary(value: Any) -> dict | None:
     return summary(value)
 
 
+def _with_needs(interop: dict | None, steps: list[dict]) -> dict | None:
+    """The summary, with what the stock loader needs (``"stock_needs"``) where it needs more than the library."""
+    from ..interop import stock_needs
+
+    if interop and interop.get("format"):
+        needs = stock_needs(interop["format"], [s.get("key") for s in steps])
+        if needs:
+            return {**interop, "stock_needs": needs}
+    return interop
+
+
 def inspect(directory: str | os.PathLike) -> dict:
     """What a saved model contains, from headers only (no tensor data is read).
 
@@ -32,7 +43,7 @@ def inspect(directory: str | os.PathLike) -> dict:
         raise LoadError(f"{directory}: cannot read the save: {exc.strerror or exc}") from None
 
 
-def _inspect(folder: SaveDir) -> dict:
+def _inspect(folder: SaveDir, component: bool = False) -> dict:
     from safetensors import safe_open
 
     if not folder.exists(META_FILE) and folder.exists("config.json"):
@@ -42,9 +53,12 @@ def _inspect(folder: SaveDir) -> dict:
     else:
         meta = read_metadata(folder)
     if meta["kind"] == "pipeline":
+        if component:  # a pipeline's components are modules; nested pipelines could go thousands deep
+            raise LoadError(f"{folder.path / META_FILE}: a pipeline component that is itself a pipeline; "
+                            "components are saved modules")
         parts = {}
         for comp, how in meta["components"].items():
-            parts[comp] = _inspect(folder.subdir(comp)) if how == "transformdsl" else {"storage": how}
+            parts[comp] = _inspect(folder.subdir(comp), component=True) if how == "transformdsl" else {"storage": how}
         return {"kind": "pipeline", "format_version": meta["format_version"],
                 "pipeline_class": meta["pipeline_class"], "components": parts}
     by_dtype: dict[str, dict[str, int]] = {}
@@ -82,5 +96,6 @@ def _inspect(folder: SaveDir) -> dict:
         "files": meta["tensors"]["files"],
         "tensors": by_dtype,
         "versions": meta.get("versions", {}),
-        **({"interop": _interop_summary(meta.get("interop"))} if meta.get("interop") is not None else {}),
+        **({"interop": _with_needs(_interop_summary(meta.get("interop")), meta["steps"])}
+           if meta.get("interop") is not None else {}),
     }

@@ -8,7 +8,9 @@ components; diffusers' own loading (custom pipelines, remote code) is never ente
 from __future__ import annotations
 
 import contextlib
+import math
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,10 +60,13 @@ def save_pipeline(pipe: Any, directory: Path, max_shard_size: int, save_id: str,
 
 
 
-def load_pipeline(folder: SaveDir, meta: dict, device: torch.device, mmap: bool) -> Any:
+def load_pipeline(folder: SaveDir, meta: dict, device: torch.device, mmap: bool,
+                  library_kwargs: Callable[[str], dict[str, Any]] | None = None) -> Any:
     """A saved pipeline, assembled by calling its class with an explicit mapping of the
     components its signature declares: no name from a file becomes a keyword argument,
-    and diffusers' own loading (custom pipelines, remote code) is never entered."""
+    and diffusers' own loading (custom pipelines, remote code) is never entered.
+    ``library_kwargs(component)``: more keyword arguments for a library component's model
+    (``dtype``: see :func:`load_library_component`)."""
     import diffusers
 
     path = folder.path / META_FILE
@@ -91,7 +96,8 @@ def load_pipeline(folder: SaveDir, meta: dict, device: torch.device, mmap: bool)
             loaded[comp] = load_module(sub, read_metadata(sub), None, device, mmap)
         else:
             library, class_name = index[comp]
-            loaded[comp] = _load_library_component(library, class_name, sub, index_path)
+            extra = library_kwargs(comp) if library_kwargs is not None else None
+            loaded[comp] = load_library_component(library, class_name, sub, index_path, extra)
     arguments = {key: index[key] for key in sorted(optional) if key in index
                  and (index[key] is None or isinstance(index[key], (bool, int, float, str)))}
     try:
@@ -150,23 +156,31 @@ def _component_bases() -> tuple[type, ...]:
             *(getattr(transformers, n) for n in names if isinstance(getattr(transformers, n, None), type)))
 
 
-def _load_library_component(library: str, name: str, folder: SaveDir, index_path: Path) -> Any:
+def load_library_component(library: str, name: str, folder: SaveDir, index_path: Path,
+                            extra: dict[str, Any] | None = None) -> Any:
     """An untransformed pipeline component, loaded by its library from the opened folder.
 
     Before the library sees the folder: no entry is a symbolic link or anything but a
     regular file or folder; no JSON file in it names code, a hub repository or a kernel
     (:func:`check_config`), or a weights file outside the folder (shard indexes).  The
     library gets the folder as ``/proc/self/fd/N`` (the folder checked, not its name),
-    ``local_files_only``, ``use_safetensors`` and ``trust_remote_code=False``.
+    ``local_files_only``, ``use_safetensors`` and ``trust_remote_code=False``; ``extra`` adds
+    keyword arguments for a model (``dtype``), never replacing those.  A library is diffusers,
+    transformers or one of diffusers' own pipeline packages (``["stable_diffusion",
+    "StableDiffusionSafetyChecker"]`` in Stable Diffusion's index).
     """
-    if library not in ("diffusers", "transformers") or not name.isidentifier():
+    if not (isinstance(library, str) and library.isidentifier() and isinstance(name, str)
+            and name.isidentifier()):
         raise LoadError(f"{index_path}: component class {clipped(library)[1:-1]}.{clipped(name)[1:-1]} is not allowed "
                         "(only diffusers and transformers classes are loaded)")
     import diffusers
     import transformers
 
     guard.offline_constants()
-    module = diffusers if library == "diffusers" else transformers
+    module = _library_module(library)
+    if module is None:
+        raise LoadError(f"{index_path}: component class {clipped(library)[1:-1]}.{clipped(name)[1:-1]} is not allowed "
+                        "(only diffusers and transformers classes are loaded)")
     try:
         cls = getattr(module, name)
     except Exception:
@@ -178,29 +192,42 @@ def _load_library_component(library: str, name: str, folder: SaveDir, index_path
     files = {rel for rel, info in entries if stat.S_ISREG(info.st_mode)}
     for rel, info in entries:
         if not (stat.S_ISREG(info.st_mode) or stat.S_ISDIR(info.st_mode)):
-            kind = "a symbolic link" if stat.S_ISLNK(info.st_mode) else "not a regular file"
+            kind = ("a symbolic link (a model's files must be inside its folder; copy a hub cache snapshot, "
+                    "whose files link to its blobs, with cp -rL first)" if stat.S_ISLNK(info.st_mode)
+                    else "not a regular file")
             raise LoadError(f"{folder.path / rel}: is {kind}; refusing to read it")
     scheduler = issubclass(cls, diffusers.SchedulerMixin)
     for rel in sorted(files):
         if not rel.endswith(".json"):
             continue
-        holder, name = folder.descend(rel)
-        content = read_json(holder, name, "component file")
+        holder, file_name = folder.descend(rel)
+        content = read_json(holder, file_name, "component file")
         check_config(folder.path / rel, content, scheduler=scheduler)
         if rel.endswith(".index.json"):
             _check_shard_index(folder.path / rel, content, files)
     kwargs: dict[str, Any] = {"local_files_only": True}
-    if library == "transformers":
+    if not issubclass(cls, (diffusers.ModelMixin, diffusers.SchedulerMixin)):  # a transformers class
         kwargs["trust_remote_code"] = False
     limit = contextlib.nullcontext()
     if issubclass(cls, nn.Module):
-        kwargs["use_safetensors"] = True
-        weights = TensorFiles(folder, sorted(r for r in files if "/" not in r and r.endswith(".safetensors")))
+        kwargs = {**(extra or {}), **kwargs, "use_safetensors": True}
+        names = sorted(r for r in files if "/" not in r and r.endswith(".safetensors"))
+        if not names:
+            raise LoadError(f"{folder.path}: cannot load {library}.{name}: no safetensors weights in the folder "
+                            "(only .safetensors files are read)")
+        weights = TensorFiles(folder, names)
         try:
-            saved = sum(weights.count_tensors())
+            shapes = weights.shapes()
         finally:
             weights.close()
-        limit = module_limit(module_budget(saved), folder.path)
+        budget = module_budget(sum(1 for _, shape in shapes.values() if math.prod(shape) > 0))
+        if issubclass(cls, (diffusers.ModelMixin, transformers.PreTrainedModel)) and "config.json" in files:
+            from ..interop.preflight import check_shapes
+
+            check_shapes(cls, "diffusers" if issubclass(cls, diffusers.ModelMixin) else "transformers",
+                         read_json(folder, "config.json", "configuration"), shapes, folder.path / "config.json",
+                         budget)
+        limit = module_limit(budget, folder.path)
     try:
         with limit:
             return cls.from_pretrained(folder.fd_path(), **kwargs)
@@ -208,6 +235,20 @@ def _load_library_component(library: str, name: str, folder: SaveDir, index_path
         raise
     except Exception as exc:
         raise LoadError(f"{folder.path}: cannot load {library}.{name}: {type(exc).__name__}: {exc}") from None
+
+
+def _library_module(library: str) -> Any:
+    """diffusers, transformers, or a package of diffusers' pipelines by its name (None otherwise)."""
+    import diffusers
+    import transformers
+
+    if library in ("diffusers", "transformers"):
+        return diffusers if library == "diffusers" else transformers
+    try:  # diffusers' lazy module knows its own packages by name: nothing else is imported
+        module = getattr(diffusers.pipelines, library, None)
+    except Exception:
+        return None
+    return module if getattr(module, "__name__", None) == f"diffusers.pipelines.{library}" else None
 
 
 def _check_shard_index(path: Path, index: Any, files: set[str]) -> None:

@@ -72,7 +72,7 @@ def place(model: nn.Module, device_map: str | Mapping, *, max_memory: Mapping | 
                         "pass offload_folder=DIR, a directory for their weights")
     folder = Path(offload_folder) if offload_folder is not None else None
     if folder is not None and "disk" in resolved.values():
-        folder.mkdir(parents=True, exist_ok=True)
+        folder = offload_directory(folder, where)
     devices = {_device(v) for v in resolved.values() if v not in OFFLOAD}
     main = next((_device(v) for v in resolved.values() if v not in OFFLOAD), torch.device("cpu"))
     cpu = torch.device("cpu")
@@ -245,6 +245,45 @@ def _to_meta(module: nn.Module, owned: list[tuple[nn.Module, str, str]]) -> None
             done[id(tensor)] = nn.Parameter(empty, requires_grad=tensor.requires_grad) \
                 if isinstance(tensor, nn.Parameter) else empty
         vars(owner)[container][name] = done[id(tensor)]
+
+
+#: Files whose presence makes a folder a saved model (ours, a library's or a pipeline's).
+_SAVE_FILES = ("transformdsl.json", "config.json", "model_index.json")
+
+
+def offload_directory(folder: Path, where: str = "load") -> Path:
+    """A new, empty folder inside ``folder`` (made if needed) to write offloaded tensors into.
+
+    The offload files go to a fresh subfolder, so they never replace a file of the user's; a
+    saved model (``folder`` holding ``transformdsl.json``, ``config.json`` or ``model_index.json``, or
+    inside a transformdsl save) is refused: offloading there would add files to a save.  A ``folder``
+    that is a file, or lies under one, is a :class:`LoadError`.
+    """
+    label = f"{where}(offload_folder={str(folder)!r})"
+    resolved = folder.resolve()
+    for holder in (resolved, *resolved.parents):
+        # the folder itself, and the folders above it that are saves of ours (a pipeline's component)
+        found = next((name for name in (_SAVE_FILES if holder == resolved else _SAVE_FILES[:1])
+                      if (holder / name).exists()), None)
+        if found:
+            raise LoadError(f"{label}: {holder} holds {found}: it is a saved model, and offloading there would "
+                            "write into it; give a directory of its own for the offloaded weights")
+    try:
+        resolved.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise LoadError(f"{label}: it exists and is not a directory; give a directory for the offloaded "
+                        "weights") from None
+    except NotADirectoryError:
+        raise LoadError(f"{label}: a part of the path is a file, not a directory; give a directory for the "
+                        "offloaded weights") from None
+    except OSError as exc:
+        raise LoadError(f"{label}: cannot make the directory: {exc.strerror or exc}") from None
+    import tempfile
+
+    try:
+        return Path(tempfile.mkdtemp(prefix="transformdsl-offload-", dir=resolved))
+    except OSError as exc:
+        raise LoadError(f"{label}: cannot write there: {exc.strerror or exc}") from None
 
 
 def _offload(module: nn.Module, path: str, owned: list[tuple[nn.Module, str, str]], folder: Path,

@@ -57,7 +57,9 @@ def load_module(folder: SaveDir, meta: dict, model: Any, device: torch.device, m
     if meta["tensors"].get("layout"):
         from ..interop import layout
 
-        tensors = layout.to_own(tensors, meta["tensors"]["layout"], folder.path)
+        expected = {key: tuple(t.shape) for key, t in skeleton.state_dict(keep_vars=True).items()
+                    if isinstance(t, torch.Tensor)}
+        tensors = layout.to_own(tensors, meta["tensors"]["layout"], folder.path, expected)
     assign_tensors(skeleton, tensors, meta, folder.path)
     plain_tensors.restore(skeleton, attributes, attribute_tensors, folder.path)
     opened.finalize()
@@ -126,7 +128,7 @@ def open_module(folder: SaveDir, meta: dict, model: Any) -> OpenedModule:
             check_record(cls, raw, options, meta_path)
             # the layers a pass rebuilds are skeletons too (bitsandbytes' layers are nn.Linear:
             # their constructor would initialise a meta weight, through slow meta kernels)
-            with _step_errors(meta_path, raw, "cannot replay", "on this architecture"), _no_weight_init():
+            with _step_errors(meta_path, raw, "cannot replay", "on this architecture"), no_weight_init():
                 cls.rebuild(skeleton, raw["record"], options)
             steps.append((cls, raw, options))
     except BaseException:
@@ -155,7 +157,7 @@ def _skeleton(meta: dict, model: Any, meta_path: Path, max_modules: int) -> nn.M
                         "pass model= (a module of the same architecture, or a factory)")
     cls = lookup_model_class(library, name, meta_path)
     try:
-        with torch.device("meta"), module_limit(max_modules, meta_path), _no_weight_init():
+        with torch.device("meta"), module_limit(max_modules, meta_path), no_weight_init():
             if library == "diffusers":
                 return cls.from_config(config)
             config_cls = cls.config_class
@@ -228,7 +230,7 @@ def _skipping(name: str, original: Callable) -> Callable:
 
 
 @contextlib.contextmanager
-def _no_weight_init():
+def no_weight_init():
     """In this thread, ``torch.nn.init`` initialisers return a meta tensor untouched (a real tensor,
     or another thread's, gets the real function)."""
     thread = threading.get_ident()
@@ -345,6 +347,22 @@ class TensorFiles:
             counts.append(count)
         return counts
 
+    def shapes(self) -> dict[str, tuple[str, list[int]]]:
+        """Saved tensor name → (safetensors dtype, shape), from the headers (each parsed once)."""
+        from safetensors import safe_open
+
+        shapes: dict[str, tuple[str, list[int]]] = {}
+        for name, _, source in self.opened:
+            try:
+                with safe_open(source, framework="pt") as f:
+                    for key in f.keys():
+                        if not is_padding(key):
+                            piece = f.get_slice(key)
+                            shapes[key] = (piece.get_dtype(), list(piece.get_shape()))
+            except Exception as exc:
+                raise LoadError(f"{self.folder.path / name}: corrupt or truncated safetensors file: {exc}") from None
+        return shapes
+
     def sizes(self) -> dict[str, tuple[int, int]]:
         """Saved tensor name → (its file's position in :attr:`opened`, bytes), from the headers."""
         from safetensors import safe_open
@@ -432,6 +450,8 @@ def assign_tensors(skeleton: nn.Module, tensors: dict[str, torch.Tensor], meta: 
     layout = meta["tensors"]
     aliases: dict[str, str] = layout.get("aliases", {})
     nonpersistent = set(layout.get("nonpersistent", []))
+    if only is not None:  # the other parts may be written and dropped already (convert): not looked at
+        nonpersistent = {name for name in nonpersistent if only(name)}
     expected = dict(skeleton.state_dict(keep_vars=True))
     buffers = dict(skeleton.named_buffers(remove_duplicate=False))
     for name in nonpersistent:
@@ -441,7 +461,6 @@ def assign_tensors(skeleton: nn.Module, tensors: dict[str, torch.Tensor], meta: 
     if only is not None:
         expected = {key: value for key, value in expected.items() if only(key)}
         aliases = {key: target for key, target in aliases.items() if only(key)}
-        nonpersistent = {name for name in nonpersistent if only(name)}
     for key, target in aliases.items():
         if target not in tensors:
             raise LoadError(f"{directory}: alias '{key}' points to missing tensor '{target}'")
@@ -471,8 +490,10 @@ def assign_tensors(skeleton: nn.Module, tensors: dict[str, torch.Tensor], meta: 
         # any other dtype difference (int8, float8, packed data) is not.
         same_kind = got.dtype == want.dtype or (got.dtype in _PRECISIONS and want.dtype in _PRECISIONS)
         if tuple(got.shape) != tuple(want.shape) or not same_kind:
+            # a float precision is the file's to choose: the expectation is said in the file's own
+            expects = _describe(want, got.dtype if same_kind else None)
             raise LoadError(f"{directory}: tensor '{key}' is {_describe(got)} in the file but the model expects "
-                            f"{_describe(want)}; was it saved from another model?")
+                            f"{expects}; was it saved from another model?")
     state = {k: v for k, v in tensors.items() if k not in nonpersistent}
     try:
         _load_assigned(skeleton, state, strict=only is None)
@@ -566,6 +587,6 @@ def _owner(root: nn.Module, name: str) -> tuple[nn.Module, str]:
 _PRECISIONS = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _describe(tensor: torch.Tensor) -> str:
-    dtype = str(tensor.dtype).removeprefix("torch.")
+def _describe(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> str:
+    dtype = str(dtype or tensor.dtype).removeprefix("torch.")
     return f"{dtype}{list(tensor.shape)}"

@@ -25,23 +25,27 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import dataclasses
+import errno
 import os
 import stat
 import sys
+import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..dtypes import checkpoint_dtype, meta_parameters_to
 from ..edit import Edit
 from ..errors import LoadError, TransformError
 from ..executor import NothingToDoWarning, apply_step, idle_statements
 from ..extend import ApplyContext
 from ..history import AppliedStep, append_history, set_history
 from ..planner import DENOISERS, Plan, plan
-from ..tree import WEIGHTS_PENDING
+from ..tree import WEIGHTS_PENDING, parameter_bytes
 from . import guard
 from .atomic import writing
 from .checks import read_json, read_metadata
@@ -52,7 +56,8 @@ from .write import ShardWriter, collect_tensors, write_module_metadata
 
 
 def convert(source: str | os.PathLike, script: Any, out: str | os.PathLike, *, component: str | None = None,
-            progress: bool = False, max_shard_size: int = DEFAULT_SHARD_BYTES, strict: bool = False) -> Path:
+            progress: bool = False, max_shard_size: int = DEFAULT_SHARD_BYTES, strict: bool = False,
+            log: Callable[[str], None] | None = None) -> Path:
     """Apply ``script`` to the model saved at ``source`` and save the result at ``out``, reading
     and writing one unit (a block) of the model at a time; returns ``out``.
 
@@ -70,6 +75,11 @@ def convert(source: str | os.PathLike, script: Any, out: str | os.PathLike, *, c
     A statement that changes nothing warns (:class:`~transformdsl.executor.NothingToDoWarning`),
     or with ``strict=True`` is a :class:`TransformError` before anything is written.
 
+    ``log`` receives the plan (as ``explain`` prints it) before anything is written, then one line
+    per statement when the conversion is done: the modules it changed, their bytes before and after,
+    the time it took over all units.  A pipeline's ``component=`` statements that name the converted
+    component apply to it; those that name another are a :class:`ScriptError`.
+
     Not supported: a save in a library's layout (``save(..., format="transformers")``): load
     and save it first.
     """
@@ -78,9 +88,13 @@ def convert(source: str | os.PathLike, script: Any, out: str | os.PathLike, *, c
         located = _locate(folder, component)
         opened = located.open()
         try:
+            checkpoint = checkpoint_dtype(located.folder.path)
+            if checkpoint is not None:  # the plan counts the bytes the checkpoint holds (its tensors load as they are)
+                meta_parameters_to(opened.skeleton, checkpoint)
             opened.skeleton.__dict__[WEIGHTS_PENDING] = True
             try:
-                the_plan = plan(opened.skeleton, script)
+                the_plan = plan(opened.skeleton, script,
+                                component=located.name if located.pipeline is not None else None)
             finally:
                 del opened.skeleton.__dict__[WEIGHTS_PENDING]
             idle = idle_statements(the_plan)
@@ -88,12 +102,18 @@ def convert(source: str | os.PathLike, script: Any, out: str | os.PathLike, *, c
                 raise TransformError("; ".join(idle) + " (strict: nothing was written)")
             for line in idle:
                 warnings.warn(line, NothingToDoWarning, stacklevel=2)
+            if log is not None:
+                log(str(the_plan))
+                log("")
             with writing(out) as (tmp, save_id):
                 target = tmp
                 if located.pipeline is not None:
                     target = tmp / located.name
                     target.mkdir()
-                _Stream(opened, the_plan, target, max_shard_size, save_id, progress).run()
+                stream = _Stream(opened, the_plan, target, max_shard_size, save_id, progress)
+                stream.run()
+                if log is not None:
+                    stream.summary(log)
                 if located.pipeline is not None:
                     _copy_pipeline(folder, located, tmp, save_id)
         finally:
@@ -121,7 +141,7 @@ class _Located:
 
             meta, skeleton = library_skeleton(self.folder)
             return open_module(self.folder, meta, lambda: skeleton)
-        if self.meta["tensors"].get("layout"):
+        if "layout" in self.meta["tensors"]:  # even an empty one: the files are in the library's layout
             raise LoadError(f"{self.folder.path}: a save in a library's layout cannot be converted; load and save "
                             "it (transformdsl format) first")
         return open_module(self.folder, self.meta, None)
@@ -183,9 +203,7 @@ def _copy_pipeline(folder: SaveDir, located: _Located, tmp: Path, save_id: str) 
             (tmp / name / rel).parent.mkdir(parents=True, exist_ok=True)
             fd = holder.open_file(file_name)
             try:
-                with os.fdopen(fd, "rb", closefd=False) as src, open(tmp / name / rel, "wb") as dst:
-                    while chunk := src.read(1 << 24):
-                        dst.write(chunk)
+                _copy_sparse(fd, tmp / name / rel)
             finally:
                 os.close(fd)
         if not (tmp / name).exists():
@@ -195,6 +213,36 @@ def _copy_pipeline(folder: SaveDir, located: _Located, tmp: Path, save_id: str) 
         "format": FORMAT, "format_version": 1, "kind": "pipeline", "pipeline_class": pipeline_class,
         "components": components, "versions": library_versions(), "save_id": save_id,
     })
+
+
+def _copy_sparse(fd: int, target: Path) -> None:
+    """Copy the open file ``fd`` to ``target`` keeping its holes: only the data regions are read and
+    written (``SEEK_DATA``/``SEEK_HOLE``), and blocks of zeros within them are skipped too, so a
+    sparse file (1 GiB apparent size, 4 KiB on disk) costs its data, not its size, on both sides."""
+    size = os.fstat(fd).st_size
+    chunk = 1 << 24
+    with open(target, "wb") as dst:
+        position = 0
+        while position < size:
+            try:
+                start = os.lseek(fd, position, os.SEEK_DATA)
+                end = os.lseek(fd, start, os.SEEK_HOLE)
+            except OSError as exc:
+                if exc.errno == errno.ENXIO:  # only a hole is left
+                    break
+                start, end = position, size  # no hole support here: read it all (zeros still skipped)
+            except AttributeError:  # pragma: no cover - no SEEK_DATA on this platform
+                start, end = position, size
+            while start < end:
+                data = os.pread(fd, min(chunk, end - start), start)
+                if not data:
+                    break
+                if data.count(0) != len(data):
+                    dst.seek(start)
+                    dst.write(data)
+                start += len(data)
+            position = max(end, start)
+        dst.truncate(size)
 
 
 # --------------------------------------------------------------------------- units
@@ -322,6 +370,20 @@ class _Stream:
         self.attributes: dict[str, Any] = layout.get("attributes", {})
         self.nonpersistent = list(layout.get("nonpersistent", []))
         self.sizes = opened.files.sizes()
+        #: Per statement (by identity): modules changed, bytes of them before and after, seconds.
+        self.stats: dict[int, list[float]] = {id(step): [0, 0, 0, 0.0] for step in the_plan.steps}
+        self.started = time.perf_counter()
+
+    def summary(self, log: Callable[[str], None]) -> None:
+        """One line per statement, as ``apply`` prints them, then the total time."""
+        from ..explain import human_bytes
+
+        source = self.plan.script.source
+        for step in self.plan.steps:
+            count, before, after, seconds = self.stats[id(step)]
+            sizes = f", {human_bytes(before)} -> {human_bytes(after)}" if before or after else ""
+            log(f"line {step.statement.line}: {step.text(source)}: {int(count)} module(s){sizes} ({seconds:.2f} s)")
+        log(f"done in {time.perf_counter() - self.started:.2f} s")
 
     def run(self) -> None:
         self.root.eval()
@@ -343,7 +405,8 @@ class _Stream:
         edit = Edit()
         for i in sorted(deferred):
             ctx = ApplyContext(self.root, edit, _no_progress, notes)
-            records[i].append((0, self._apply(steps[i], ctx, list(steps[i].targets))))
+            # on the skeleton, whose converted units are gone: no bytes to count
+            records[i].append((0, self._apply(steps[i], ctx, list(steps[i].targets), weights=False)))
         edit.commit()
         layout["nonpersistent"] = sorted(layout["nonpersistent"])
         if attributes:
@@ -368,8 +431,18 @@ class _Stream:
         ctx = ApplyContext(self.root, Edit(), _no_progress, {})
         return self._apply(step, ctx, [])
 
-    def _apply(self, step, ctx: ApplyContext, targets: list[str]) -> dict:
-        return apply_step(step, ctx, targets, "nothing was written")
+    def _apply(self, step, ctx: ApplyContext, targets: list[str], weights: bool = True) -> dict:
+        """Apply ``step`` to ``targets`` (``weights``: they are read, so their bytes count)."""
+        stats = self.stats[id(step)]
+        before = sum(_bytes_at(ctx.root, t) for t in targets) if weights else 0
+        started = time.perf_counter()
+        record = apply_step(step, ctx, targets, "nothing was written")
+        stats[3] += time.perf_counter() - started
+        stats[0] += len(targets)
+        if weights:
+            stats[1] += before
+            stats[2] += sum(_bytes_at(ctx.root, t) for t in targets)
+        return record
 
     def _bar(self):
         if not self.progress:
@@ -441,6 +514,14 @@ class _Stream:
                 for name, tensor in list(module._buffers.items()):
                     if tensor is not None and not tensor.is_meta:
                         module._buffers[name] = torch.empty_like(tensor, device="meta")
+
+
+def _bytes_at(root: nn.Module, path: str) -> int:
+    """Bytes of the module at ``path`` (0 if a statement removed it)."""
+    try:
+        return parameter_bytes(root.get_submodule(path))
+    except AttributeError:
+        return 0
 
 
 def _give_back_freed_memory() -> None:

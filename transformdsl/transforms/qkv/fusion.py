@@ -688,7 +688,8 @@ class QKVFusion(declared_fusion):
                 tree.add(f"{path}.{group.name}", nn.Linear, own_bytes=sum(s.own_bytes for s in sources),
                          after=path, in_features=group.in_features, out_features=group.out_features,
                          weight_shape=(group.out_features, group.in_features),
-                         dtype=sources[0].facts.get("dtype"))
+                         dtype=sources[0].facts.get("dtype"),
+                         **({"meta": True} if sources[0].facts.get("meta") else {}))
 
     def apply(self, ctx: ApplyContext, targets: list[str]) -> dict:
         """Fuse each target; returns ``{"modules": [{"path", **Fusion.to_json()}]}``."""

@@ -22,41 +22,14 @@ What the subclasses change, and why:
 from __future__ import annotations
 
 import functools
-import logging
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-#: Log lines bitsandbytes writes that say nothing actionable to our users (narrowly matched).
-_QUIET = {
-    # Once per forward call with fp32/bf16 input: LLM.int8 quantizes activations via fp16 by design.
-    "bitsandbytes.autograd._functions": ("MatMul8bitLt: inputs will be cast from",),
-    # At import on AVX512-BF16 CPUs without the optional `kernels` package (a slower kernel is used).
-    "bitsandbytes.backends.cpu.ops": ("Failed to load CPU gemm_4bit_forward",),
-}
+from ...quiet import install as _quiet_bitsandbytes
 
-
-class _DropMessages(logging.Filter):
-    """Drops records whose message template starts with one of ``prefixes``."""
-
-    def __init__(self, prefixes: tuple[str, ...]):
-        super().__init__()
-        self.prefixes = prefixes
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (isinstance(record.msg, str) and record.msg.startswith(self.prefixes))
-
-
-def _quiet_bitsandbytes() -> None:
-    """Install the filters (idempotent), before bitsandbytes is imported."""
-    for name, prefixes in _QUIET.items():
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _DropMessages) for f in logger.filters):
-            logger.addFilter(_DropMessages(prefixes))
-
-
-_quiet_bitsandbytes()
+_quiet_bitsandbytes()  # before bitsandbytes is imported (transformdsl's import did it too)
 
 import bitsandbytes as bnb  # noqa: E402  (after the log filters)
 from bitsandbytes.functional import QuantState  # noqa: E402

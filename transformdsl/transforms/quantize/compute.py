@@ -1,0 +1,131 @@
+"""``quantize w8a8`` and ``quantize int4``: quantized compute in plain torch (implementation).
+
+Both reuse the quantize family's planning, apply and reload (:mod:`.quantization`); what differs is
+the layer (:mod:`.w8a8`, :mod:`.int4`), which layers they refuse, and the device note:
+
+- ``w8a8`` refuses layers whose ``in_features`` or ``out_features`` is not a multiple of 8
+  (``torch._int_mm``'s rule on CUDA: a save must load on any device) and layers whose inner
+  dimension is below 16 (nothing to gain, and ``torch._int_mm`` misreads an inner dimension of 1
+  on some CPUs);
+- ``int4`` refuses layers whose ``in_features`` is not a multiple of ``group_size`` (a group would
+  straddle rows) or whose ``out_features`` is not a multiple of 16 (the packed kernels' rule).
+"""
+
+from __future__ import annotations
+
+from ...options import DTYPES
+from ...tree import ModuleInfo, ModuleTree
+from . import Int4Quantization as Int4Declaration
+from . import W8A8Quantization as W8A8Declaration
+from .quantization import QuantizeBehaviour, linear_dims, targets_device_type
+
+#: Smallest ``in_features`` ``w8a8`` quantizes.
+W8A8_MIN_IN = 16
+
+
+def refuse_export(step, out) -> None:
+    """``w8a8`` and ``int4`` in a library's layout: refused, naming the library's torchao format."""
+    if out.library == "diffusers":
+        why = ("diffusers' equivalent is its TorchAoConfig, whose checkpoints are pickled torchao tensor "
+               "subclasses (safe_serialization=False), which a safe load never unpickles")
+    else:
+        why = ("transformers' equivalent is its torchao quantization_config, whose checkpoints hold torchao "
+               "tensor subclasses (Int8Tensor/Int4Tensor, flattened with torchao-specific metadata and a "
+               "device-packed layout) that load only with torchao installed")
+    raise out.refuse(step, why, "save with format='transformdsl' (plain int8/uint8 tensors, any device)")
+
+
+def _target_dtypes(tree: ModuleTree, targets: list[str]) -> set[str]:
+    return {str(tree[p].facts.get("dtype", "torch.float32")).removeprefix("torch.") for p in targets}
+
+
+class W8A8Quantization(QuantizeBehaviour, W8A8Declaration):
+    float_weight = True  # Int8DynamicLinear.weight: the dequantized weight
+
+    def candidate(self, info: ModuleInfo, tree: ModuleTree) -> str | None:
+        reason = super().candidate(info, tree)
+        dims = linear_dims(info)
+        if reason is not None or dims is None:
+            return reason
+        in_f, out_f = dims
+        if in_f < W8A8_MIN_IN:
+            return f"in_features {in_f} < {W8A8_MIN_IN}: too small for an int8 matmul to gain anything"
+        if in_f % 8 or out_f % 8:
+            return (f"its {in_f}x{out_f} weight: int8 matmul kernels (torch._int_mm on CUDA) take in_features and "
+                    "out_features that are multiples of 8")
+        return None
+
+    def device_note(self, tree: ModuleTree, targets: list[str]) -> str | None:
+        from ...capabilities import w8a8_note
+
+        device = targets_device_type(tree, targets)
+        return w8a8_note(device) if device else None
+
+    @classmethod
+    def export(cls, step, out) -> None:
+        refuse_export(step, out)
+
+    @classmethod
+    def backend(cls, options):
+        from . import w8a8
+
+        return w8a8
+
+    @classmethod
+    def build(cls, backend, options, weight, bias, layer=None):
+        return backend.Int8DynamicLinear.build(weight, bias)
+
+    @classmethod
+    def estimate_bytes(cls, options, in_features, out_features, bias, dtype):
+        return in_features * out_features + 4 * out_features + (out_features * dtype.itemsize if bias else 0)
+
+
+class Int4Quantization(QuantizeBehaviour, Int4Declaration):
+    float_weight = True  # Int4WeightOnlyLinear.weight: the dequantized weight
+
+    def candidate(self, info: ModuleInfo, tree: ModuleTree) -> str | None:
+        reason = super().candidate(info, tree)
+        dims = linear_dims(info)
+        if reason is not None or dims is None:
+            return reason
+        in_f, out_f = dims
+        if in_f % self.options.group_size:
+            return f"group_size={self.options.group_size} does not divide its in_features ({in_f})"
+        if out_f % 16:
+            return f"out_features {out_f}: the packed int4 kernels take multiples of 16"
+        return None
+
+    def device_note(self, tree: ModuleTree, targets: list[str]) -> str | None:
+        from ...capabilities import weight_only_note
+
+        device = targets_device_type(tree, targets)
+        if device is None:
+            return None
+        if device == "cpu" and self.options.compute != "bfloat16":
+            return (f"compute={self.options.compute}: the packed int4 CPU kernel takes bfloat16 activations only, "
+                    "so these layers dequantize their weight at every call (about the float layer's cost); "
+                    "compute=bfloat16 (the default) uses it")
+        if device == "cuda":
+            return ("on CUDA these layers dequantize their weight at every call (the tinygemm int4 kernel, "
+                    "aten._weight_int4pack_mm, is not wired here yet)")
+        return weight_only_note(device, _target_dtypes(tree, targets), 4)
+
+    @classmethod
+    def export(cls, step, out) -> None:
+        refuse_export(step, out)
+
+    @classmethod
+    def backend(cls, options):
+        from . import int4
+
+        return int4
+
+    @classmethod
+    def build(cls, backend, options, weight, bias, layer=None):
+        return backend.Int4WeightOnlyLinear.build(weight, bias, options.group_size, DTYPES[options.compute])
+
+    @classmethod
+    def estimate_bytes(cls, options, in_features, out_features, bias, dtype):
+        groups = in_features // options.group_size
+        return (in_features * out_features // 2 + 2 * 2 * groups * out_features
+                + (out_features * dtype.itemsize if bias else 0))

@@ -1,0 +1,193 @@
+"""Weight-only int4 (W4A16): 4-bit weights in asymmetric groups along each row, bfloat16 activations.
+
+The scheme of torchao's ``Int4WeightOnlyConfig`` (its "tinygemm" layout: a float zero point per
+group), as a plain ``nn.Module``.  For each group of ``group_size`` inputs of a row::
+
+    scale = (max - min) / 15,   zero = min + 8 * scale          (both rounded to bfloat16)
+    q     = clamp(round((w - min) / scale), 0, 15)               (min = zero - 8 * scale)
+    w    ~= (q - 8) * scale + zero
+
+Saved as plain tensors, the same on every device: ``weight`` (uint8, out x in/2: two values per
+byte, the even input in the low nibble), ``weight_scale`` and ``weight_zero`` (bfloat16,
+out x in/group_size) and ``bias``.  The device's packed layout is made from them when the layer
+is built, loaded or moved (never saved): on a CPU ``aten._convert_weight_to_int4pack_for_cpu``
+for ``aten._weight_int4pack_mm_for_cpu``, which takes bfloat16 activations.  Elsewhere (and on a
+torch without the kernel) the layer dequantizes its weight into the compute dtype at each call.
+
+>>> layer = Int4WeightOnlyLinear.build(torch.linspace(-1, 1, 32 * 16).reshape(16, 32), None, 32)
+>>> layer.weight.shape, layer._buffers["weight"].dtype, layer.weight_scale.shape
+(torch.Size([16, 32]), torch.uint8, torch.Size([16, 1]))
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..common import blocked
+from ..common.stored_weight import StoredWeight
+
+#: Largest 4-bit value, and the one that dequantizes to the group's zero.
+QMAX, MID = 15, 8
+#: Lower bound on a group's scale (torchao's eps for this scheme).
+_EPS = 1e-6
+#: Rows quantized at a time: bounds the float32 working copy.
+_CHUNK_ELEMENTS = 1 << 22
+
+
+def quantize_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(values uint8 (out, in) in 0..15, scale bf16 (out, groups), zero bf16 (out, groups))``."""
+    rows, cols = weight.shape
+    groups = cols // group_size
+    values = torch.empty(rows, cols, dtype=torch.uint8, device=weight.device)
+    scale = torch.empty(rows, groups, dtype=torch.bfloat16, device=weight.device)
+    zero = torch.empty(rows, groups, dtype=torch.bfloat16, device=weight.device)
+    if weight.is_meta:
+        return values, scale, zero
+    step = max(1, _CHUNK_ELEMENTS // max(cols, 1))
+    for start in range(0, rows, step):
+        chunk = weight[start:start + step].detach().float().reshape(-1, groups, group_size)
+        low, high = chunk.amin(dim=2), chunk.amax(dim=2)
+        s = ((high - low) / QMAX).clamp(min=_EPS).to(torch.bfloat16)
+        z = (low + s.float() * MID).to(torch.bfloat16)
+        minimum = z.float() - s.float() * MID
+        q = torch.round((chunk - minimum[..., None]) / s.float()[..., None]).clamp_(0, QMAX)
+        values[start:start + step] = q.reshape(-1, cols).to(torch.uint8)
+        scale[start:start + step] = s
+        zero[start:start + step] = z
+    return values, scale, zero
+
+
+def pack_nibbles(values: torch.Tensor) -> torch.Tensor:
+    """(out, in) values 0..15 -> (out, in/2) uint8, the even input in the low nibble."""
+    return (values[:, 0::2] | (values[:, 1::2] << 4)).contiguous()
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`pack_nibbles`: (out, in/2) uint8 -> (out, in) uint8."""
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
+
+
+class _DeviceLayout:
+    """The packed layout of one device (not a tensor attribute of the module: never saved)."""
+
+    def __init__(self):
+        self.source: torch.Tensor | None = None
+        self.weight: torch.Tensor | None = None
+        self.scales_and_zeros: torch.Tensor | None = None
+
+
+def cpu_kernel_available() -> bool:
+    from ...capabilities import packed_cpu_kernels
+
+    return "int4" in packed_cpu_kernels()
+
+
+class Int4WeightOnlyLinear(StoredWeight):
+    """A linear layer with int4 weights (grouped, asymmetric) and float activations."""
+
+    weight_scale: torch.Tensor
+    weight_zero: torch.Tensor
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None,
+                 group_size: int, compute: torch.dtype = torch.bfloat16, weight_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.out_features, half = weight.shape
+        self.in_features = 2 * half
+        self.group_size = group_size
+        self.compute = compute
+        self.weight_dtype = weight_dtype
+        self.register_buffer("weight", weight)  # packed nibbles, saved under the key "weight"
+        self.register_buffer("weight_scale", scale)
+        self.register_buffer("weight_zero", zero)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self._layout = _DeviceLayout()
+        #: Whether this layer multiplies with the packed CPU kernel (detected when built or loaded).
+        self.packed_kernel = cpu_kernel_available() and compute == torch.bfloat16
+        self.register_load_state_dict_post_hook(lambda module, _: module.repack())
+        self.repack()
+
+    @classmethod
+    def build(cls, weight: torch.Tensor, bias: torch.Tensor | None, group_size: int,
+              compute: torch.dtype = torch.bfloat16) -> Int4WeightOnlyLinear:
+        values, scale, zero = quantize_groups(weight, group_size)
+        return cls(pack_nibbles(values), scale, zero, bias, group_size, compute, weight.dtype)
+
+    @property
+    def packed_weight(self) -> torch.Tensor:
+        """The stored nibbles (saved as ``weight``)."""
+        try:
+            return self._buffers["weight"]
+        except KeyError:  # before __init__ registered it: an AttributeError, as for any attribute
+            raise AttributeError("packed_weight") from None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The effective weight in :attr:`weight_dtype` (dequantized on each read)."""
+        return self.dequantize().to(self.weight_dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 (out, in) weight this layer multiplies by."""
+        values = unpack_nibbles(self.packed_weight).float().reshape(self.out_features, -1, self.group_size)
+        out = (values - MID) * self.weight_scale.float()[..., None] + self.weight_zero.float()[..., None]
+        return out.reshape(self.out_features, self.in_features)
+
+    def repack(self) -> None:
+        """Make the device's packed layout from the stored tensors (after build, load and moves)."""
+        layout = self._layout
+        stored = self._buffers["weight"]
+        layout.source = stored
+        layout.weight = layout.scales_and_zeros = None
+        if not self.packed_kernel or stored.is_meta or stored.device.type != "cpu":
+            return
+        values = unpack_nibbles(stored).to(torch.int32)
+        layout.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, 1)
+        layout.scales_and_zeros = torch.stack((self.weight_scale.t(), self.weight_zero.t()), dim=-1).contiguous()
+
+    def _apply(self, fn, recurse: bool = True):
+        """``.to(device)`` moves the stored tensors (and repacks); ``.to(dtype)`` changes what
+        :attr:`weight` reads as and the bias, never the stored values, scales and zeros."""
+        kept = {name: self._buffers[name] for name in ("weight_scale", "weight_zero")}
+        super()._apply(fn, recurse)
+        for name, before in kept.items():
+            after = self._buffers[name]
+            if after is not None and after.dtype != before.dtype:
+                self._buffers[name] = before.to(after.device)
+        probe = fn(torch.empty(0, dtype=self.weight_dtype, device=self._buffers["weight"].device))
+        if probe.is_floating_point():
+            self.weight_dtype = probe.dtype
+        if self._layout.source is not self._buffers["weight"]:
+            self.repack()
+        return self
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002  (nn.Linear.forward's name)
+        layout = self._layout
+        if not torch.compiler.is_compiling() and layout.source is not self._buffers["weight"]:
+            self.repack()  # the stored tensors were replaced (a loader that assigns them directly)
+        x = input.reshape(-1, self.in_features).to(self.compute).contiguous()  # the packed kernel's rule
+        if layout.weight is not None and x.device.type == "cpu":
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, layout.weight, self.group_size,
+                                                              layout.scales_and_zeros)
+        elif blocked.by_blocks(x, self.out_features, self.compute):
+            def cast(start: int, end: int, buffer: torch.Tensor) -> torch.Tensor:
+                return buffer.copy_(self._dequantize_rows(start, end))
+
+            out = blocked.linear_by_blocks(x, self.out_features, self.compute, cast)
+        else:
+            out = F.linear(x, self.dequantize().to(self.compute))
+        if self.bias is not None:
+            out = out + self.bias.to(out.dtype)
+        return out.to(input.dtype).reshape(*input.shape[:-1], self.out_features)
+
+    def _dequantize_rows(self, start: int, end: int) -> torch.Tensor:
+        packed = self.packed_weight[start:end]
+        values = unpack_nibbles(packed).float().reshape(end - start, -1, self.group_size)
+        out = (values - MID) * self.weight_scale[start:end].float()[..., None] + \
+            self.weight_zero[start:end].float()[..., None]
+        return out.reshape(end - start, self.in_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"weight=int4 group_size={self.group_size} asymmetric, compute={str(self.compute).split('.')[-1]}, "
+                f"packed_kernel={self.packed_kernel}")
