@@ -502,6 +502,9 @@ def cache_section() -> str:
     if not page.exists():
         return heading + "\nNot yet measured: `benchmarks/bench_cache.py` writes `benchmarks/results/cache.md`.\n"
     body = page.read_text().split("Every figure below is written by the script that measured it.\n", 1)[-1]
+    medium = HERE / "results" / "cache-medium.md"  # a second run's page (--models medium --out ...), if any
+    if medium.exists():
+        body += medium.read_text().split("Every figure below is written by the script that measured it.\n", 1)[-1]
     return (heading + "\nFrom [results/cache.md](results/cache.md), written by the script that measured it.\n"
             + body.rstrip("\n") + "\n")
 
