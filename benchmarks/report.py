@@ -495,6 +495,20 @@ def undo_section() -> str:
     return "\n" + text.split("\n", 1)[1] if text.startswith("# ") else text
 
 
+def cache_section() -> str:
+    """Step caches against diffusers' enable_cache (``benchmarks/bench_cache.py`` writes ``results/cache.md``)."""
+    heading = "## Step caches (cache MODE) against diffusers' enable_cache\n"
+    page = HERE / "results" / "cache.md"
+    if not page.exists():
+        return heading + "\nNot yet measured: `benchmarks/bench_cache.py` writes `benchmarks/results/cache.md`.\n"
+    body = page.read_text().split("Every figure below is written by the script that measured it.\n", 1)[-1]
+    medium = HERE / "results" / "cache-medium.md"  # a second run's page (--models medium --out ...), if any
+    if medium.exists():
+        body += medium.read_text().split("Every figure below is written by the script that measured it.\n", 1)[-1]
+    return (heading + "\nFrom [results/cache.md](results/cache.md), written by the script that measured it.\n"
+            + body.rstrip("\n") + "\n")
+
+
 def convert_section() -> str:
     """``convert`` against model size, and the larger-than-memory run (``benchmarks/bench_convert.py``
     writes ``results/convert.md``)."""
@@ -750,6 +764,7 @@ def write_report(rows: list[dict], scaling: list[dict], meta: dict, out: Path, d
     if "convert" in figures:
         text += f"\n![convert]({figures['convert']})\n"
     text += "\n## Quantized compute (W8A8, packed int8/int4 weight-only)\n" + quantized_compute_section()
+    text += "\n" + cache_section()
     text += "\n## GPU\n" + gpu_section()
     text += "\n## Not measured\n\n" + NOT_MEASURED
     text += f"\nComparisons are declared in `benchmarks/comparisons.py` ({len(COMPARISONS)} entries), the by-hand "

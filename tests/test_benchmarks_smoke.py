@@ -108,3 +108,21 @@ def test_fp8_apply_time_is_the_median_of_rounds_in_turn(harness, tmp_path):
     jobs, _ = harness.plan_jobs(harness.parse_args(["--quick", "--only", "fp8 storage scale=none"]))
     rounds = [job.side for job in jobs if job.apply_only]
     assert rounds == ([hand["side"], ours["side"], ours["side"], hand["side"]] * FP8_ROUNDS)[:2 * (FP8_ROUNDS - 1)]
+
+
+def test_cache_benchmark_runs_and_matches_by_hand(tmp_path, monkeypatch):
+    """benchmarks/bench_cache.py on the tiny Flux, 4 steps, one round: every cache that runs on Flux
+    gives the by-hand final latent bit for bit; a trial run (--out elsewhere) leaves RESULTS.md alone."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import bench_cache
+
+    before = (BENCH / "RESULTS.md").read_text()
+    bench_cache.main(["--models", "tiny", "--steps", "4", "--rounds", "1", "--no-compile",
+                      "--out", str(tmp_path / "cache.md")])
+    page = (tmp_path / "cache.md").read_text()
+    rows = [line for line in page.splitlines() if line.startswith("| tiny | `cache")]
+    assert len(rows) == 5
+    assert not any("| NO |" in row for row in rows)
+    assert sum("| yes |" in row for row in rows) >= 4
+    assert "Random weights say little about image quality" in page
+    assert (BENCH / "RESULTS.md").read_text() == before

@@ -421,6 +421,7 @@ _ELSEWHERE = {
     'lora "loras/detail.safetensors" merge=false': "a LoRA file (tests/test_lora.py writes them)",
     'lora "loras/style.safetensors" component=text_encoder': "a LoRA file (tests/test_lora.py writes them)",
     "lora style.safetensors": "a LoRA file (tests/test_lora.py writes them)",
+    "attention flash in transformer_blocks.*": "a CUDA machine with flash-attn",
     "fp8 dynamic": "a GPU with fp8 matmul (fp8 dynamic has no CPU fallback; tests/test_fp8_dynamic.py runs it "
                    "with the CPU reference switched on)",
     "fp8 dynamic scaling=row": "a GPU with fp8 matmul (as above)",

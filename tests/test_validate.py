@@ -84,8 +84,8 @@ def test_common_options(text, common):
 
 # text -> (line, column, message, hint or None)
 INVALID = {
-    "quantise int8": (1, 1, "unknown verb 'quantise' (did you mean 'quantize'?)", "verbs: compile, fp8, fuse, lora, quantize"),
-    "frobnicate": (1, 1, "unknown verb 'frobnicate'", "verbs: compile, fp8, fuse, lora, quantize"),
+    "quantise int8": (1, 1, "unknown verb 'quantise' (did you mean 'quantize'?)", "verbs: attention, cache, compile, fp8, fuse, lora, quantize"),
+    "frobnicate": (1, 1, "unknown verb 'frobnicate'", "verbs: attention, cache, compile, fp8, fuse, lora, quantize"),
     "quantize int9": (1, 10, "unknown mode 'int9' for 'quantize' (did you mean 'int8'?)",
                       "'quantize' modes: fp4, hqq, int4, int8, nf4, w8a8"),
     "fuse qvk": (1, 6, "unknown mode 'qvk' for 'fuse' (did you mean 'qkv'?)", None),

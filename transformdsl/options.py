@@ -139,6 +139,11 @@ def coerce(f: dataclasses.Field, value: Any) -> Any:
     elif kind == "int":
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"expected an integer, got {value!r}")
+    elif kind == "int_or_none":
+        if value is None or value == "none":  # None: read back from a save's JSON
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"expected an integer or none, got {value!r}")
     elif kind == "int_or_auto":
         if value == "auto":
             return value

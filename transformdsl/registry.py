@@ -37,6 +37,13 @@ GROUP = "transformdsl.transforms"
 
 #: The built-in transforms: key → ``"module:Class"`` of its (torch-free) declaration.
 BUILTIN: dict[str, str] = {
+    "cache faster": "transformdsl.transforms.cache:FasterCache",
+    "cache first_block": "transformdsl.transforms.cache:FirstBlockCache",
+    "cache mag": "transformdsl.transforms.cache:MagCache",
+    "cache pyramid_broadcast": "transformdsl.transforms.cache:PyramidBroadcastCache",
+    "cache sea": "transformdsl.transforms.cache:SeaCache",
+    "cache taylorseer": "transformdsl.transforms.cache:TaylorSeerCache",
+    "cache text_kv": "transformdsl.transforms.cache:TextKVCache",
     "compile": "transformdsl.transforms.compile:WholeCompile",
     "compile regional": "transformdsl.transforms.compile:RegionalCompile",
     "fp8 dynamic": "transformdsl.transforms.fp8:FP8Dynamic",
@@ -54,6 +61,16 @@ BUILTIN: dict[str, str] = {
     "quantize int4": "transformdsl.transforms.quantize:Int4Quantization",
     "quantize w8a8": "transformdsl.transforms.quantize:W8A8Quantization",
 }
+
+
+def _attention_keys() -> dict[str, str]:
+    """``attention BACKEND``: one key per backend of diffusers and transformers (torch-free list)."""
+    from .transforms import attention
+
+    return {f"attention {mode}": f"transformdsl.transforms.attention:Attention_{mode}" for mode in attention.MODES}
+
+
+BUILTIN.update(_attention_keys())
 
 
 class PluginError(TransformError):

@@ -299,6 +299,7 @@ def model_output(model: Any, inputs: tuple[tuple, dict] | None = None) -> Output
     """
     from . import models
     from .planner import module_components
+    from .transforms.cache.run import fresh_context  # a step cache runs each sample as a fresh denoising loop
 
     roots = list(module_components(model).values())
     flags = [(m, m.training) for root in roots for m in root.modules()]
@@ -306,7 +307,7 @@ def model_output(model: Any, inputs: tuple[tuple, dict] | None = None) -> Output
         for root in roots:
             root.eval()
         args, kwargs = models.sample_inputs(model, seed=0) if inputs is None else inputs
-        with torch.no_grad():
+        with torch.no_grad(), fresh_context(model):
             tensor, kind = _one_output(model(*args, **kwargs))
         described = describe_inputs(args, kwargs)
         return Output(tensor, kind, f"the sample input ({described})" if inputs is None else described)

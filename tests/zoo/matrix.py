@@ -68,7 +68,24 @@ SCRIPTS = {
     "compile": "compile",
     # {lora}: a LoRA file written for the cell's model (lora_file: every Linear, random weights)
     "lora": 'lora "{lora}"',
+    # Step caches (diffusers denoisers only): one call in a fresh cache context, as verify and the
+    # reload check make it, computes every block; the columns check planning (which denoisers each
+    # mode's hooks can wrap), enabling, one step, and that load() enables the cache again.
+    "cache first_block": "cache first_block",
+    "cache taylorseer": "cache taylorseer",
+    "cache pyramid_broadcast": "cache pyramid_broadcast",
+    "cache faster": "cache faster",
+    "cache mag": "cache mag mag_ratios=flux",
+    "cache sea": "cache sea",
+    "cache text_kv": "cache text_kv",
+    # The attention backend each library computes in plain PyTorch on any machine.
+    "attention": "attention native_math",
+    "attention (transformers)": "attention eager",
 }
+
+#: Columns that run on one library's models only (a statement of the other library is a plan error).
+LIBRARY_ONLY = {**{name: "diffusers" for name in SCRIPTS if name.startswith("cache ")},
+                "attention": "diffusers", "attention (transformers)": "transformers"}
 
 #: Models the (slow) ``compile`` column runs on (the tiny UNet and Flux took over 5 min a cell on a
 #: loaded 2-core machine: compilation, then recompilation for the reloaded model).
@@ -102,7 +119,19 @@ CELL_TIMEOUT = 300.0
 
 def scripts_for(model_id: str) -> list[str]:
     """The columns that run on ``model_id`` (``compile`` on :data:`COMPILE_SLICE` only)."""
-    return [name for name in SCRIPTS if name != "compile" or model_id in COMPILE_SLICE]
+    library = model_id.split("/", 1)[0]
+    return [name for name in SCRIPTS if (name != "compile" or model_id in COMPILE_SLICE)
+            and LIBRARY_ONLY.get(name, library) == library]
+
+
+def _run(model, inputs):
+    """The model's output tensor; a denoiser with a step cache runs as one fresh denoising loop."""
+    from transformdsl.transforms.cache.run import fresh_context
+
+    from . import corpus
+
+    with fresh_context(model):
+        return corpus.run(model, inputs)
 
 
 # --------------------------------------------------------------------------- one cell
@@ -203,7 +232,6 @@ def _run_planned(cell, done, model, script, inputs, heldout, verify_samples, ref
         script_error_bound,
     )
 
-    from . import corpus
 
     try:
         plan = transformdsl.plan(model, script)
@@ -245,8 +273,8 @@ def _run_planned(cell, done, model, script, inputs, heldout, verify_samples, ref
         return done("transform fails", "not a TransformError: " + _exception(exc))
 
     try:
-        output = corpus.run(model, inputs)
-        output_heldout = corpus.run(model, heldout)
+        output = _run(model, inputs)
+        output_heldout = _run(model, heldout)
     except Exception as exc:
         return done("crash in forward", _exception(exc))
     cell["error"] = measure(metric, reference, output)
@@ -274,7 +302,7 @@ def _run_planned(cell, done, model, script, inputs, heldout, verify_samples, ref
             cell["reload"] = "fails"
             return done("reload fails", _exception(exc))
         try:
-            reloaded = corpus.run(loaded, inputs)
+            reloaded = _run(loaded, inputs)
         except Exception as exc:
             cell["reload"] = "crash in forward"
             return done("reload crash in forward", _exception(exc))

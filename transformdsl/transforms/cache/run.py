@@ -1,0 +1,557 @@
+"""``cache MODE``: diffusers' step caches as statements (implementation).
+
+:meth:`apply` builds the mode's diffusers config from the options and calls the denoiser's own
+``enable_cache(config)``: the hooks are diffusers', nothing of the cache is re-implemented.  Around
+them we add one hook of our own on the denoiser (:class:`ContextGuard`, registered in diffusers'
+hook registry, so ``cache_context`` reaches it):
+
+- a call outside ``cache_context`` raises diffusers' own message at the denoiser's call
+  (:class:`CacheContextError`), not from deep inside the first block hook;
+- for ``pyramid_broadcast`` and ``faster`` it remembers the call's timestep, which the
+  ``current_timestep_callback`` we give diffusers returns.
+
+Planning computes the modules the hooks will wrap with the hooks' own rules (diffusers' block
+identifiers, its ``TransformerBlockRegistry``, its attention classes): a model a mode cannot wrap is
+a plan error naming what the mode looks for.  Nothing is saved but the statement: ``load()``
+enables the cache again (:meth:`finalize`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import re
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...extend import ApplyContext, TransformError
+from ...tree import ModuleInfo, ModuleTree
+from . import FasterCache as FasterCacheDeclaration
+from . import FirstBlockCache as FirstBlockCacheDeclaration
+from . import MagCache as MagCacheDeclaration
+from . import PyramidBroadcastCache as PyramidBroadcastCacheDeclaration
+from . import SeaCache as SeaCacheDeclaration
+from . import TaylorSeerCache as TaylorSeerCacheDeclaration
+from . import TextKVCache as TextKVCacheDeclaration
+from . import parse_numbers, parse_patterns, parse_range
+
+GUARD_HOOK = "transformdsl_cache_guard"
+
+
+class CacheContextError(ValueError):
+    """A denoiser with a step cache was called outside ``cache_context`` (diffusers' ValueError, raised early)."""
+
+
+# --------------------------------------------------------------------------- the guard hook
+
+
+def _hooks():
+    from diffusers.hooks import hooks
+
+    return hooks
+
+
+class _NoState:
+    def reset(self, *args, **kwargs) -> None:
+        pass
+
+
+def _make_guard(statement: str, needs_context: bool, reads_timestep: bool, timestep_scale: float):
+    hooks = _hooks()
+
+    class ContextGuard(hooks.ModelHook):
+        """Checks the cache context at the denoiser's call; remembers the call's timestep."""
+
+        _is_stateful = True
+
+        def __init__(self):
+            super().__init__()
+            self.state_manager = hooks.StateManager(_NoState)  # _set_cache_context sets its context
+            self.statement = statement
+            self.needs_context = needs_context
+            self.reads_timestep = reads_timestep
+            self.timestep_scale = timestep_scale
+            self.timestep = None
+            self._timestep_index = None
+
+        def initialize_hook(self, module):
+            names = list(inspect.signature(type(module).forward).parameters)[1:]
+            self._timestep_index = names.index("timestep") if "timestep" in names else None
+            return module
+
+        def pre_forward(self, module, *args, **kwargs):
+            context = self.state_manager._context
+            if context is None and self.needs_context:
+                _raise_outside_context(module, self.statement, self.state_manager)
+            if self.reads_timestep:
+                if context is not None and context.timestep is not None:
+                    self.timestep = (context.timestep, 1.0)
+                else:
+                    value = kwargs.get("timestep")
+                    if value is None and self._timestep_index is not None and self._timestep_index < len(args):
+                        value = args[self._timestep_index]
+                    self.timestep = (value, self.timestep_scale)
+            return args, kwargs
+
+        def reset_state(self, module):
+            self.timestep = None
+            return module
+
+        @torch.compiler.disable
+        def current_timestep(self) -> float:
+            if self.timestep is None or self.timestep[0] is None:
+                raise CacheContextError(
+                    f"{self.statement}: the cache needs the current timestep, and this call gave none: pass "
+                    "timestep= to the denoiser, or cache_context(name, timestep=t)")
+            value, scale = self.timestep
+            if isinstance(value, torch.Tensor):
+                value = value.detach().flatten()[0].item()
+            return float(value) * scale
+
+    return ContextGuard()
+
+
+def _raise_outside_context(module: nn.Module, statement: str, state_manager) -> None:
+    try:
+        _ = state_manager.context  # raises diffusers' own message outside a context
+    except ValueError as exc:
+        message = str(exc)
+    else:  # pragma: no cover - the context is set after all
+        return
+    raise CacheContextError(
+        f"{message} ({type(module).__name__} has a step cache, '{statement}': call it as "
+        f"`with model.cache_context(\"cond\"): model(...)`, one context per prompt branch; diffusers' pipelines "
+        "do this themselves.  Between two denoising loops call model._reset_stateful_cache().)") from None
+
+
+def guard_of(model: nn.Module):
+    registry = getattr(model, "_diffusers_hook", None)
+    return registry.get_hook(GUARD_HOOK) if registry is not None else None
+
+
+@contextlib.contextmanager
+def fresh_context(model: Any, name: str = "transformdsl"):
+    """Run ``model`` (a module or a pipeline) once as a fresh denoising loop: each component with a
+    step cache is reset and called inside ``cache_context(name)``, and reset again afterwards (so a
+    check, e.g. ``verify``, leaves no cached step behind)."""
+    from ...planner import module_components
+
+    cached = [m for m in module_components(model).values() if getattr(m, "is_cache_enabled", False)]
+    with contextlib.ExitStack() as stack:
+        for module in cached:
+            module._reset_stateful_cache()
+            stack.callback(module._reset_stateful_cache)
+            stack.enter_context(module.cache_context(name))
+        yield
+
+
+def _timestep_scale(model: nn.Module) -> float:
+    """1000 for denoisers whose forward multiplies the timestep by 1000 (their pipelines pass t/1000)."""
+    try:
+        source = inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        return 1.0
+    return 1000.0 if re.search(r"timestep[^\n]*\*\s*1000\b", source) else 1.0
+
+
+# --------------------------------------------------------------------------- what the hooks wrap
+
+
+def _block_lists(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The blocks diffusers' block caches hook: children named like its block lists, in order."""
+    from diffusers.hooks._common import _ALL_TRANSFORMER_BLOCK_IDENTIFIERS
+
+    blocks = []
+    for name, child in model.named_children():
+        if name in _ALL_TRANSFORMER_BLOCK_IDENTIFIERS and isinstance(child, nn.ModuleList):
+            blocks.extend((f"{name}.{i}", block) for i, block in enumerate(child))
+    return blocks
+
+
+def _registered_blocks(model: nn.Module, mode: str, least: int) -> list[tuple[str, nn.Module]]:
+    from diffusers.hooks._common import _ALL_TRANSFORMER_BLOCK_IDENTIFIERS
+    from diffusers.hooks._helpers import TransformerBlockRegistry
+
+    blocks = _block_lists(model)
+    if len(blocks) < least:
+        found = f"{len(blocks)} block(s)" if blocks else "none"
+        raise _Unsupported(
+            f"'cache {mode}' hooks the blocks of the denoiser's block lists (children named "
+            f"{', '.join(sorted(_ALL_TRANSFORMER_BLOCK_IDENTIFIERS))} holding a ModuleList) and needs at least "
+            f"{least}; {type(model).__name__} has {found}")
+    TransformerBlockRegistry._register()
+    unknown = sorted({type(block).__name__ for _, block in blocks
+                      if type(block) not in TransformerBlockRegistry._registry})
+    if unknown:
+        raise _Unsupported(
+            f"'cache {mode}' needs diffusers to know where each block returns its hidden states "
+            f"(diffusers.hooks._helpers.TransformerBlockRegistry); it does not know {', '.join(unknown)}")
+    return blocks
+
+
+class _Unsupported(Exception):
+    """The model has nothing this mode can hook (the message says what the mode looks for)."""
+
+
+def _attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    from diffusers.hooks._common import _ATTENTION_CLASSES
+
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, _ATTENTION_CLASSES)]
+
+
+# --------------------------------------------------------------------------- shared behaviour
+
+
+class CacheBehaviour:
+    """What every cache mode does; each mode says what it wraps and how its config is built."""
+
+    def _model(self, info: ModuleInfo) -> nn.Module | None:
+        return info.module
+
+    def check(self, info: ModuleInfo, tree: ModuleTree) -> str | None:
+        model = info.module
+        if model is None:
+            return None
+        if not hasattr(model, "enable_cache") or not hasattr(model, "cache_context"):
+            where = f"'{info.path}'" if info.path else "the model"
+            return (f"a step cache works on a diffusers denoiser (a model with enable_cache and cache_context); "
+                    f"{where} is a {type(model).__name__}; select the denoiser (no 'in' clause, or component=)")
+        if getattr(model, "is_cache_enabled", False):
+            return (f"{type(model).__name__} already has a step cache ({type(model._cache_config).__name__}) "
+                    "enabled outside this script: call model.disable_cache() first")
+        try:
+            self.wrapped(model)
+            self.build_config(model, None)
+        except _Unsupported as exc:
+            return str(exc)
+        except ValueError as exc:  # the config's own checks
+            return f"diffusers refuses the options: {exc}"
+        return None
+
+    def notes(self, tree: ModuleTree, targets: list[str]) -> list[str]:
+        lines = []
+        for path in targets:
+            model = tree[path].module
+            if model is None:
+                continue
+            try:
+                wrapped = self.wrapped(model)
+            except _Unsupported:
+                continue
+            lines.append(self.describe_wrapped([name for name, _ in wrapped]))
+            lines.append(f"per step: {self.skips}")
+            lines.append("call the denoiser inside `with model.cache_context(\"cond\"):` (pipelines do); "
+                         + ("a call outside one is an error" if self.needs_context else
+                            "reset with model._reset_stateful_cache() between denoising loops"))
+        return lines
+
+    # -- per mode
+
+    skips: str = ""
+
+    def describe_wrapped(self, names: list[str]) -> str:
+        return f"wraps {_summary(names)} ({len(names)} module(s))"
+
+    def wrapped(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        raise NotImplementedError
+
+    def config_kwargs(self, model: nn.Module, guard) -> dict:
+        return dataclasses.asdict(self.options)
+
+    def build_config(self, model: nn.Module, guard):
+        import diffusers.hooks
+
+        config_cls = getattr(diffusers.hooks, self.config_class)
+        return config_cls(**self.config_kwargs(model, guard))
+
+    # -- execution
+
+    def apply(self, ctx: ApplyContext, targets: list[str]) -> dict:
+        for path in targets:
+            model = ctx.root.get_submodule(path) if path else ctx.root
+            for module in model.modules():  # the hooks set attributes (forward, _diffusers_hook): a rollback
+                ctx.edit.touch(module)      # restores every module's __dict__
+            ctx.edit.on_rollback(lambda m=model: disable(m))
+            try:
+                wrapped = enable(model, type(self), self.options, describe(self.key(), self.options))
+            except (_Unsupported, ValueError, TypeError) as exc:
+                raise TransformError(f"diffusers' enable_cache failed on {type(model).__name__}: {exc}") from exc
+        return {"targets": list(targets), "options": dataclasses.asdict(self.options), "wrapped": wrapped}
+
+    @classmethod
+    def rebuild(cls, root: nn.Module, record: dict, options: Any) -> None:
+        """Nothing structural: hooks change no module and no state_dict key."""
+
+    @classmethod
+    def export(cls, step, out) -> None:
+        """Nothing to store: a step cache is hooks, set at run time."""
+        out.notes.append(f"{out.where(step)}: not stored ({out.library} keeps no step cache in a checkpoint); call "
+                         "model.enable_cache(...) after from_pretrained; transformdsl.load enables it again")
+
+    @classmethod
+    def finalize(cls, root: nn.Module, record: dict, options: Any) -> None:
+        """Enable the cache again on the loaded denoiser (hooks are never saved)."""
+        opts = cls.Options(**record.get("options", {})) if record.get("options") is not None else options
+        for path in record["targets"]:
+            model = root.get_submodule(path) if path else root
+            enable(model, cls, opts, describe(cls.key(), opts))
+
+
+def describe(key: str, options: Any) -> str:
+    """The statement as the user would write it (its options that differ from the defaults)."""
+    parts = [key]
+    for f in dataclasses.fields(options):
+        value = getattr(options, f.name)
+        if value != f.default:
+            text = "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+            parts.append(f"{f.name}={text}" if re.fullmatch(r"[\w.\-]+", text) else f'{f.name}="{text}"')
+    return " ".join(parts)
+
+
+def disable(model: nn.Module) -> None:
+    """Remove the cache and our guard (a rollback; then every touched __dict__ is restored too)."""
+    if getattr(model, "is_cache_enabled", False):
+        model.disable_cache()
+    registry = getattr(model, "_diffusers_hook", None)
+    if registry is not None and GUARD_HOOK in registry.hooks:
+        registry.remove_hook(GUARD_HOOK, recurse=False)
+
+
+def enable(model: nn.Module, cls: type, options: Any, statement: str) -> list[str]:
+    """``model.enable_cache(config)`` for the mode ``cls`` and our guard hook; the wrapped paths."""
+    from diffusers.hooks import HookRegistry
+
+    behaviour = cls.__new__(cls)
+    behaviour.options = options
+    wrapped = behaviour.wrapped(model)
+    guard = _make_guard(statement, cls.needs_context, cls.reads_timestep, _timestep_scale(model))
+    config = behaviour.build_config(model, guard)
+    model.enable_cache(config)
+    registry = HookRegistry.check_if_exists_or_initialize(model)
+    registry.register_hook(guard, GUARD_HOOK)
+    registry.invalidate_child_registries_cache()
+    names = [name for name, _ in wrapped]
+    hooked = {name for name, m in model.named_modules() if getattr(m, "_diffusers_hook", None) is not None
+              and any(h != GUARD_HOOK for h in m._diffusers_hook.hooks)}
+    missing = [name for name in names if name not in hooked]
+    if missing:  # our reading of the hooks' rules disagrees with diffusers: say so rather than mislead
+        raise TransformError(f"'cache {cls.mode}': diffusers did not hook {', '.join(missing[:3])} as planned")
+    return names
+
+
+def _summary(names: list[str]) -> str:
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        head, _, tail = name.rpartition(".")
+        key = re.sub(r"\.\d+(\.|$)", r".*\1", name)
+        groups.setdefault(key, []).append(name)
+    parts = [f"{key} ({len(v)})" if len(v) > 1 else v[0] for key, v in groups.items()]
+    return ", ".join(parts[:6]) + (f", ... ({len(parts) - 6} more)" if len(parts) > 6 else "")
+
+
+# --------------------------------------------------------------------------- the modes
+
+
+class FirstBlockCache(CacheBehaviour, FirstBlockCacheDeclaration):
+    skips = ("the first block always runs; while its residual changed by less than threshold since the last "
+             "full step, every other block is skipped and their cached residual added")
+
+    def wrapped(self, model):
+        return _registered_blocks(model, self.mode, least=2)
+
+    def describe_wrapped(self, names):
+        return (f"wraps {len(names)} blocks: {names[0]} runs every step and decides; "
+                f"{_summary(names[1:])} may be skipped")
+
+
+class MagCache(CacheBehaviour, MagCacheDeclaration):
+    skips = ("the first block decides: while the accumulated magnitude-ratio error stays under threshold (at most "
+             "max_skip_steps in a row, never in the first retention_ratio of the steps), the blocks are skipped "
+             "and the cached residual added")
+
+    def wrapped(self, model):
+        return _registered_blocks(model, self.mode, least=1)
+
+    def describe_wrapped(self, names):
+        return f"wraps {len(names)} blocks: {names[0]} decides; {_summary(names) if len(names) > 1 else names[0]} " \
+               "may be skipped"
+
+    def config_kwargs(self, model, guard):
+        kwargs = dataclasses.asdict(self.options)
+        ratios = kwargs.pop("mag_ratios")
+        if ratios == "flux":
+            from diffusers.hooks.mag_cache import FLUX_MAG_RATIOS
+
+            kwargs["mag_ratios"] = FLUX_MAG_RATIOS.clone()
+        elif ratios:
+            kwargs["mag_ratios"] = torch.tensor(parse_numbers(ratios, "mag_ratios"))
+        return kwargs
+
+
+class SeaCache(CacheBehaviour, SeaCacheDeclaration):
+    skips = ("while the accumulated change of the spectral indicator stays under threshold, the repeated block "
+             "stack is replaced by a residual predicted from the last full steps; needs cache_context(name, "
+             "step_index=, sigma=, num_inference_steps=) (otherwise diffusers runs every block: fail-open)")
+
+    def wrapped(self, model):
+        from diffusers.models.transformers.transformer_cosmos3 import Cosmos3OmniTransformer
+        from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
+
+        adapted = isinstance(model, Cosmos3OmniTransformer) or (
+            isinstance(model, WanTransformer3DModel) and model.config.in_channels == model.config.out_channels)
+        if not adapted:
+            raise _Unsupported(
+                f"'cache sea' needs a raw_vision_callback (a Python function, which a script cannot hold) except on "
+                f"the models diffusers has an adapter for: Cosmos3OmniTransformer, and WanTransformer3DModel with "
+                f"in_channels == out_channels (text-to-video); {type(model).__name__} is not one")
+        blocks = _registered_blocks(model, self.mode, least=1)
+        return blocks if not isinstance(model, Cosmos3OmniTransformer) else [("", model)]
+
+
+class TextKVCache(CacheBehaviour, TextKVCacheDeclaration):
+    skips = "nothing is skipped: each block's text keys and values are computed once per prompt and reused (exact)"
+
+    def wrapped(self, model):
+        from diffusers.models.transformers.transformer_nucleusmoe_image import NucleusMoEImageTransformerBlock
+
+        blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, NucleusMoEImageTransformerBlock)]
+        if not blocks:
+            raise _Unsupported(f"'cache text_kv' hooks NucleusMoEImageTransformerBlock blocks (the only ones whose "
+                               f"attention reads cached text keys and values); {type(model).__name__} has none")
+        return blocks
+
+
+class TaylorSeerCache(CacheBehaviour, TaylorSeerCacheDeclaration):
+    skips = ("the first disable_cache_before_step steps and every cache_interval-th step compute fully and update "
+             "the Taylor factors; the other steps predict the wrapped modules' outputs instead of running them")
+
+    def _patterns(self):
+        from diffusers.hooks import taylorseer_cache as ts
+
+        inactive = parse_patterns(self.options.skip_predict_identifiers, "skip_predict_identifiers")
+        active = parse_patterns(self.options.cache_identifiers, "cache_identifiers") or ts._TRANSFORMER_BLOCK_IDENTIFIERS
+        if self.options.use_lite_mode:
+            active, inactive = ts._PROJ_OUT_IDENTIFIERS, ts._BLOCK_IDENTIFIERS
+        return inactive, active
+
+    def wrapped(self, model):
+        inactive, active = self._patterns()
+        found = [(name, m) for name, m in model.named_modules()
+                 if any(re.fullmatch(p, name) for p in (*inactive, *active))]
+        if not found:
+            raise _Unsupported(f"'cache taylorseer' hooks the modules whose names fully match "
+                               f"{', '.join(active + inactive)}; {type(model).__name__} has none (give "
+                               "cache_identifiers=\"...\" naming its attention modules)")
+        return found
+
+    def config_kwargs(self, model, guard):
+        kwargs = dataclasses.asdict(self.options)
+        kwargs["taylor_factors_dtype"] = getattr(torch, kwargs["taylor_factors_dtype"])
+        for name in ("skip_predict_identifiers", "cache_identifiers"):
+            kwargs[name] = list(parse_patterns(kwargs[name], name)) or None
+        return kwargs
+
+
+def _timestep_callback(guard):
+    if guard is None:
+        return lambda: 0.0  # planning: the config is only built to run diffusers' own checks
+    return guard.current_timestep
+
+
+class PyramidBroadcastCache(CacheBehaviour, PyramidBroadcastCacheDeclaration):
+    skips = ("each wrapped attention module runs on the first step, outside the timestep range and every N-th "
+             "step (the *_block_skip_range); on the other steps it returns its last output")
+
+    def _config_fields(self):
+        from diffusers.hooks import pyramid_attention_broadcast as pab
+
+        options = self.options
+        kwargs = {}
+        any_range = any(getattr(options, f"{k}_attention_block_skip_range") is not None
+                        for k in ("spatial", "temporal", "cross"))
+        defaults = {"spatial": pab._SPATIAL_TRANSFORMER_BLOCK_IDENTIFIERS,
+                    "temporal": pab._TEMPORAL_TRANSFORMER_BLOCK_IDENTIFIERS,
+                    "cross": pab._CROSS_TRANSFORMER_BLOCK_IDENTIFIERS}
+        for kind in ("spatial", "temporal", "cross"):
+            skip = getattr(options, f"{kind}_attention_block_skip_range")
+            if kind == "spatial" and not any_range:
+                skip = 2  # diffusers' own fallback (it warns and sets it)
+            kwargs[f"{kind}_attention_block_skip_range"] = skip
+            kwargs[f"{kind}_attention_timestep_skip_range"] = parse_range(
+                getattr(options, f"{kind}_attention_timestep_skip_range"), f"{kind}_attention_timestep_skip_range")
+            kwargs[f"{kind}_attention_block_identifiers"] = parse_patterns(
+                getattr(options, f"{kind}_attention_block_identifiers"), "") or defaults[kind]
+        return kwargs
+
+    def wrapped(self, model):
+        fields = self._config_fields()
+        found = []
+        for name, module in _attention_modules(model):
+            cross = bool(getattr(module, "is_cross_attention", False))
+            for kind in ("spatial", "temporal", "cross"):
+                if fields[f"{kind}_attention_block_skip_range"] is None or (kind == "cross") != cross:
+                    continue
+                if any(re.search(p, name) for p in fields[f"{kind}_attention_block_identifiers"]):
+                    found.append((name, module))
+                    break
+        if not found:
+            raise _Unsupported(
+                f"'cache pyramid_broadcast' hooks diffusers attention modules (Attention, AttentionModuleMixin) "
+                f"whose names match the block identifiers and whose kind (self or cross attention) has a skip "
+                f"range; {type(model).__name__} has none")
+        return found
+
+    def config_kwargs(self, model, guard):
+        return dict(self._config_fields(), current_timestep_callback=_timestep_callback(guard))
+
+
+class FasterCache(CacheBehaviour, FasterCacheDeclaration):
+    skips = ("each wrapped attention module recomputes every spatial_attention_block_skip_range steps within the "
+             "timestep range and otherwise extrapolates from its last two outputs; unless is_guidance_distilled, "
+             "the unconditional half of the batch is recomputed every unconditional_batch_skip_range steps")
+
+    def _fields(self):
+        from diffusers.hooks import faster_cache as fc
+
+        options = dataclasses.asdict(self.options)
+        kwargs = {}
+        for name, value in options.items():
+            if name.endswith("_range") and isinstance(value, str):
+                kwargs[name] = parse_range(value, name)
+            elif name.endswith("_identifiers"):
+                default = (fc._SPATIAL_ATTENTION_BLOCK_IDENTIFIERS if name.startswith("spatial")
+                           else fc._TEMPORAL_ATTENTION_BLOCK_IDENTIFIERS)
+                kwargs[name] = parse_patterns(value, name) or default
+            else:
+                kwargs[name] = value
+        return kwargs
+
+    def wrapped(self, model):
+        from diffusers.hooks import faster_cache as fc
+
+        fields = self._fields()
+        found = []
+        for name, module in _attention_modules(model):
+            if not any(re.search(p, name) for p in fc._TRANSFORMER_BLOCK_IDENTIFIERS):
+                continue
+            cross = bool(getattr(module, "is_cross_attention", False))
+            spatial = any(re.search(p, name) for p in fields["spatial_attention_block_identifiers"]) and not cross
+            temporal = (fields["temporal_attention_block_skip_range"] is not None and not cross
+                        and any(re.search(p, name) for p in fields["temporal_attention_block_identifiers"]))
+            if spatial or temporal:
+                found.append((name, module))
+        if not found:
+            raise _Unsupported(
+                f"'cache faster' hooks diffusers self-attention modules inside blocks whose names match the "
+                f"spatial/temporal identifiers; {type(model).__name__} has none")
+        return found
+
+    def config_kwargs(self, model, guard):
+        kwargs = self._fields()
+        weight = kwargs.pop("attention_weight")
+        kwargs["attention_weight_callback"] = lambda _module, w=weight: w
+        kwargs["current_timestep_callback"] = _timestep_callback(guard)
+        return kwargs
