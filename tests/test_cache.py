@@ -362,3 +362,19 @@ def test_explain_shows_what_the_cache_wraps_and_what_a_step_skips():
     assert "per step: the first block always runs" in text
     text = str(transformdsl.plan(models.tiny_flux(), "cache pyramid_broadcast"))
     assert "wraps transformer_blocks.0.attn, single_transformer_blocks.*.attn (2) (3 module(s))" in text
+
+
+def test_the_fullgraph_rule_holds_across_transform_calls():
+    """A cache enabled by one transform() and `compile fullgraph=true` planned by a later one (or the
+    other way round) would fail at the first call, as within one script: refused at plan time."""
+    import transformdsl
+    from transformdsl import models
+
+    cached = transformdsl.transform(models.tiny_flux(), "cache first_block")
+    with pytest.raises(transformdsl.ScriptError, match=r"already runs a step cache \('cache first_block'\).*"
+                                                       r"write fullgraph=false"):
+        transformdsl.plan(cached, "compile fullgraph=true backend=eager")
+    assert transformdsl.plan(cached, "compile backend=eager").steps[0].targets == [""]
+    compiled = transformdsl.transform(models.tiny_flux(), "compile fullgraph=true backend=eager")
+    with pytest.raises(transformdsl.ScriptError, match=r"was compiled with 'compile fullgraph=true backend=eager'"):
+        transformdsl.plan(compiled, "cache first_block")

@@ -507,3 +507,22 @@ def test_an_in_clause_narrows_the_modules_the_file_names(tmp_path):
     transformdsl.transform(flux, plan)
     changed = {k.rsplit(".", 1)[0] for k, v in flux.state_dict().items() if not torch.equal(v, before[k])}
     assert changed and all(k.startswith("single_transformer_blocks.") for k in changed)
+
+
+def test_a_rank_0_or_empty_lora_file_is_refused_at_plan_time(tmp_path):
+    """A file that would divide by its rank when applied, or apply nothing, is a plan error naming it."""
+    import torch
+    from safetensors.torch import save_file
+
+    import transformdsl
+    from transformdsl import models
+
+    flux = models.tiny_flux()
+    names = [n for n, _ in flux.named_modules() if n.endswith("attn.to_q")]
+    save_file({f"transformer.{n}.lora_{x}.weight": torch.zeros(0, 16) if x == "A" else torch.zeros(16, 0)
+               for n in names for x in "AB"}, tmp_path / "rank0.safetensors")
+    save_file({}, tmp_path / "empty.safetensors")
+    with pytest.raises(transformdsl.ScriptError, match="rank0.safetensors: '.*' has rank 0"):
+        transformdsl.plan(flux, f'lora "{tmp_path / "rank0.safetensors"}"')
+    with pytest.raises(transformdsl.ScriptError, match="empty.safetensors: the file holds no LoRA pair"):
+        transformdsl.plan(flux, f'lora "{tmp_path / "empty.safetensors"}"')

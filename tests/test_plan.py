@@ -240,3 +240,19 @@ def test_plan_rejects_other_things():
         transformdsl.plan(tiny("flux"), 42)
     with pytest.raises(TypeError, match="expected a torch.nn.Module or a diffusers pipeline"):
         transformdsl.plan(object(), "quantize int8")
+
+
+@pytest.mark.parametrize("factory, text, inside", [
+    ("tiny_flux", "attention native_math except single_transformer_blocks.*", "single_transformer_blocks.0"),
+    ("tiny_flux", "cache first_block except transformer_blocks.0", "transformer_blocks.0"),
+    ("tiny_llama", "compile except model.layers.1", "model.layers.1"),
+])
+def test_an_except_inside_a_whole_target_is_an_error_not_ignored(factory, text, inside):
+    """A statement that changes its target as a whole (the root here) cannot leave out a module inside
+    it: silently ignoring the `except` would change what the user excluded."""
+    import transformdsl
+    from transformdsl import models
+
+    with pytest.raises(transformdsl.ScriptError, match=rf"would change nothing: .* changes <root> as a whole, "
+                                                       rf"and {inside} lies inside it"):
+        transformdsl.plan(getattr(models, factory)(), text)

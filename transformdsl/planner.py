@@ -25,7 +25,7 @@ from .parser import make_selector, parse, parse_file
 from .regexes import SelectorTooSlow, budget_spent, regex_budget
 from .registry import key_matches
 from .selectors import matches, select, suggestions, topmost
-from .tree import WEIGHTS_PENDING, ModuleTree, below_any, is_skeleton, parameter_bytes
+from .tree import WEIGHTS_PENDING, ModuleTree, below_any, is_below, is_skeleton, parameter_bytes
 from .validate import ValidatedScript, validate
 
 #: Pipeline components that hold the denoiser, in the order they are looked for.
@@ -340,6 +340,18 @@ class Planner:
                     by_declaration.setdefault(label, []).append(path)
             else:
                 kept.append(path)
+        # An `except` that names only modules inside a target would be silently ignored: the
+        # transform changes each target as a whole (compile, a cache on the denoiser, a LoRA on the model).
+        for selector, (label, paths) in zip(statement.exclude, exclusions):
+            inside = [p for p in paths if any(p != t and is_below(p, t) for t in kept)]
+            if paths and inside and not step.excluded.get(label):
+                where = ", ".join(t or "<root>" for t in kept if is_below(inside[0], t))
+                self.problems.append(Problem(
+                    f"'except {selector.text}' would change nothing: '{transform.key()}' changes {where} as a "
+                    f"whole, and {inside[0]} lies inside it", [selector.span],
+                    hint=f"name what '{statement.key}' should change with 'in' (or a target) instead"))
+        if len(self.problems) > before:
+            return None
         for label, paths in by_declaration.items():
             shown = ", ".join(paths[:2]) + (f" (+{len(paths) - 2})" if len(paths) > 2 else "")
             step.notes.append(f"the model declares {label.removeprefix('model: ')}: {shown} left as they are "

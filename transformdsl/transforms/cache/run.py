@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from ...extend import ApplyContext, TransformError
+from ...history import history_of
 from ...tree import ModuleInfo, ModuleTree
 from . import FasterCache as FasterCacheDeclaration
 from . import FirstBlockCache as FirstBlockCacheDeclaration
@@ -219,6 +220,12 @@ class CacheBehaviour:
             where = f"'{info.path}'" if info.path else "the model"
             return (f"a step cache works on a diffusers denoiser (a model with enable_cache and cache_context); "
                     f"{where} is a {type(model).__name__}; select the denoiser (no 'in' clause, or component=)")
+        compiled = [s.statement for s in (history_of(model).steps if history_of(model) else [])
+                    if s.key.startswith("compile") and s.options.get("fullgraph")]
+        if compiled and self.breaks_fullgraph:
+            return (f"the model was compiled with '{compiled[-1]}', and 'cache {self.mode}' decides at run time "
+                    "what a step skips in functions torch.compile may not trace: the first call would fail; "
+                    "compile with fullgraph=false")
         if getattr(model, "is_cache_enabled", False):
             return (f"{type(model).__name__} already has a step cache ({type(model._cache_config).__name__}) "
                     "enabled outside this script: call model.disable_cache() first")

@@ -52,6 +52,23 @@ def compile_in_place(module: nn.Module, kwargs: dict) -> None:
     module.compile(**kwargs)
 
 
+def _cache_of(tree: ModuleTree) -> str | None:
+    """The step cache the planned model already runs, if it breaks a full graph: the statement that
+    enabled it (from the model's history), or diffusers' config class for one enabled by hand."""
+    from ... import registry
+    from ...history import history_of
+
+    root = tree[""].module
+    if root is None or not getattr(root, "is_cache_enabled", False):
+        return None
+    for step in reversed(history_of(root).steps if history_of(root) else []):
+        declared = registry.declaration(step.key) if step.key.startswith("cache ") else None
+        if declared is not None:
+            return f"'{step.statement}'" if getattr(declared, "breaks_fullgraph", True) else None
+    config = type(getattr(root, "_cache_config", None)).__name__
+    return None if config.startswith("TextKV") else config
+
+
 class CompileBehaviour:
     """What both compile statements do (mixed into each declaration)."""
 
@@ -66,6 +83,12 @@ class CompileBehaviour:
     def check(self, info: ModuleInfo, tree: ModuleTree) -> str | None:
         if self.options.mode != "default" and self.options.backend != "inductor":
             return f"mode={self.options.mode} needs backend=inductor"
+        if self.options.fullgraph:
+            cache = _cache_of(tree)
+            if cache:
+                return (f"the model already runs a step cache ({cache}) whose per-step decision torch.compile may "
+                        "not trace (torch.compiler.disable): fullgraph=true fails at the first call; write "
+                        "fullgraph=false")
         return None
 
     def notes(self, tree: ModuleTree, targets: list[str]) -> list[str]:

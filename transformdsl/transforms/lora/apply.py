@@ -56,6 +56,12 @@ class Lora(LoraDeclaration):
             notes.append(f"{display}: keys checked when applied ({type(exc).__name__} on placeholders: "
                          f"{str(exc)[:80]})")
             return None
+        if not converted.pairs:
+            self._fail(f"{display}: the file holds no LoRA pair (A/down and B/up tensors): nothing to apply")
+        zero = sorted(named for named, pair in converted.pairs.items() if pair.rank == 0)
+        if zero:
+            self._fail(f"{display}: '{zero[0]}' has rank 0 (A {tuple(converted.pairs[zero[0]].A.shape)}): a LoRA "
+                       "pair needs at least one row in A")
         targets, problems = self._resolve(root, converted, display, within=[info.path], notes=notes)
         if problems:
             self._fail(problems[0], hint=problems[1] if len(problems) > 1 else None)
