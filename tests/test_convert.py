@@ -321,3 +321,20 @@ def test_command_line(sources, tmp_path):
                           str(tmp_path / "nowhere"), "--out", str(tmp_path / "x"), "-q"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 1 and "no such directory" in bad.stderr and not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("factory, script, message", [
+    ("tiny_flux", "cache first_block", "'cache first_block' cannot be applied block by block"),
+    ("tiny_llama", "attention eager\nquantize nf4", "'attention eager' changes the model as a whole, so convert "
+                                                    "would read the whole checkpoint at once"),
+])
+def test_convert_refuses_what_it_cannot_stream_naming_the_statement(tmp_path, factory, script, message):
+    """convert reads one block at a time; a statement that needs the live model, or the whole model at
+    once, is refused before anything is written (not run on the whole checkpoint, not failed deep inside)."""
+    import transformdsl
+    from transformdsl import models
+
+    getattr(models, factory)().save_pretrained(tmp_path / "source")
+    with pytest.raises(transformdsl.TransformError, match=message):
+        transformdsl.convert(tmp_path / "source", script, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -165,7 +165,7 @@ def test_version(capsys):
 #: What a declaration states (what `check` validates with), which its implementation must not restate.
 DECLARED = ("verb", "mode", "summary", "Options", "default_target", "default_except", "honoured_declarations",
             "runs_after", "runs_before", "exclusive", "overrides", "changes_weights", "requires_scope",
-            "record_version", "switches", "quant_methods", "incompatible", "error_bound")
+            "record_version", "switches", "quant_methods", "streams", "incompatible", "error_bound")
 
 
 @pytest.mark.parametrize("key", registry.keys())

@@ -116,6 +116,9 @@ class Transform:
     #: with an example statement after a ``|`` for errors; ``None``: the statement takes none.  A
     #: transform that takes one may also be given it as one bare word (``lora style.safetensors``).
     argument: ClassVar[str | None] = None
+    #: Whether ``convert`` can apply it to a model streamed block by block (``False``: it refuses the
+    #: statement, naming it).
+    streams: ClassVar[bool] = True
     #: ``quant_method`` values of a library checkpoint's ``quantization_config`` whose layers this
     #: transform rebuilds as its own (:meth:`import_checkpoint`): ``load(dir)`` reads such a checkpoint.
     quant_methods: ClassVar[tuple[str, ...]] = ()

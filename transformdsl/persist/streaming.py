@@ -327,6 +327,12 @@ def plan_units(root: nn.Module, the_plan: Plan, aliases: dict[str, str]) -> tupl
         chosen = sorted({i for i, unit in enumerate(units) for name in names if unit.has_key(name)})
         units = _merge(units, chosen)
     steps = the_plan.steps
+    source = the_plan.script.source
+    for step in steps:
+        if not step.transform.streams:
+            raise TransformError(f"line {step.statement.line}: '{step.text(source)}' cannot be applied block by "
+                                 "block: convert without it, then load the result and transform it (nothing was "
+                                 "written)")
     deferred: set[int] = set()
     for i in range(len(steps) - 1, -1, -1):  # the trailing statements that change no weight
         step = steps[i]
@@ -337,6 +343,11 @@ def plan_units(root: nn.Module, the_plan: Plan, aliases: dict[str, str]) -> tupl
         if i in deferred:
             continue
         for target in step.targets:
+            if target == "" and len(units) > 1:
+                raise TransformError(f"line {step.statement.line}: '{step.text(source)}' changes the model as a "
+                                     "whole, so convert would read the whole checkpoint at once; convert without "
+                                     "it (or move it to the end if it changes no weight), then load the result and "
+                                     "transform it (nothing was written)")
             if _spans(units, target):
                 chosen = [j for j, unit in enumerate(units)
                           if any(target == "" or p == target or p.startswith(target + ".") for p, _ in unit.parts)]

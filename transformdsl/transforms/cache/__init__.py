@@ -198,6 +198,8 @@ class Cache(Transform):
     verb = "cache"
     default_target = None  # the scope's top: the denoiser (or the model)
     exclusive = "cache"
+    #: diffusers' hooks wrap the live blocks, which convert replaces as it streams them.
+    streams = False
     #: Hooks wrap the blocks' (or attention modules') forward: structural transforms run first, so
     #: that the cache wraps the modules they leave; compilation runs after everything.
     runs_after = ("fuse *", "quantize *", "fp8 *", "attention *")
