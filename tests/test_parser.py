@@ -400,3 +400,15 @@ def test_a_changed_grammar_is_never_served_stale_tables(monkeypatch):
     monkeypatch.undo()
     assert parser.tables_are_current()
     assert [s.text for s in parse("quantize int8 except norm").statements[0].exclude] == ["norm"]
+
+
+def test_a_backslash_escapes_only_a_quote_or_a_backslash():
+    """Quoted values keep a regex's backslashes (`\\d`, `\\.`): dropping them changed what a cache's
+    identifiers matched without a word."""
+    from transformdsl import parse
+    from transformdsl.formatter import format_script
+
+    text = r'cache taylorseer cache_identifiers="blocks\.\d+\.attn|a\"b\\c"'
+    (option,) = parse(text).statements[0].options
+    assert option.value == 'blocks\\.\\d+\\.attn|a"b\\c'
+    assert parse(format_script(parse(text))).statements[0].options[0].value == option.value

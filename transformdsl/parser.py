@@ -480,7 +480,9 @@ def _clip(text: str, limit: int = 60) -> str:
 
 def _unquote(text: str) -> str:
     quote, body = text[0], text[1:-1]
-    return re.sub(r"\\(.)", r"\1", body) if "\\" in body else body if quote else text
+    # Only a backslash before a quote or a backslash escapes; any other stays, so a regex such as
+    # "blocks\.\d+" means what it says.
+    return re.sub(r"\\([\\\"'])", r"\1", body) if "\\" in body else body if quote else text
 
 
 def tables_are_current() -> bool:
