@@ -378,3 +378,12 @@ def test_the_fullgraph_rule_holds_across_transform_calls():
     compiled = transformdsl.transform(models.tiny_flux(), "compile fullgraph=true backend=eager")
     with pytest.raises(transformdsl.ScriptError, match=r"was compiled with 'compile fullgraph=true backend=eager'"):
         transformdsl.plan(compiled, "cache first_block")
+
+
+def test_identifier_regexes_keep_their_backslashes_and_match_under_the_plans_budget():
+    import transformdsl
+    from transformdsl import models
+
+    step = transformdsl.plan(models.tiny_flux(), r'cache taylorseer cache_identifiers="transformer_blocks\.\d+\.attn'
+                                                 r'|single_transformer_blocks\.0\.attn"').steps[0]
+    assert step.notes[0] == "wraps transformer_blocks.0.attn, single_transformer_blocks.0.attn (2 module(s))"

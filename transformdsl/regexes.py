@@ -70,22 +70,28 @@ def compile_regex(pattern: str) -> regex.Pattern:
     return regex.compile(pattern, flags=regex.V0)
 
 
-def search(compiled: regex.Pattern, path: str) -> bool:
-    """Whether ``compiled`` matches somewhere in ``path``, within the time left to the plan.
+def fullmatch(compiled: regex.Pattern, path: str) -> bool:
+    """Whether ``compiled`` matches the whole of ``path``, within the time left to the plan (as :func:`search`)."""
+    return search(compiled, path, whole=True)
+
+
+def search(compiled: regex.Pattern, path: str, whole: bool = False) -> bool:
+    """Whether ``compiled`` matches somewhere in ``path`` (``whole``: all of it), within the time left to the plan.
 
     Raises :class:`SelectorTooSlow` once the budget is spent (outside a
     :func:`regex_budget` block, each call gets :data:`REGEX_BUDGET_S`).  A pattern that cannot
     repeat or branch (no ``*``, ``+``, ``?``, ``{`` or ``|``) runs without a timeout and spends none.
     """
+    match = compiled.fullmatch if whole else compiled.search
     if not _repeats(compiled.pattern):
-        return compiled.search(path) is not None
+        return match(path) is not None
     left = _left.get()
     remaining = REGEX_BUDGET_S if left is None else left[0]
     started = time.monotonic()
     try:
         if remaining <= 0:
             raise TimeoutError
-        return compiled.search(path, timeout=remaining) is not None
+        return match(path, timeout=remaining) is not None
     except TimeoutError:
         raise SelectorTooSlow(f"regular expression {compiled.pattern[:60]!r} takes too long to match module paths "
                               f"(over {REGEX_BUDGET_S:g} s for the script: nested repetition such as (a+)+ "

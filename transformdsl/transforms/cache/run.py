@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ... import regexes
 from ...extend import ApplyContext, TransformError
 from ...history import history_of
 from ...tree import ModuleInfo, ModuleTree
@@ -447,7 +448,7 @@ class TaylorSeerCache(CacheBehaviour, TaylorSeerCacheDeclaration):
     def wrapped(self, model):
         inactive, active = self._patterns()
         found = [(name, m) for name, m in model.named_modules()
-                 if any(re.fullmatch(p, name) for p in (*inactive, *active))]
+                 if any(regexes.fullmatch(regexes.compile_regex(p), name) for p in (*inactive, *active))]
         if not found:
             raise _Unsupported(f"'cache taylorseer' hooks the modules whose names fully match "
                                f"{', '.join(active + inactive)}; {type(model).__name__} has none (give "
@@ -501,7 +502,8 @@ class PyramidBroadcastCache(CacheBehaviour, PyramidBroadcastCacheDeclaration):
             for kind in ("spatial", "temporal", "cross"):
                 if fields[f"{kind}_attention_block_skip_range"] is None or (kind == "cross") != cross:
                     continue
-                if any(re.search(p, name) for p in fields[f"{kind}_attention_block_identifiers"]):
+                if any(regexes.search(regexes.compile_regex(p), name)
+                       for p in fields[f"{kind}_attention_block_identifiers"]):
                     found.append((name, module))
                     break
         if not found:
@@ -545,9 +547,11 @@ class FasterCache(CacheBehaviour, FasterCacheDeclaration):
             if not any(re.search(p, name) for p in fc._TRANSFORMER_BLOCK_IDENTIFIERS):
                 continue
             cross = bool(getattr(module, "is_cross_attention", False))
-            spatial = any(re.search(p, name) for p in fields["spatial_attention_block_identifiers"]) and not cross
+            spatial = any(regexes.search(regexes.compile_regex(p), name)
+                          for p in fields["spatial_attention_block_identifiers"]) and not cross
             temporal = (fields["temporal_attention_block_skip_range"] is not None and not cross
-                        and any(re.search(p, name) for p in fields["temporal_attention_block_identifiers"]))
+                        and any(regexes.search(regexes.compile_regex(p), name)
+                                for p in fields["temporal_attention_block_identifiers"]))
             if spatial or temporal:
                 found.append((name, module))
         if not found:
