@@ -40,6 +40,7 @@ zoo: $(STAMP)
 	$(PY) -m tests.zoo.matrix --json docs/SUPPORT.json --markdown docs/SUPPORT.md
 
 lint: $(STAMP)
+	@test -x $(VENV)/bin/ruff || $(PY) -m pip install -q -c requirements/constraints.txt ruff
 	$(VENV)/bin/ruff check transformdsl tests benchmarks
 
 clean:

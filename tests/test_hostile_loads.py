@@ -382,6 +382,24 @@ def test_saves_killed_at_random_points_leave_nothing_after_the_next_save(tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
 
+@pytest.mark.parametrize("marker", ["", "91", None], ids=["empty marker", "partial marker", "no marker"])
+def test_a_save_killed_while_writing_its_marker_is_removed_by_the_next(tmp_path, marker):
+    """The kill landed between mkdtemp and the marker's last byte (CI saw it once)."""
+    from transformdsl.persist.atomic import _boot_tag
+
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - a process that is gone by the time we save
+        os._exit(0)
+    os.waitpid(pid, 0)
+    killed = tmp_path / f".model.tmp-{pid}.{_boot_tag()}.abcd1234"
+    killed.mkdir()
+    if marker is not None:
+        (killed / ".transformdsl-incomplete").write_text(marker)
+        (killed / "model.safetensors").write_bytes(b"the previous save, swapped out")
+    transformdsl.save(torch.nn.Linear(4, 4), tmp_path / "model")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
 def test_a_temporary_directory_of_a_running_save_is_left_alone(tmp_path):
     model = torch.nn.Linear(4, 4)
     running = tmp_path / ".model.tmp-running"

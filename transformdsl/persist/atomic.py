@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import glob
 import json
 import os
@@ -159,8 +160,9 @@ def _remove_stale_temporaries(final: Path) -> None:
     """Remove ``.NAME.tmp-*`` / ``.NAME.old-*`` siblings left by saves that were killed.
 
     Only what carries proof that a save made it is removed: a directory holding the marker
-    (:data:`_TMP_MARKER`, ``PID BOOT_ID``, the process id its name gives, if any), or an empty
-    one named exactly as :func:`writing` names its temporaries; and only when that process is
+    (:data:`_TMP_MARKER`, ``PID BOOT_ID``, the process id its name gives, if any), or one
+    named exactly as :func:`writing` names its temporaries that is empty or holds a
+    partly written marker (a kill while writing it); and only when that process is
     gone (not running on this boot).  A name that merely looks like ours (``.NAME.old-2024``, a
     user's notes in ``.NAME.tmp-1.x``) is left alone, and so is a save still being written.
     """
@@ -188,12 +190,14 @@ def _owner(sibling: Path, kind: str, rest: str) -> tuple[int, str] | None:
         pid = None
     if pid is not None:
         return (pid, boot) if name_pid in (None, pid) else None
-    # No marker: a save killed between making its directory and writing the marker (or while
-    # removing a temporary, marker last): empty, and named exactly as writing() names it.
+    # No readable marker: a save killed between making its directory and writing the marker
+    # whole, or while removing a temporary (marker last), or while marking the previous save it
+    # had just swapped out.  Ours if named exactly as writing() names it and either empty or
+    # holding a partly written marker (no user writes that file).
     if kind != "tmp" or not named or not _MKDTEMP_SUFFIX.fullmatch(named.group(3)):
         return None
     try:
-        if any(sibling.iterdir()):
+        if not (sibling / _TMP_MARKER).is_file() and any(sibling.iterdir()):
             return None
     except OSError:
         return None
@@ -259,18 +263,24 @@ def _swap_into_place(new: Path, final: Path) -> None:
         return
     if not final.is_dir() or final.is_symlink():
         raise TransformError(f"cannot save to {final}: it exists and is not a directory")
-    if _renameat2_exchange(new, final):
-        # `new` now holds the previous save: mark it, so that a kill during its removal
-        # leaves something the next save cleans up.
+    # Mark the previous save before the exchange: at the moment it is swapped out it sits under
+    # our temporary's name, and only the marker tells the next save that it may remove it.
+    # (Marking it after left a window where a kill stranded a whole unmarked copy.)  A marker
+    # in a complete save is ignored by loads and removed by the next save.
+    try:
+        (final / _TMP_MARKER).write_text(f"{os.getpid()} {_boot_id()}\n")
+        exchanged = _renameat2_exchange(new, final)
+    except BaseException:
         with contextlib.suppress(OSError):
-            (new / _TMP_MARKER).write_text(f"{os.getpid()} {_boot_id()}\n")
+            (final / _TMP_MARKER).unlink()  # the previous save stays exactly as it was
+        raise
+    if exchanged:
         _remove_ours(new)
         _fsync_directory(final.parent)
         return
     # No atomic exchange on this platform: move the old copy aside first, so that at
     # every moment one complete save exists (at `final` or at `old`).
     old = final.with_name(f".{final.name}.old-{os.getpid()}")
-    (final / _TMP_MARKER).write_text(f"{os.getpid()} {_boot_id()}\n")  # the old copy carries the proof
     try:
         os.rename(final, old)
     except BaseException:
@@ -299,14 +309,21 @@ def _fsync_directory(directory: Path) -> None:
 
 
 def _renameat2_exchange(a: Path, b: Path) -> bool:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        renameat2 = libc.renameat2
-    except (OSError, AttributeError):
+    renameat2 = _renameat2()
+    if renameat2 is None:
         return False
     at_fdcwd = -100
     result = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE)
     return result == 0
+
+
+@functools.cache
+def _renameat2():
+    """libc's ``renameat2``, or ``None``; looked up once (find_library runs ``ldconfig``)."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
 
 
 # =========================================================================== load
