@@ -116,6 +116,28 @@ def test_load_refuses_a_backend_this_machine_lacks_unless_the_fallback_is_on(tmp
     assert "attention fallback is on" in caplog.text
 
 
+@pytest.mark.parametrize("field, value, expected", [
+    ("backend", "flash_hub", "names backend 'flash_hub' (diffusers), not the statement's '_native_math'"),
+    ("library", "transformers", "names backend '_native_math' (transformers), not the statement's"),
+    ("targets", ["nonexistent.block"], "names module 'nonexistent.block', which the loaded model does not have"),
+    ("targets", "abc", "has no list of module paths (targets)"),
+    ("modules", ["x.y"], "lists other attention modules than the loaded model has (saved only: x.y; here only: "
+                         "single_transformer_blocks.0.attn"),
+], ids=["another backend", "another library", "no such module", "not a list", "other modules"])
+def test_an_edited_attention_record_is_refused_on_load(tmp_path, field, value, expected):
+    """The backend set on load is the statement's: an edited record does not choose what runs."""
+    model = models.tiny_flux()
+    transformdsl.transform(model, "attention native_math")
+    transformdsl.save(model, tmp_path / "m")
+    meta_path = tmp_path / "m" / "transformdsl.json"
+    meta = json.loads(meta_path.read_text())
+    meta["steps"][0]["record"][field] = value
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(LoadError) as info:
+        transformdsl.load(tmp_path / "m")
+    assert expected in str(info.value)
+
+
 def test_two_whole_model_attention_statements_are_refused():
     with pytest.raises(ScriptError, match="both set the attention of the whole model"):
         transformdsl.plan(models.tiny_flux(), "attention native\nattention native_math")

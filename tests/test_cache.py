@@ -355,6 +355,27 @@ def test_options_left_none_reload(tmp_path):
     assert loaded._cache_config.spatial_attention_block_skip_range == 2  # diffusers' fallback when all are none
 
 
+@pytest.mark.parametrize("field, value, expected", [
+    ("options", {"threshold": 0.9}, "record options .* disagree with its options"),
+    ("targets", ["transformer_blocks.7"], "names module 'transformer_blocks.7', which the loaded model does not have"),
+], ids=["options", "targets"])
+def test_an_edited_cache_record_is_refused_on_load(tmp_path, field, value, expected):
+    """The cache enabled on load is the saved statement's, checked: the record alone chooses nothing."""
+    import json
+
+    from transformdsl.errors import LoadError
+
+    model = models.tiny_flux()
+    transformdsl.transform(model, "cache first_block threshold=0.2")
+    transformdsl.save(model, tmp_path / "m")
+    meta_path = tmp_path / "m" / "transformdsl.json"
+    meta = json.loads(meta_path.read_text())
+    meta["steps"][0]["record"][field] = value
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(LoadError, match=expected):
+        transformdsl.load(tmp_path / "m")
+
+
 def test_explain_shows_what_the_cache_wraps_and_what_a_step_skips():
     text = str(transformdsl.plan(models.tiny_flux(), "cache first_block threshold=0.2"))
     assert "wraps 3 blocks: transformer_blocks.0 runs every step and decides; single_transformer_blocks.* (2) " \

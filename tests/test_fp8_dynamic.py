@@ -53,8 +53,11 @@ def test_cpu_reference_within_bound_and_reload(name, scaling, tmp_path):
         assert all(type(m) is FP8Linear and m.native and m.strict for m in layers)
         loaded = transformdsl.load(transformdsl.save(model, tmp_path / "saved"))
         assert torch.equal(models.run(loaded), out)
-    with pytest.raises(RuntimeError, match="no fp8 matmul"):  # switch off: strict layers refuse to upcast
+    # switch off: strict layers refuse to upcast, naming the statement that made them and the fix
+    with pytest.raises(RuntimeError, match=r"^fp8 dynamic: cpu has no fp8 matmul; move the model to a CUDA device"):
         models.run(loaded)
+    with pytest.raises(RuntimeError, match=r"^fp8 dynamic: cpu has no fp8 matmul"):
+        models.run(model)
 
 
 def test_layers_the_cuda_kernel_rejects_are_left_with_the_reason():

@@ -372,6 +372,17 @@ def test_switchable_lora_on_a_fused_qkv_stacks_the_parts_exactly(tmp_path):
     assert transformdsl.lora_adapters(flux) == {"style": {"scale": 1.0, "enabled": True, "layers": 1}}
 
 
+def test_fuse_in_a_later_call_than_a_switchable_lora_says_to_put_them_in_one_script(tmp_path):
+    flux = models.tiny_flux()
+    path = write(tmp_path, diffusers_lora(flux, "transformer", ["transformer_blocks.0.attn.to_q"]))
+    transformdsl.transform(flux, script(path, merge="false"))
+    reasons = dict(transformdsl.plan(flux, "fuse qkv").steps[0].skipped)
+    assert reasons["transformer_blocks.0.attn"].startswith(
+        "to_q carries switchable LoRA adapters from an earlier call: fuse qkv maps adapters onto the fused rows "
+        "only when both are in one script")
+    assert "merge=true" in reasons["transformer_blocks.0.attn"]
+
+
 def test_several_named_loras_and_an_unknown_name(tmp_path):
     flux = models.tiny_flux()
     a = write(tmp_path, diffusers_lora(flux, "transformer", linears(flux, "attn.to_q"), seed=1), "a.safetensors")

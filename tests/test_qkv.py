@@ -196,7 +196,9 @@ def test_near_miss_reasons():
     llama.model.layers[1].self_attn.v_proj = nn.Sequential(nn.Linear(64, 32))   # not a plain Linear
     reasons = dict(plan(llama, "fuse qkv").steps[0].skipped)
     assert reasons["model.layers.0.self_attn"] == "projections read different inputs: v_proj has in_features 64, k_proj 24"
-    assert reasons["model.layers.1.self_attn"] == "v_proj is a Sequential, not a plain nn.Linear (fuse qkv runs first)"
+    assert reasons["model.layers.1.self_attn"] == ("v_proj is a Sequential, not a plain nn.Linear (in one script fuse qkv "
+                                                      "runs before the statements that replace layers: put them in one "
+                                                      "script, or fuse first)")
 
     unet = build("unet")
     unet.fuse_qkv_projections()          # diffusers' own: to_qkv / to_kv beside to_q, to_k, to_v

@@ -31,6 +31,7 @@ from ... import regexes
 from ...extend import ApplyContext, TransformError
 from ...history import history_of
 from ...tree import ModuleInfo, ModuleTree
+from ..common.modules import recorded_targets
 from . import FasterCache as FasterCacheDeclaration
 from . import FirstBlockCache as FirstBlockCacheDeclaration
 from . import MagCache as MagCacheDeclaration
@@ -302,10 +303,8 @@ class CacheBehaviour:
     @classmethod
     def finalize(cls, root: nn.Module, record: dict, options: Any) -> None:
         """Enable the cache again on the loaded denoiser (hooks are never saved)."""
-        opts = cls.Options(**record.get("options", {})) if record.get("options") is not None else options
-        for path in record["targets"]:
-            model = root.get_submodule(path) if path else root
-            enable(model, cls, opts, describe(cls.key(), opts))
+        for _, model in recorded_targets(root, record, cls.key()):
+            enable(model, cls, options, describe(cls.key(), options))
 
 
 def describe(key: str, options: Any) -> str:

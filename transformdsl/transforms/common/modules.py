@@ -3,6 +3,10 @@
 - :func:`is_conv1d`: is this transformers' ``Conv1D`` (GPT-2's linear layer with a transposed weight)?
 - :func:`tied_weights`: which weights are held by several modules (an embedding tied to a head)?
 - :func:`put_module`: put a module at a path of a skeleton being rebuilt on load.
+- :func:`recorded_targets`: the modules a run-time statement's record names, read back on load
+  (compile, cache, attention set things up again in ``finalize``), checked against the model.
+  (Its options are the checked statement's: ``persist.checks.check_record`` refuses a record whose
+  copy of them differs.)
 
 Importing this module imports no torch.
 """
@@ -57,3 +61,21 @@ def put_module(root: nn.Module, path: str, module: nn.Module, key: str) -> None:
         raise LoadError(f"{key}: the saved model has a changed module at '{path}', which this architecture "
                         "does not have")
     parent._modules[name] = module
+
+
+def recorded_targets(root: nn.Module, record: dict, key: str) -> list[tuple[str, nn.Module]]:
+    """``(path, module)`` for each path of ``record["targets"]`` (``""``: ``root``); a :class:`LoadError`
+    naming the path when the record has no such list or the model no such module."""
+    targets = record.get("targets")
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        raise LoadError(f"the record of '{key}' has no list of module paths (targets): transformdsl.json was "
+                        "edited or is corrupt; save the model again")
+    found = []
+    for path in targets:
+        try:
+            found.append((path, root.get_submodule(path) if path else root))
+        except AttributeError:
+            raise LoadError(f"the record of '{key}' names module {path[:200]!r}, which the loaded model does not "
+                            "have: transformdsl.json was edited or belongs to another model") from None
+    return found
+

@@ -23,6 +23,7 @@ from torch import nn
 
 from ...extend import ApplyContext
 from ...tree import ModuleInfo, ModuleTree
+from ..common.modules import recorded_targets
 from . import CompileOptions
 from . import RegionalCompile as RegionalCompileDeclaration
 from . import WholeCompile as WholeCompileDeclaration
@@ -117,9 +118,9 @@ class CompileBehaviour:
     @classmethod
     def finalize(cls, root: nn.Module, record: dict, options: Any) -> None:
         """Compile the recorded modules again (compiled artefacts are never saved)."""
-        kwargs = compile_kwargs(record.get("options") or options)
-        for path in record["targets"]:
-            compile_in_place(root.get_submodule(path), kwargs)
+        kwargs = compile_kwargs(options)
+        for _, module in recorded_targets(root, record, cls.key()):
+            compile_in_place(module, kwargs)
 
 
 class WholeCompile(CompileBehaviour, WholeCompileDeclaration):

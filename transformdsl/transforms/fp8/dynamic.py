@@ -72,7 +72,14 @@ class FP8Dynamic(FP8Native, DynamicDeclaration):
                 raise ValueError(f"{path}: {'; '.join(problems)}")
             new = FP8Linear.from_linear(old, NATIVE_DTYPE, self.compute, native=True,
                                         scaling=self.options.scaling, strict=True)
+            new.statement = self.key()
             ctx.edit.replace(ctx.root, path, new)
             layers[path] = {"kind": "linear", "native": True, "weight_dtype": str(old.weight.dtype).removeprefix("torch.")}
         return {"format": 1, "scaling": self.options.scaling, "compute": self.options.compute,
                 "strict": True, "layers": layers}
+
+    @classmethod
+    def rebuild(cls, root, record: dict, options) -> None:
+        super().rebuild(root, record, options)
+        for path in record["layers"]:
+            root.get_submodule(path).statement = cls.key()

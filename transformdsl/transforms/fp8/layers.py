@@ -108,6 +108,9 @@ class FP8Linear(FP8Module):
         self.native = native
         self.scaling = scaling
         self.strict = strict
+        #: The statement that made this layer, for the message of a strict layer on a device
+        #: without fp8 matmul (``fp8 dynamic`` relabels its layers).
+        self.statement = "fp8 native (strict=true)"
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, dtype: torch.dtype, compute: torch.dtype, *, native: bool = False,
@@ -144,7 +147,8 @@ class FP8Linear(FP8Module):
             if has_fp8_matmul(input.device):
                 return self._scaled_mm_forward(input)
             if self.strict:
-                raise RuntimeError(f"fp8 native (strict=true): {device_fp8_problem(input.device)}")
+                raise RuntimeError(f"{self.statement}: {device_fp8_problem(input.device)}; move the model to a CUDA "
+                                   "device with compute capability 8.9+ (model.to('cuda')) before calling it")
         return self._upcast_forward(input)
 
     def _upcast_forward(self, x: torch.Tensor) -> torch.Tensor:

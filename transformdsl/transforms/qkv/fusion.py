@@ -346,9 +346,14 @@ def _group(module: nn.Module, name: str, equal: bool, sources: tuple[str, ...] |
         linear = module._modules.get(source)
         if linear is None:
             return f"{source} is missing"
+        if "lora_adapters" in linear._modules:  # lora merge=false's adapters (no import of that family)
+            return (f"{source} carries switchable LoRA adapters from an earlier call: fuse qkv maps adapters onto "
+                    "the fused rows only when both are in one script (it runs before lora there); put them in one "
+                    "script, or merge the LoRA (merge=true)")
         if not _plain_linear(linear):
-            # Quantized, LoRA-wrapped or otherwise replaced layers compute differently.
-            return f"{source} is a {type(linear).__name__}, not a plain nn.Linear (fuse qkv runs first)"
+            # Quantized or otherwise replaced layers compute differently.
+            return (f"{source} is a {type(linear).__name__}, not a plain nn.Linear (in one script fuse qkv runs "
+                    "before the statements that replace layers: put them in one script, or fuse first)")
         if linear._forward_hooks or linear._forward_pre_hooks or "_diffusers_hook" in linear.__dict__ \
                 or "_hf_hook" in linear.__dict__:
             # Offloading/casting hooks would be lost on the fused Linear.
