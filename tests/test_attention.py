@@ -138,6 +138,14 @@ def test_an_edited_attention_record_is_refused_on_load(tmp_path, field, value, e
     assert expected in str(info.value)
 
 
+def test_only_the_lossy_sage_kernels_declare_no_error_bound():
+    from transformdsl.registry import declaration
+
+    lossy = {mode for mode in attention.MODES if declaration(f"attention {mode}").error_bound is None}
+    assert lossy == {mode for mode in attention.MODES if mode.startswith("sage")} and "sage" in lossy
+    assert declaration("attention native_math").error_bound == 0.0
+
+
 def test_two_whole_model_attention_statements_are_refused():
     with pytest.raises(ScriptError, match="both set the attention of the whole model"):
         transformdsl.plan(models.tiny_flux(), "attention native\nattention native_math")
