@@ -36,6 +36,7 @@ from transformdsl.persist import atomic as persist_atomic
 from transformdsl.persist import write as persist_write
 from transformdsl.planner import module_components
 from transformdsl.transforms.qkv import fusion as qkv
+from transformdsl.transforms.qkv import install as qkv_install
 from transformdsl.transforms.quantize.quantization import Int8Quantization
 from transformdsl.verification import token_kl
 
@@ -256,7 +257,7 @@ def test_failure_after_a_successful_transform_keeps_the_first(monkeypatch, injec
 
 @pytest.mark.parametrize("arch, script", [("llama", "fuse qkv"), ("unet", "fuse qkv in down_blocks.0")])
 def test_fuse_qkv_fails_cleanly_everywhere(monkeypatch, arch, script):
-    points = EDIT_POINTS + [(torch, "cat"), (qkv, "_concatenated"), (qkv, "_set_class")]
+    points = EDIT_POINTS + [(torch, "cat"), (qkv, "concatenated"), (qkv_install, "_set_class")]
     inject_everywhere(monkeypatch, models.BUILTIN[arch](), script, points)
     inject_everywhere(monkeypatch, models.BUILTIN[arch](), script, [(Edit, "setattr"), (Edit, "delattr")], after=True)
 

@@ -16,7 +16,8 @@ from transformdsl.errors import LoadError, TransformError
 from transformdsl.history import history_of
 from transformdsl.models import run
 from transformdsl.planner import plan
-from transformdsl.transforms.qkv import fusion as qkv
+from transformdsl.transforms.qkv import analysis, fusion
+from transformdsl.transforms.qkv import install as qkv_install
 from transformdsl.transforms.qkv.shared_projection import ProjectionSlice
 from transformdsl.tree import ModuleTree, parameter_bytes
 
@@ -168,7 +169,7 @@ def test_cross_attention_kv_and_skip():
     cross = [p for p in attention_paths(kv) if p.endswith("attn2")]
     assert set(cross) <= set(step_kv.targets) and not set(cross) & set(step_skip.targets)
     assert sorted(p for p, _ in step_skip.skipped) == sorted(cross)
-    assert {r for _, r in step_skip.skipped} == {qkv.CROSS_SKIPPED}
+    assert {r for _, r in step_skip.skipped} == {analysis.CROSS_SKIPPED}
     for model in (kv, skip):
         assert max_diff(run(model), before) <= 1e-5
     fused, left = kv.get_submodule(ATTN2), skip.get_submodule(ATTN2)
@@ -212,7 +213,7 @@ def test_a_second_statement_finds_the_modules_fused():
 
 
 def test_a_llama_forward_of_another_version_shares_the_fused_projection(monkeypatch):
-    monkeypatch.setattr(qkv, "LLAMA_FORWARD_FINGERPRINT", "0" * 16)
+    monkeypatch.setattr(analysis, "LLAMA_FORWARD_FINGERPRINT", "0" * 16)
     model = build("llama")
     before = run(model)
     step, record = fuse(model)
@@ -264,7 +265,7 @@ def test_rebuild_on_a_meta_skeleton_computes_nothing():
 
     with torch.device("meta"):
         skeleton = UNet2DConditionModel(**models.UNET_CONFIG).eval()
-    qkv.QKVFusion.rebuild(skeleton, json.loads(json.dumps(record)), step.transform.options)
+    fusion.QKVFusion.rebuild(skeleton, json.loads(json.dumps(record)), step.transform.options)
     assert structure(skeleton) == structure(model)
     assert skeleton.state_dict().keys() == model.state_dict().keys()
     assert all(t.is_meta for t in skeleton.state_dict().values())
@@ -293,7 +294,7 @@ def test_load_refuses_what_it_cannot_replay_exactly(tmp_path, monkeypatch):
     with pytest.raises(LoadError, match="malformed record entry"):
         transformdsl.load(tmp_path / "sources")
     # A transformers whose LlamaAttention.forward is not the one the fused forward mirrors.
-    monkeypatch.setattr(qkv, "LLAMA_FORWARD_FINGERPRINT", "0" * 16)
+    monkeypatch.setattr(analysis, "LLAMA_FORWARD_FINGERPRINT", "0" * 16)
     with pytest.raises(LoadError, match=r"was saved as .* through the fused Llama forward, but fuses as .* "
                                          r"through slices of the shared fused projection on this model"):
         transformdsl.load(tmp_path / "version")
@@ -302,9 +303,13 @@ def test_load_refuses_what_it_cannot_replay_exactly(tmp_path, monkeypatch):
 # --------------------------------------------------------------------------- atomicity
 
 
+#: Where each helper a failure is injected into is looked up when the transform calls it.
+HELPER_HOME = {"concatenated": fusion, "_fused_processor": qkv_install}
+
+
 def fail_on_call(monkeypatch, name: str, number: int) -> None:
-    """Make ``qkv.<name>`` raise on its ``number``-th call."""
-    original = getattr(qkv, name)
+    """Make the ``fuse qkv`` helper ``name`` raise on its ``number``-th call."""
+    original = getattr(HELPER_HOME[name], name)
     calls = []
 
     def failing(*args, **kwargs):
@@ -313,10 +318,10 @@ def fail_on_call(monkeypatch, name: str, number: int) -> None:
             raise RuntimeError("injected failure")
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(qkv, name, failing)
+    monkeypatch.setattr(HELPER_HOME[name], name, failing)
 
 
-@pytest.mark.parametrize("arch, helper", [(a, "_concatenated") for a in ARCHS] + [("unet", "_fused_processor")])
+@pytest.mark.parametrize("arch, helper", [(a, "concatenated") for a in ARCHS] + [("unet", "_fused_processor")])
 def test_failure_midway_rolls_back_bit_identically(arch, helper, monkeypatch):
     model = build(arch)
     state = model.state_dict(keep_vars=True)
@@ -324,8 +329,8 @@ def test_failure_midway_rolls_back_bit_identically(arch, helper, monkeypatch):
     step = plan(model, "fuse qkv").steps[0]
     # Fail in the second module, after the first was fused (Linears, processor, class, flags);
     # with _fused_processor, halfway through the second module (its Linears already swapped).
-    first = qkv.analyse(model.get_submodule(step.targets[0]), step.transform.options)
-    fail_on_call(monkeypatch, helper, len(first.groups) + 1 if helper == "_concatenated" else 2)
+    first = analysis.analyse(model.get_submodule(step.targets[0]), step.transform.options)
+    fail_on_call(monkeypatch, helper, len(first.groups) + 1 if helper == "concatenated" else 2)
     with pytest.raises(TransformError, match="injected failure; the model was left unchanged"):
         transformdsl.transform(model, "fuse qkv")
     assert structure(model) == shape
@@ -371,10 +376,10 @@ def hidden(model, inputs) -> torch.Tensor:
 
 
 def projection_owners(model: nn.Module) -> list[str]:
-    """Modules with separate q/k/v projections of a :data:`qkv.PROJECTIONS` convention."""
+    """Modules with separate q/k/v projections of a :data:`analysis.PROJECTIONS` convention."""
     return [n for n, m in model.named_modules()
             if any(type(m._modules.get(r.k)) is nn.Linear and type(m._modules.get(r.v)) is nn.Linear
-                   for r in qkv.PROJECTIONS)]
+                   for r in analysis.PROJECTIONS)]
 
 
 @pytest.mark.parametrize("name", TRANSFORMERS)
@@ -468,10 +473,10 @@ def _fused_toy():
     module = nn.Module()
     module.q_proj, module.k_proj, module.v_proj = nn.Linear(8, 8), nn.Linear(8, 4), nn.Linear(8, 4)
     reference = copy.deepcopy(module)
-    fusion = qkv.analyse(module, qkv.QKVOptions())
+    fusion = analysis.analyse(module, analysis.QKVOptions())
     from transformdsl.edit import Edit
 
-    qkv._install(Edit(), module, fusion, qkv._concatenated)
+    qkv_install.install(Edit(), module, fusion, qkv_install.concatenated)
     return module, reference
 
 

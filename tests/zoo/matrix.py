@@ -320,7 +320,7 @@ def _run_planned(cell, done, model, script, inputs, heldout, verify_samples, ref
 def not_fused(model, plan) -> dict[str, str]:
     """Modules with separate q/k/v projections that ``plan`` does not fuse -> why (the plan's near
     miss, or the analysis of a module the default target does not select)."""
-    from transformdsl.transforms.qkv import fusion as qkv
+    from transformdsl.transforms.qkv import analysis as qkv
 
     steps = [step for step in plan.steps if step.transform.key() == "fuse qkv"]
     fused = {path for step in steps for path in step.targets}

@@ -54,7 +54,7 @@ def features(module: nn.Module) -> tuple[int, int] | None:
 
 def fused_rows(parent: nn.Module, leaf: str) -> tuple[str, int, int] | None:
     """``(fused layer name, start, stop)`` when ``parent.<leaf>`` was fused by ``fuse qkv``, else None."""
-    from ..qkv.fusion import PROJECTIONS
+    from ..qkv.analysis import PROJECTIONS
     from ..qkv.shared_projection import ProjectionSlice
 
     current = parent._modules.get(leaf)
