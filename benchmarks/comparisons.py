@@ -116,7 +116,7 @@ COMPARISONS: list[Comparison] = [
     # UNCHANGED: the device note's figure (latency ÷ fp32) from calls in turn, like compute=bfloat16's.
     Comparison("quantize nf4", "quantize nf4", (Baseline("bitsandbytes Linear4bit nf4 by hand",
                                                          hand.bnb_4bit("nf4")), UNCHANGED)),
-    # On CPUs with bf16 instructions the float32 matmul is the slow one (capabilities.four_bit_note).
+    # On CPUs with bf16 instructions the float32 matmul is the slow one (transforms/quantize/device_notes.py: four_bit_note).
     Comparison("quantize nf4 compute=bfloat16", "quantize nf4 compute=bfloat16",
                (Baseline("bitsandbytes Linear4bit nf4 compute bf16 by hand", hand.bnb_4bit("nf4", torch.bfloat16)),
                 UNCHANGED), sizes=("tiny", "medium")),

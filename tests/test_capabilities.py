@@ -23,6 +23,7 @@ from torch import nn  # noqa: E402
 import transformdsl  # noqa: E402
 from transformdsl import capabilities, executor  # noqa: E402
 from transformdsl.models import tiny_flux, tiny_llama  # noqa: E402
+from transformdsl.transforms.quantize import device_notes
 
 ROOT = Path(__file__).resolve().parent.parent
 #: The label benchmarks/baselines.py gives the untransformed model's job (UNCHANGED_LABEL).
@@ -64,7 +65,7 @@ def test_int8_plan_notes_the_missing_int8_kernel_on_this_cpu():
     if capabilities.cpu_int8_matmul() == "int8 dot product":
         assert step.device_note is None
     else:
-        assert step.device_note == capabilities.int8_note("cpu")
+        assert step.device_note == device_notes.int8_note("cpu")
         assert "weight_only=true" in step.device_note  # the faster alternative is named
         assert f"device: {step.device_note}" in str(step_plan := transformdsl.plan(tiny_llama(), "quantize int8"))
         assert step_plan.to_json()["steps"][0]["device_note"] == step.device_note
@@ -77,7 +78,7 @@ def test_int8_plan_notes_the_missing_int8_kernel_on_this_cpu():
 
 def test_hqq_and_fp8_native_note_their_fallbacks_on_a_cpu():
     hqq = transformdsl.plan(tiny_flux(), "quantize hqq group_size=16").steps[0]
-    assert hqq.device_note == capabilities.hqq_note("cpu")
+    assert hqq.device_note == device_notes.hqq_note("cpu")
     assert "hqq_aten" in hqq.device_note and "CUDA only" in hqq.device_note
     native = transformdsl.plan(tiny_flux().to(torch.bfloat16), "fp8 native").steps[0]
     assert native.device_note.startswith("fallback: cpu has no fp8 matmul")
@@ -108,9 +109,9 @@ def test_transform_logs_each_device_note_once(caplog, monkeypatch):
         for _ in range(2):
             transformdsl.transform(nn.Sequential(nn.Linear(64, 64)), "quantize hqq group_size=16")
     warned = [r.getMessage() for r in caplog.records if r.name == "transformdsl"]
-    assert warned == [f"line 1: quantize hqq: device: {capabilities.hqq_note('cpu')}"]  # once
+    assert warned == [f"line 1: quantize hqq: device: {device_notes.hqq_note('cpu')}"]  # once
     # log= (the command line's summary lines) gets it at every call, and the logger then stays quiet.
-    assert received.count(f"line 1: quantize hqq: device: {capabilities.hqq_note('cpu')}") == 2
+    assert received.count(f"line 1: quantize hqq: device: {device_notes.hqq_note('cpu')}") == 2
 
 
 def test_quoted_figures_are_the_benchmark_rows():
@@ -145,7 +146,7 @@ def test_quoted_figures_are_the_benchmark_rows():
             assert figure["latency_vs_original"] == round(expected, 3)
             if kind == capabilities.cpu_kind():
                 assert f"{figure['latency_vs_original']:.2f}× fp32 latency ({workload}, '{comparison}' row" in (
-                    capabilities._latency(workload, comparison))
+                    capabilities.measured_latency(workload, comparison))
             checked += 1
     assert checked
 
@@ -158,7 +159,7 @@ def test_a_note_quotes_int8_figures_of_its_own_kind_of_cpu_only(monkeypatch):
         pytest.skip("no measured.json (benchmarks/run.py writes it)")
     for kind in [*kinds, "int_mm without int8 dot product"]:
         monkeypatch.setattr(capabilities, "cpu_kind", lambda cpu=None, kind=kind: kind)
-        quote = capabilities._latency("flux-medium", "quantize int8")
+        quote = capabilities.measured_latency("flux-medium", "quantize int8")
         row = (kinds.get(kind) or {}).get("rows", {}).get("flux-medium | quantize int8")
         if row is None:
             assert quote is None
@@ -176,11 +177,11 @@ def test_four_bit_note_points_bf16_cpus_to_bf16_compute(monkeypatch, flags, comp
     """On a CPU with bf16 dot products, 4-bit layers computing in float32 leave them unused: the plan
     says so, with this kind of CPU's figures when the benchmarks measured it; nowhere else."""
     monkeypatch.setattr(capabilities, "cpu_flags", lambda: frozenset(flags))
-    note = capabilities.four_bit_note("cpu", compute)
+    note = device_notes.four_bit_note("cpu", compute)
     assert (note is not None) == noted
     if noted:
         assert "'compute=bfloat16' multiplies in bfloat16" in note
-    assert capabilities.four_bit_note("cuda", compute) is None
+    assert device_notes.four_bit_note("cuda", compute) is None
 
 
 def test_importing_capabilities_imports_no_torch():

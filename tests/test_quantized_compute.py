@@ -24,6 +24,7 @@ import transformdsl  # noqa: E402
 from transformdsl import capabilities, models  # noqa: E402
 from transformdsl.errors import ScriptError, TransformError  # noqa: E402
 from transformdsl.registry import declaration  # noqa: E402
+from transformdsl.transforms.quantize import device_notes
 from transformdsl.transforms.quantize import int4 as int4_layers  # noqa: E402
 from transformdsl.transforms.quantize.int8_weight_only import Int8WeightOnlyLinear  # noqa: E402
 from transformdsl.transforms.quantize.w8a8 import Int8DynamicLinear, quantize_tokens  # noqa: E402
@@ -228,7 +229,7 @@ def test_int4_weight_only_false_is_refused_with_the_fix():
 def test_w8a8_note_when_the_cpu_has_no_int8_dot_products():
     with capabilities.hidden_cpu_flags(*capabilities.INT8_DOT_FLAGS):
         step = transformdsl.plan(models.tiny_llama(), "quantize w8a8").steps[0]
-        assert step.device_note == capabilities.w8a8_note("cpu")
+        assert step.device_note == device_notes.w8a8_note("cpu")
         assert "float32" in step.device_note and "weight_only=true" in step.device_note
         assert os.environ[capabilities.HIDE_FLAGS_ENV]
     assert capabilities.HIDE_FLAGS_ENV not in os.environ

@@ -1,8 +1,9 @@
 """What the hardware a model sits on can run fast, detected, never guessed from a device's name.
 
-The plan uses it to say, in one note per statement, when the backend a statement chooses has
-no fast kernel on the model's device, what that costs (a figure measured by the benchmarks,
-with the row it comes from) and what runs faster:
+The plan's device notes (each family's own: ``transforms/quantize/device_notes.py``, fp8's
+``device_note``) use it to say when the backend a statement chooses has no fast kernel on the
+model's device, what that costs (a figure measured by the benchmarks, quoted with
+:func:`measured_latency` and :func:`cited`, with the row it comes from) and what runs faster:
 
 - **bitsandbytes int8** (``quantize int8``) multiplies int8 by int8.  On a CPU, bitsandbytes
   calls ``torch._int_mm`` when torch reports AVX-512, and that is fast only with int8 dot
@@ -199,7 +200,7 @@ def measured() -> dict[str, Any]:
     return {k: v for k, v in by_cpu.items() if isinstance(v, dict)} if isinstance(by_cpu, dict) else {}
 
 
-class _Quote(str):
+class Quote(str):
     """A quoted figure's text, with the CPU it was measured on."""
 
     cpu: dict
@@ -228,123 +229,23 @@ def source(cpu: dict) -> str:
     return f"benchmarks/RESULTS.md, measured on {cpu_text(cpu)}"
 
 
-def _latency(workload: str, comparison: str) -> _Quote | None:
+def measured_latency(workload: str, comparison: str) -> Quote | None:
+    """``"0.84× fp32 latency (flux-medium, 'quantize int8' row)"``, measured on this kind of CPU, or None."""
     found = _figure(workload, comparison, "latency_vs_original")
     if found is None:
         return None
-    quote = _Quote(f"{found[0]:.2f}× fp32 latency ({workload}, '{comparison}' row)")
+    quote = Quote(f"{found[0]:.2f}× fp32 latency ({workload}, '{comparison}' row)")
     quote.cpu = found[1]
     return quote
 
 
-def _cited(text: str, *figures: _Quote | None) -> str:
+def cited(text: str, *figures: Quote | None) -> str:
     """``text``, with the source of its figures when it quotes any (all of this kind of CPU)."""
     quoted = [f for f in figures if f]
     return f"{text} [{source(quoted[0].cpu)}]" if quoted else text
 
 
-# --------------------------------------------------------------------------- notes
-
-
-def int8_note(device_type: str) -> str | None:
-    """Why ``quantize int8`` (bitsandbytes' LLM.int8) is slow on ``device_type``, or None."""
-    if device_type != "cpu":
-        return None
-    kind = cpu_int8_matmul()
-    if kind == "int8 dot product":
-        return None
-    alternative = _latency("flux-medium", "quantize int8 weight_only")
-    faster = ("'quantize int8 weight_only=true' saves the same memory"
-              + (f" at {alternative}" if alternative else " with a float matmul"))
-    if kind == "float32":
-        cost = _latency("flux-medium", "quantize int8")
-        text = (f"this CPU ({cpu_capability()}) has no int8 matmul kernel: bitsandbytes converts both sides and "
-                f"multiplies in float32 at every call" + (f", measured {cost}" if cost else "") + f"; {faster}")
-        return _cited(text, cost, alternative)
-    # AVX-512 without VNNI/AMX: torch._int_mm runs without int8 dot products.  Not measured by this
-    # project's benchmark machine (AVX2); measured once with the same model: 10.8 s against 0.30 s.
-    return _cited("this CPU has AVX-512 without int8 dot products (no avx512_vnni/avx_vnni/amx_int8): "
-                  "bitsandbytes' int8 matmul (torch._int_mm) runs about 36× slower than fp32 on such a CPU; "
-                  f"{faster}", alternative)
-
-
-def w8a8_note(device_type: str) -> str | None:
-    """What ``quantize w8a8`` costs on ``device_type`` where it has no fast int8 matmul, or None.
-
-    The figures: ``benchmarks/bench_quantized_compute.py`` on an AMD EPYC with avx512_vnni (square
-    layers of width 3072-4096, 512 tokens, one thread), the fallback measured there with the int8
-    dot-product flags hidden."""
-    if device_type != "cpu" or w8a8_kernel("cpu") == "int_mm":
-        return None
-    return ("this CPU has no int8 dot-product instructions (avx512_vnni, avx_vnni, amx_int8): torch._int_mm "
-            "runs ~35× slower than fp32 on such a CPU, so these layers multiply their int8 values in float32 "
-            "(same results up to float rounding), measured 1.0-1.6× the fp32 layer; 'quantize int8 "
-            "weight_only=true' keeps the same int8 weights with less error; with VNNI/AMX these layers ran "
-            "0.13-0.17× fp32 (benchmarks/results/quantized_compute.md, width 3072-4096, 512 tokens)")
-
-
-def weight_only_note(device_type: str, dtypes: set[str], bits: int) -> str | None:
-    """That packed weight-only layers (int8, int4) compute in float32 on a CPU, where their packed
-    kernels need bfloat16 activations; or that the kernel is missing; else None."""
-    if device_type != "cpu":
-        return None
-    name = "int8" if bits == 8 else "int4"
-    if name not in packed_cpu_kernels():
-        return (f"this torch has no packed {name} CPU kernel: these layers dequantize their weight at every "
-                "call (about the float layer's cost)")
-    if bits == 8 and dtypes and dtypes <= {"bfloat16"}:
-        return None
-    if bits == 8:
-        return ("these layers compute in " + "/".join(sorted(dtypes)) + ": the packed bf16 × int8 kernel "
-                "(aten._weight_int8pack_mm, decode-sized inputs) takes bfloat16 activations only, so they "
-                "multiply a float copy of the weight (about the float layer's cost); with model.to(torch.bfloat16) "
-                "before the transform a Llama-7B-wide layer decoded at 0.49× the fp32 model's time per token "
-                "(bfloat16 alone 0.65×; benchmarks/results/quantized_compute.md)")
-    return None
-
-
-def four_bit_note(device_type: str, compute: str) -> str | None:
-    """That 4-bit layers computing in float32 leave a CPU's bfloat16 instructions unused, or None."""
-    if device_type != "cpu" or compute != "float32" or not cpu_bf16_matmul():
-        return None
-    cost = _latency("flux-medium", "quantize nf4")
-    faster = _latency("flux-medium", "quantize nf4 compute=bfloat16")
-    text = (f"this CPU multiplies bfloat16 natively ({', '.join(sorted(cpu_flags().intersection(BF16_FLAGS)))}): "
-            "these layers dequantize and multiply in float32"
-            + (f", measured {cost}" if cost else "") + "; 'compute=bfloat16' multiplies in bfloat16"
-            + (f", measured {faster}" if faster else ""))
-    return _cited(text, cost, faster)
-
-
-def fp8_cost() -> str | None:
-    """What upcasting fp8 layers costs on a CPU, as measured, with its source (for the fp8 native
-    fallback note); None when not measured."""
-    cost = _latency("flux-medium", "fp8 native")
-    return _cited(cost, cost) if cost else None
-
-
-def hqq_note(device_type: str) -> str | None:
-    """That ``quantize hqq`` layers dequantize in PyTorch on ``device_type``, and what it costs."""
-    if device_type == "cpu":
-        where = "hqq's compiled kernel (hqq_aten) runs on CUDA only"
-    elif device_type != "cuda":
-        return None
-    elif not hqq_compiled_backend():
-        where = "hqq's compiled kernel (hqq_aten) is not installed"
-    else:
-        where = "these layers use hqq's portable PyTorch path, not hqq_aten"
-    note = f"{where}: each layer dequantizes its whole weight at every call"
-    if device_type == "cpu":  # the figures were measured on a CPU
-        cost = _latency("flux-medium", "quantize hqq")
-        alternative = _latency("flux-medium", "quantize int8 weight_only")
-        note += f", measured {cost}" if cost else ""
-        note += (f"; 'quantize int8 weight_only=true' (twice the bytes of 4-bit) runs at {alternative}"
-                 if alternative else "")
-        note = _cited(note, cost, alternative)
-    return note
-
-
-__all__ = ["cpu_int8_dot", "w8a8_kernel", "w8a8_note", "packed_cpu_kernels", "weight_only_note",
-           "hidden_cpu_flags", "HIDE_FLAGS_ENV", "cpu_flags", "cpu_capability", "cpu_int8_matmul", "cuda_fp8_matmul", "hqq_compiled_backend",
-           "cpu_bf16_matmul", "cpu_kind", "cpu_text", "describe_cpu", "measured", "int8_note", "hqq_note", "four_bit_note",
-           "fp8_cost", "CITED", "INT8_DOT_FLAGS", "BF16_FLAGS"]
+__all__ = ["cpu_int8_dot", "w8a8_kernel", "packed_cpu_kernels", "hidden_cpu_flags", "HIDE_FLAGS_ENV", "cpu_flags",
+           "cpu_capability", "cpu_int8_matmul", "cuda_fp8_matmul", "hqq_compiled_backend", "cpu_bf16_matmul",
+           "cpu_kind", "cpu_text", "describe_cpu", "measured", "measured_latency", "cited", "Quote", "CITED",
+           "INT8_DOT_FLAGS", "BF16_FLAGS"]

@@ -326,9 +326,8 @@ class FP8Native(NativeDeclaration):
             return None
         hint = (" (transformdsl.transforms.fp8.CPU_SCALED_MM.set(True) runs torch._scaled_mm's slow CPU "
                 "reference instead)") if device.type == "cpu" else ""
-        from ...capabilities import fp8_cost
 
-        cost = fp8_cost() if device.type == "cpu" else None
+        cost = _upcast_cost() if device.type == "cpu" else None
         measured = f", measured {cost}; fp8 saves memory here, not time" if cost else ""
         return (f"fallback: {problem}; native layers upcast their fp8 weights to {self.options.compute} "
                 f"on it{measured}{hint}; strict=true makes this an error")
@@ -356,3 +355,12 @@ class FP8Native(NativeDeclaration):
             layer = FP8Linear.empty(root.get_submodule(path), NATIVE_DTYPE, compute, native=spec["native"],
                                     scaling=scaling, strict=record["strict"])
             put_module(root, path, _with_weight_dtype(layer, spec, path), cls.key())
+
+
+def _upcast_cost() -> str | None:
+    """What upcasting fp8 layers costs on this kind of CPU, as the benchmarks measured it, with its
+    source (for the fp8 native fallback note); None when not measured here."""
+    from ...capabilities import cited, measured_latency
+
+    cost = measured_latency("flux-medium", "fp8 native")
+    return cited(cost, cost) if cost else None

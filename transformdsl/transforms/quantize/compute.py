@@ -56,7 +56,7 @@ class W8A8Quantization(QuantizeBehaviour, W8A8Declaration):
         return None
 
     def device_note(self, tree: ModuleTree, targets: list[str]) -> str | None:
-        from ...capabilities import w8a8_note
+        from .device_notes import w8a8_note
 
         device = targets_device_type(tree, targets)
         return w8a8_note(device) if device else None
@@ -96,7 +96,7 @@ class Int4Quantization(QuantizeBehaviour, Int4Declaration):
         return None
 
     def device_note(self, tree: ModuleTree, targets: list[str]) -> str | None:
-        from ...capabilities import weight_only_note
+        from .device_notes import weight_only_note
 
         device = targets_device_type(tree, targets)
         if device is None:

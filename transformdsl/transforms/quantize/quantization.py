@@ -273,7 +273,7 @@ THRESHOLD_NOTE = ("threshold 0, bitsandbytes' default (no outlier decomposition)
 
 class Int8Quantization(QuantizeBehaviour, Int8Declaration):
     def device_note(self, tree: ModuleTree, targets: list[str]) -> str | None:
-        from ...capabilities import int8_note, weight_only_note
+        from .device_notes import int8_note, weight_only_note
 
         device = targets_device_type(tree, targets)
         if device and self.options.weight_only:  # the packed kernel decodes with bfloat16 activations
@@ -324,7 +324,7 @@ class FourBitBehaviour(QuantizeBehaviour):
                                            DTYPES[options.compute], nested_offset=offset)
 
     def device_note(self, tree: ModuleTree, targets: list[str]) -> str | None:
-        from ...capabilities import four_bit_note
+        from .device_notes import four_bit_note
 
         device = targets_device_type(tree, targets)
         return four_bit_note(device, self.options.compute) if device else None
@@ -398,7 +398,7 @@ class HQQQuantization(QuantizeBehaviour, HQQDeclaration):
         return backend.HQQLayer.build(weight, bias, options.bits, size, options.axis, DTYPES[options.compute])
 
     def device_note(self, tree: ModuleTree, targets: list[str]) -> str | None:
-        from ...capabilities import hqq_note
+        from .device_notes import hqq_note
 
         device = targets_device_type(tree, targets)
         return hqq_note(device) if device else None

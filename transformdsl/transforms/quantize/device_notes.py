@@ -1,0 +1,112 @@
+"""The plan's device notes of ``quantize``: when a mode has no fast kernel on the model's device,
+what that costs (a figure the benchmarks measured on this kind of CPU, with its source) and what
+runs faster.  Detection and the measured figures live in :mod:`transformdsl.capabilities`.
+
+Importing this module imports no torch.
+"""
+
+from __future__ import annotations
+
+from ...capabilities import (
+    BF16_FLAGS,
+    cited,
+    cpu_bf16_matmul,
+    cpu_capability,
+    cpu_flags,
+    cpu_int8_matmul,
+    hqq_compiled_backend,
+    measured_latency,
+    packed_cpu_kernels,
+    w8a8_kernel,
+)
+
+
+def int8_note(device_type: str) -> str | None:
+    """Why ``quantize int8`` (bitsandbytes' LLM.int8) is slow on ``device_type``, or None."""
+    if device_type != "cpu":
+        return None
+    kind = cpu_int8_matmul()
+    if kind == "int8 dot product":
+        return None
+    alternative = measured_latency("flux-medium", "quantize int8 weight_only")
+    faster = ("'quantize int8 weight_only=true' saves the same memory"
+              + (f" at {alternative}" if alternative else " with a float matmul"))
+    if kind == "float32":
+        cost = measured_latency("flux-medium", "quantize int8")
+        text = (f"this CPU ({cpu_capability()}) has no int8 matmul kernel: bitsandbytes converts both sides and "
+                f"multiplies in float32 at every call" + (f", measured {cost}" if cost else "") + f"; {faster}")
+        return cited(text, cost, alternative)
+    # AVX-512 without VNNI/AMX: torch._int_mm runs without int8 dot products.  Not measured by this
+    # project's benchmark machine (AVX2); measured once with the same model: 10.8 s against 0.30 s.
+    return cited("this CPU has AVX-512 without int8 dot products (no avx512_vnni/avx_vnni/amx_int8): "
+                  "bitsandbytes' int8 matmul (torch._int_mm) runs about 36× slower than fp32 on such a CPU; "
+                  f"{faster}", alternative)
+
+
+def w8a8_note(device_type: str) -> str | None:
+    """What ``quantize w8a8`` costs on ``device_type`` where it has no fast int8 matmul, or None.
+
+    The figures: ``benchmarks/bench_quantized_compute.py`` on an AMD EPYC with avx512_vnni (square
+    layers of width 3072-4096, 512 tokens, one thread), the fallback measured there with the int8
+    dot-product flags hidden."""
+    if device_type != "cpu" or w8a8_kernel("cpu") == "int_mm":
+        return None
+    return ("this CPU has no int8 dot-product instructions (avx512_vnni, avx_vnni, amx_int8): torch._int_mm "
+            "runs ~35× slower than fp32 on such a CPU, so these layers multiply their int8 values in float32 "
+            "(same results up to float rounding), measured 1.0-1.6× the fp32 layer; 'quantize int8 "
+            "weight_only=true' keeps the same int8 weights with less error; with VNNI/AMX these layers ran "
+            "0.13-0.17× fp32 (benchmarks/results/quantized_compute.md, width 3072-4096, 512 tokens)")
+
+
+def weight_only_note(device_type: str, dtypes: set[str], bits: int) -> str | None:
+    """That packed weight-only layers (int8, int4) compute in float32 on a CPU, where their packed
+    kernels need bfloat16 activations; or that the kernel is missing; else None."""
+    if device_type != "cpu":
+        return None
+    name = "int8" if bits == 8 else "int4"
+    if name not in packed_cpu_kernels():
+        return (f"this torch has no packed {name} CPU kernel: these layers dequantize their weight at every "
+                "call (about the float layer's cost)")
+    if bits == 8 and dtypes and dtypes <= {"bfloat16"}:
+        return None
+    if bits == 8:
+        return ("these layers compute in " + "/".join(sorted(dtypes)) + ": the packed bf16 × int8 kernel "
+                "(aten._weight_int8pack_mm, decode-sized inputs) takes bfloat16 activations only, so they "
+                "multiply a float copy of the weight (about the float layer's cost); with model.to(torch.bfloat16) "
+                "before the transform a Llama-7B-wide layer decoded at 0.49× the fp32 model's time per token "
+                "(bfloat16 alone 0.65×; benchmarks/results/quantized_compute.md)")
+    return None
+
+
+def four_bit_note(device_type: str, compute: str) -> str | None:
+    """That 4-bit layers computing in float32 leave a CPU's bfloat16 instructions unused, or None."""
+    if device_type != "cpu" or compute != "float32" or not cpu_bf16_matmul():
+        return None
+    cost = measured_latency("flux-medium", "quantize nf4")
+    faster = measured_latency("flux-medium", "quantize nf4 compute=bfloat16")
+    text = (f"this CPU multiplies bfloat16 natively ({', '.join(sorted(cpu_flags().intersection(BF16_FLAGS)))}): "
+            "these layers dequantize and multiply in float32"
+            + (f", measured {cost}" if cost else "") + "; 'compute=bfloat16' multiplies in bfloat16"
+            + (f", measured {faster}" if faster else ""))
+    return cited(text, cost, faster)
+
+
+def hqq_note(device_type: str) -> str | None:
+    """That ``quantize hqq`` layers dequantize in PyTorch on ``device_type``, and what it costs."""
+    if device_type == "cpu":
+        where = "hqq's compiled kernel (hqq_aten) runs on CUDA only"
+    elif device_type != "cuda":
+        return None
+    elif not hqq_compiled_backend():
+        where = "hqq's compiled kernel (hqq_aten) is not installed"
+    else:
+        where = "these layers use hqq's portable PyTorch path, not hqq_aten"
+    note = f"{where}: each layer dequantizes its whole weight at every call"
+    if device_type == "cpu":  # the figures were measured on a CPU
+        cost = measured_latency("flux-medium", "quantize hqq")
+        alternative = measured_latency("flux-medium", "quantize int8 weight_only")
+        note += f", measured {cost}" if cost else ""
+        note += (f"; 'quantize int8 weight_only=true' (twice the bytes of 4-bit) runs at {alternative}"
+                 if alternative else "")
+        note = cited(note, cost, alternative)
+    return note
