@@ -146,6 +146,17 @@ def test_only_the_lossy_sage_kernels_declare_no_error_bound():
     assert declaration("attention native_math").error_bound == 0.0
 
 
+def test_a_processor_that_runs_with_one_backend_only_is_a_plan_error():
+    """AnyFlow's causal processor declares _SUPPORTED_BACKENDS (flex) and raised at the first call."""
+    from tests.zoo import corpus
+
+    model, _ = corpus.build(corpus.entry("diffusers/AnyFlowFARTransformer3DModel"))
+    text = plan_error(model, "attention native_math")
+    assert "AnyFlowCausalAttnProcessor (on blocks.0.attn1 and 1 more) runs only with the flex" in text
+    assert "write 'attention flex'" in text
+    assert transformdsl.plan(model, "attention flex").steps[0].targets == [""]
+
+
 def test_two_whole_model_attention_statements_are_refused():
     with pytest.raises(ScriptError, match="both set the attention of the whole model"):
         transformdsl.plan(models.tiny_flux(), "attention native\nattention native_math")

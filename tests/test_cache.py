@@ -376,6 +376,25 @@ def test_an_edited_cache_record_is_refused_on_load(tmp_path, field, value, expec
         transformdsl.load(tmp_path / "m")
 
 
+@pytest.mark.parametrize("model_id, script, expected", [
+    ("diffusers/Cosmos3OmniTransformer", "cache first_block",
+     "reads each block's 'hidden_states' argument, and Cosmos3VLTextMoTDecoderLayer.forward takes und_seq"),
+    ("diffusers/Flux2Transformer2DModel[Flux2Transformer]", "cache first_block",
+     "subtracts the first block's output from the last block's, and here they differ: Flux2TransformerBlock "
+     "(transformer_blocks.0) returns text and image states, Flux2SingleTransformerBlock"),
+    ("diffusers/LatteTransformer3DModel", "cache first_block",
+     "LatteTransformer3DModel.forward interleaves transformer_blocks and temporal_transformer_blocks"),
+    ("diffusers/LatteTransformer3DModel", "cache mag mag_ratios=flux",
+     "LatteTransformer3DModel.forward interleaves transformer_blocks and temporal_transformer_blocks"),
+], ids=["blocks without hidden_states", "head and tail return differently", "interleaved lists", "mag, interleaved"])
+def test_what_the_residual_caches_assume_of_the_blocks_is_checked_at_plan_time(model_id, script, expected):
+    """Each of these failed deep inside diffusers' hooks at the first call (the support matrix's crashes)."""
+    model, _ = corpus.build(corpus.entry(model_id))
+    with pytest.raises(ScriptError) as info:
+        transformdsl.plan(model, script)
+    assert expected in str(info.value)
+
+
 def test_explain_shows_what_the_cache_wraps_and_what_a_step_skips():
     text = str(transformdsl.plan(models.tiny_flux(), "cache first_block threshold=0.2"))
     assert "wraps 3 blocks: transformer_blocks.0 runs every step and decides; single_transformer_blocks.* (2) " \

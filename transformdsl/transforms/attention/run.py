@@ -166,6 +166,9 @@ class AttentionBehaviour:
         if self.library == "diffusers" and not diffusers_attention(model):
             return (f"{type(model).__name__} has no attention module whose processor dispatches through diffusers' "
                     "attention backends (its processors compute attention themselves), so no backend applies")
+        refused = self._processors_refusing(model, info.path)
+        if refused:
+            return refused
         try:
             requirements(model, self.library, self.backend)
         except Unmet as exc:
@@ -173,6 +176,28 @@ class AttentionBehaviour:
             alternative = f"; works here: {', '.join(f'attention {m}' for m in works)}" if works else ""
             return f"cannot use 'attention {self.mode}' here: {exc}{alternative}"
         return None
+
+    def _processors_refusing(self, model: nn.Module, path: str) -> str | None:
+        """Processors that declare the only backends they run with (``_SUPPORTED_BACKENDS``: AnyFlow's
+        causal attention needs flex) and this is not one: they raise at the first call, so say it now."""
+        if self.library != "diffusers":
+            return None
+        refusing: dict[str, tuple[tuple[str, ...], list[str]]] = {}
+        for name, module in diffusers_attention(model):
+            supported = getattr(module.processor, "_SUPPORTED_BACKENDS", None)
+            if isinstance(supported, (tuple, list, set, frozenset)) and supported \
+                    and self.backend not in {str(getattr(b, "value", b)) for b in supported}:
+                where = f"{path}.{name}".strip(".")
+                refusing.setdefault(type(module.processor).__name__, (tuple(supported), []))[1].append(where)
+        if not refusing:
+            return None
+        processor, (supported, paths) = next(iter(refusing.items()))
+        names = [str(getattr(b, "value", b)) for b in supported]
+        modes = [n.lstrip("_") for n in names if n.lstrip("_") in MODES]
+        fix = f"write 'attention {modes[0]}'" if modes else "leave these modules' attention as it is"
+        more = f" and {len(paths) - 1} more" if len(paths) > 1 else ""
+        return (f"{processor} (on {paths[0]}{more}) runs only with the {', '.join(names)} backend(s) and raises "
+                f"at its first call with '{self.backend}': {fix}, or scope the statement with 'in' to other modules")
 
     def notes(self, tree: ModuleTree, targets: list[str]) -> list[str]:
         lines = []

@@ -195,6 +195,46 @@ def _registered_blocks(model: nn.Module, mode: str, least: int) -> list[tuple[st
     return blocks
 
 
+def _residual_chain(model: nn.Module, blocks: list[tuple[str, nn.Module]], mode: str, argument: str | None) -> None:
+    """What the residual caches (first_block, mag) assume of the blocks they chain, checked: each block's
+    forward takes the hidden states under the name the hook reads (``argument``; None: the block's
+    registered name), the block lists run one after the other (not interleaved), and, for first_block,
+    the first and last block return the same kind of output (it subtracts one from the other)."""
+    from diffusers.hooks._common import _ALL_TRANSFORMER_BLOCK_IDENTIFIERS
+    from diffusers.hooks._helpers import TransformerBlockRegistry
+
+    for _, block in blocks:
+        metadata = TransformerBlockRegistry.get(type(block))
+        name = argument or getattr(metadata, "hidden_states_argument_name", "hidden_states")
+        parameters = list(inspect.signature(type(block).forward).parameters)[1:]
+        if name not in parameters:
+            raise _Unsupported(
+                f"'cache {mode}' reads each block's '{name}' argument, and {type(block).__name__}.forward takes "
+                f"{', '.join(parameters[:4])}{', ...' if len(parameters) > 4 else ''} (no {name}): its blocks are not "
+                "the hidden-states blocks this cache chains")
+    try:
+        source = inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        source = ""
+    lists = sorted({path.split(".")[0] for path, _ in blocks} & set(_ALL_TRANSFORMER_BLOCK_IDENTIFIERS))
+    for first in lists:
+        for second in lists:
+            if first != second and re.search(rf"zip\(\s*self\.{first}\s*,\s*self\.{second}\b", source):
+                raise _Unsupported(
+                    f"'cache {mode}' treats the block lists as one chain (the first block decides, the last one's "
+                    f"residual is cached), and {type(model).__name__}.forward interleaves {first} and {second}, "
+                    "reshaping between them: a skipped step would add a residual of another shape")
+    if argument is not None and len(blocks) > 1:  # first_block: the tail's output minus the head's
+        head, tail = (TransformerBlockRegistry.get(type(b)) for _, b in (blocks[0], blocks[-1]))
+        if (head.return_encoder_hidden_states_index is None) != (tail.return_encoder_hidden_states_index is None):
+            both, alone = ((blocks[0], blocks[-1]) if head.return_encoder_hidden_states_index is not None
+                           else (blocks[-1], blocks[0]))
+            raise _Unsupported(
+                f"'cache {mode}' subtracts the first block's output from the last block's, and here they differ: "
+                f"{type(both[1]).__name__} ({both[0]}) returns text and image states, {type(alone[1]).__name__} "
+                f"({alone[0]}) image states only")
+
+
 class _Unsupported(Exception):
     """The model has nothing this mode can hook (the message says what the mode looks for)."""
 
@@ -367,7 +407,9 @@ class FirstBlockCache(CacheBehaviour, FirstBlockCacheDeclaration):
              "full step, every other block is skipped and their cached residual added")
 
     def wrapped(self, model):
-        return _registered_blocks(model, self.mode, least=2)
+        blocks = _registered_blocks(model, self.mode, least=2)
+        _residual_chain(model, blocks, self.mode, "hidden_states")  # the name its hooks read, whatever the block's
+        return blocks
 
     def describe_wrapped(self, names):
         return (f"wraps {len(names)} blocks: {names[0]} runs every step and decides; "
@@ -380,7 +422,9 @@ class MagCache(CacheBehaviour, MagCacheDeclaration):
              "and the cached residual added")
 
     def wrapped(self, model):
-        return _registered_blocks(model, self.mode, least=1)
+        blocks = _registered_blocks(model, self.mode, least=1)
+        _residual_chain(model, blocks, self.mode, None)
+        return blocks
 
     def describe_wrapped(self, names):
         return f"wraps {len(names)} blocks: {names[0]} decides; {_summary(names) if len(names) > 1 else names[0]} " \
