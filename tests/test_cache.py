@@ -395,6 +395,43 @@ def test_what_the_residual_caches_assume_of_the_blocks_is_checked_at_plan_time(m
     assert expected in str(info.value)
 
 
+def _wan_call(model, inputs, timestep):
+    args, kwargs = inputs if isinstance(inputs, tuple) else ((), inputs)
+    kwargs = dict(kwargs, timestep=torch.full_like(kwargs["timestep"], timestep))
+    with torch.no_grad(), model.cache_context("cond"):
+        return model(*args, **kwargs)
+
+
+def test_faster_says_what_its_hooks_assume_of_a_call_before_they_fail_inside():
+    """diffusers' FasterCache failed with IndexError / 'NoneType' object is not subscriptable / a permute
+    error (24 corpus denoisers in the support matrix); the guard names the cause at the call."""
+    from transformdsl.transforms.cache.run import CacheContextError
+
+    flux = models.tiny_flux()
+    transformdsl.transform(flux, "cache faster")
+    with pytest.raises(CacheContextError, match=r"splits the denoiser's output as BCFHW \(5 dimensions\), and this "
+                                                r"call's hidden_states have 3 .*write is_guidance_distilled=true"):
+        flux_loop(flux, steps=1)
+
+    wan, inputs = corpus.build(corpus.entry("diffusers/WanTransformer3DModel"))
+    transformdsl.transform(wan, "cache faster is_guidance_distilled=true")
+    with pytest.raises(CacheContextError, match=r"the first call of a denoising loop \(after a reset\) must compute "
+                                                r"attention.*\(-1, 681\); this call's timestep is 44"):
+        _wan_call(wan, inputs, 44)
+    wan._reset_stateful_cache()
+    for t in (999, 600, 500, 400):  # as a pipeline calls it: above the range first, then reusing within it
+        _wan_call(wan, inputs, t)
+    wan._reset_stateful_cache()
+    with pytest.raises(CacheContextError, match="this call's timestep is 400"):  # a new loop starts the count again
+        _wan_call(wan, inputs, 400)
+
+    cfg, inputs = corpus.build(corpus.entry("diffusers/WanTransformer3DModel"))
+    transformdsl.transform(cfg, "cache faster")
+    with pytest.raises(CacheContextError, match="expects the unconditional and conditional batches concatenated .* "
+                                                "an even batch; this call's is 1"):
+        _wan_call(cfg, inputs, 999)
+
+
 def test_explain_shows_what_the_cache_wraps_and_what_a_step_skips():
     text = str(transformdsl.plan(models.tiny_flux(), "cache first_block threshold=0.2"))
     assert "wraps 3 blocks: transformer_blocks.0 runs every step and decides; single_transformer_blocks.* (2) " \

@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import inspect
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -62,7 +63,10 @@ class _NoState:
         pass
 
 
-def _make_guard(statement: str, needs_context: bool, reads_timestep: bool, timestep_scale: float):
+def _make_guard(statement: str, needs_context: bool, reads_timestep: bool, timestep_scale: float,
+                call_check: Callable[[Any, tuple, dict], str | None] | None = None):
+    """Our hook at the denoiser's call: the cache-context check, the call's timestep, and ``call_check``
+    (what the mode's hooks assume of the call's inputs, said before they fail inside)."""
     hooks = _hooks()
 
     class ContextGuard(hooks.ModelHook):
@@ -79,6 +83,9 @@ def _make_guard(statement: str, needs_context: bool, reads_timestep: bool, times
             self.timestep_scale = timestep_scale
             self.timestep = None
             self._timestep_index = None
+            self.call_check = call_check
+            #: Denoiser calls since the cache was last reset (a new denoising loop starts at 0).
+            self.calls = 0
 
         def initialize_hook(self, module):
             names = list(inspect.signature(type(module).forward).parameters)[1:]
@@ -97,10 +104,16 @@ def _make_guard(statement: str, needs_context: bool, reads_timestep: bool, times
                     if value is None and self._timestep_index is not None and self._timestep_index < len(args):
                         value = args[self._timestep_index]
                     self.timestep = (value, self.timestep_scale)
+            if self.call_check is not None:
+                problem = self.call_check(self, args, kwargs)
+                if problem:
+                    raise CacheContextError(f"{self.statement}: {problem}")
+            self.calls += 1
             return args, kwargs
 
         def reset_state(self, module):
             self.timestep = None
+            self.calls = 0
             return module
 
         @torch.compiler.disable
@@ -301,6 +314,12 @@ class CacheBehaviour:
 
     skips: str = ""
 
+    def call_check(self) -> Callable[[Any, tuple, dict], str | None] | None:
+        """A check of each denoiser call (``(guard, args, kwargs) -> problem or None``; the guard knows the
+        call's timestep and the calls since the last reset), for what the mode's hooks assume of it and
+        would otherwise fail on deep inside; None: nothing to check."""
+        return None
+
     def describe_wrapped(self, names: list[str]) -> str:
         return f"wraps {_summary(names)} ({len(names)} module(s))"
 
@@ -374,7 +393,8 @@ def enable(model: nn.Module, cls: type, options: Any, statement: str) -> list[st
     behaviour = cls.__new__(cls)
     behaviour.options = options
     wrapped = behaviour.wrapped(model)
-    guard = _make_guard(statement, cls.needs_context, cls.reads_timestep, _timestep_scale(model))
+    guard = _make_guard(statement, cls.needs_context, cls.reads_timestep, _timestep_scale(model),
+                        behaviour.call_check())
     config = behaviour.build_config(model, guard)
     model.enable_cache(config)
     registry = HookRegistry.check_if_exists_or_initialize(model)
@@ -602,6 +622,46 @@ class FasterCache(CacheBehaviour, FasterCacheDeclaration):
                 f"'cache faster' hooks diffusers self-attention modules inside blocks whose names match the "
                 f"spatial/temporal identifiers; {type(model).__name__} has none")
         return found
+
+    def call_check(self):
+        distilled = self.options.is_guidance_distilled
+        layout = self.options.tensor_format
+        dims = len(layout)
+        ranges = [("spatial_attention_timestep_skip_range", parse_range(
+            self.options.spatial_attention_timestep_skip_range, "spatial_attention_timestep_skip_range"))]
+        if self.options.temporal_attention_block_skip_range is not None:
+            ranges.append(("temporal_attention_timestep_skip_range", parse_range(
+                self.options.temporal_attention_timestep_skip_range, "temporal_attention_timestep_skip_range")))
+
+        def check(guard, args: tuple, kwargs: dict) -> str | None:
+            if guard.calls == 0 and guard.timestep is not None and guard.timestep[0] is not None:
+                # The attention hooks reuse their last outputs within these timesteps from the first call on,
+                # and on the first call there are none yet (diffusers fails with "'NoneType' object is not
+                # subscriptable"); a pipeline starts at a high timestep, an img2img at low strength may not.
+                timestep = guard.current_timestep()
+                for name, (low, high) in ranges:
+                    if low < timestep < high:
+                        return (f"the first call of a denoising loop (after a reset) must compute attention, and "
+                                f"diffusers' FasterCache reuses it from the first call on within {name} "
+                                f"({low}, {high}); this call's timestep is {timestep:g}: start the loop above {high} "
+                                f"(a pipeline does), or set {name} so that it excludes the first timestep")
+            if distilled:
+                return None
+            states = kwargs.get("hidden_states", args[0] if args else None)
+            if not isinstance(states, torch.Tensor):
+                return None
+            if states.dim() != dims:
+                return (f"unless is_guidance_distilled=true, diffusers' FasterCache splits the denoiser's output as "
+                        f"{layout} ({dims} dimensions), and this call's hidden_states have {states.dim()} "
+                        f"{tuple(states.shape)} (packed tokens: Flux, Qwen-Image, ...): for a guidance-distilled model "
+                        "write is_guidance_distilled=true, or set tensor_format= to the layout")
+            if states.shape[0] % 2:
+                return (f"unless is_guidance_distilled=true, diffusers' FasterCache expects the unconditional and "
+                        f"conditional batches concatenated (classifier-free guidance, as diffusers' pipelines call "
+                        f"the denoiser): an even batch; this call's is {states.shape[0]}")
+            return None
+
+        return check
 
     def config_kwargs(self, model, guard):
         kwargs = self._fields()
