@@ -432,6 +432,12 @@ def test_faster_says_what_its_hooks_assume_of_a_call_before_they_fail_inside():
         _wan_call(cfg, inputs, 999)
 
 
+@pytest.mark.parametrize("ratios", ["1e309,1", "nan,1", "1,0", "1,-0.5"])
+def test_mag_ratios_must_be_positive_finite_numbers(ratios):
+    assert "mag_ratios must be positive finite numbers" in plan_error(
+        models.tiny_flux(), f'cache mag mag_ratios="{ratios}"')
+
+
 def test_explain_shows_what_the_cache_wraps_and_what_a_step_skips():
     text = str(transformdsl.plan(models.tiny_flux(), "cache first_block threshold=0.2"))
     assert "wraps 3 blocks: transformer_blocks.0 runs every step and decides; single_transformer_blocks.* (2) " \

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
+from torch import nn
 
 import transformdsl
 from transformdsl import ScriptError, TransformError, models
@@ -381,6 +382,30 @@ def test_fuse_in_a_later_call_than_a_switchable_lora_says_to_put_them_in_one_scr
         "to_q carries switchable LoRA adapters from an earlier call: fuse qkv maps adapters onto the fused rows "
         "only when both are in one script")
     assert "merge=true" in reasons["transformer_blocks.0.attn"]
+
+
+def _t5():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    return T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1,
+                                               num_decoder_layers=1, num_heads=4)).eval()
+
+
+@pytest.mark.parametrize("model_id, child", [("transformers/DistilBERT", "transformer"), ("T5", "decoder")])
+def test_a_model_child_named_like_a_pipeline_component_is_the_models_own_path(tmp_path, model_id, child):
+    """DistilBERT's 'transformer' and T5's 'decoder' are also diffusers' component prefixes: their keys were
+    taken for another component's and left out (DistilBERT: 'no LoRA pair'; T5: the decoder's half dropped)."""
+    from tests.zoo import corpus
+    from tests.zoo.matrix import lora_file
+
+    model = _t5() if model_id == "T5" else corpus.build(corpus.entry(model_id))[0]
+    path = lora_file(model, tmp_path)
+    named = [name for name, m in model.named_modules() if type(m) is nn.Linear and name]
+    before = {name: model.get_submodule(name).weight.detach().clone() for name in named}
+    transformdsl.transform(model, f'lora "{path}"')
+    changed = [name for name in named if not torch.equal(model.get_submodule(name).weight, before[name])]
+    assert changed == named and any(name.startswith(child + ".") for name in changed)
 
 
 def test_several_named_loras_and_an_unknown_name(tmp_path):

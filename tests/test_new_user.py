@@ -216,6 +216,14 @@ def test_a_well_commented_script_is_not_refused():
     assert len(script.statements) == 10
 
 
+def test_commas_inside_a_quoted_value_are_not_selectors():
+    from transformdsl.parser import parse
+
+    ratios = ",".join(["0.98"] * 400)  # a calibrated mag cache for 400 steps: one value, not 399 selectors
+    script = parse(f'cache mag mag_ratios="{ratios}" num_inference_steps=400\n')
+    assert script.statements[0].options[0].value == ratios
+
+
 @pytest.mark.parametrize("text, message", [
     ("fuse qkv\n" * 257, "script has 257 statements; the limit is 256"),
     ("quantize int8 except " + ", ".join(f"a{i}" for i in range(258)) + "\n", "script has 257 commas (selectors)"),

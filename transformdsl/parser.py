@@ -140,8 +140,11 @@ def _check_counts(text: str, filename: str | None) -> None:
     """Refuse, before parsing, scripts with more statements, selectors or options than
     :data:`MAX_STATEMENTS` / :data:`MAX_LIST_ITEMS` (planning cost grows with each)."""
     code = _without_comments(text)
+    # A comma inside a quoted value (a cache's mag_ratios="1.0,0.98,...") separates no selectors:
+    # that value is one string, bounded by the script's length.
+    commas = sum(piece.count(",") for piece in _COMMENT_SCAN_RE.findall(code) if piece[:1] not in "\"'")
     counts = (("statements", _pieces(code), MAX_STATEMENTS),
-              ("commas (selectors)", code.count(","), MAX_LIST_ITEMS),
+              ("commas (selectors)", commas, MAX_LIST_ITEMS),
               ("'=' signs (options)", code.count("="), MAX_LIST_ITEMS))
     for what, count, limit in counts:
         if count > limit:

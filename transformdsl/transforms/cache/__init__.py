@@ -18,6 +18,7 @@ What a text file cannot hold:
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -57,6 +58,9 @@ def parse_numbers(text: str, name: str) -> tuple[float, ...]:
         raise ValueError(f"{name} must be 'flux' or numbers separated by commas, got {text!r}") from None
     if not values:
         raise ValueError(f"{name} is empty")
+    bad = [v for v in values if not math.isfinite(v) or v <= 0]
+    if bad:  # magnitude ratios: the norm of one step's residual over the last one's
+        raise ValueError(f"{name} must be positive finite numbers, got {bad[0]!r}")
     return values
 
 

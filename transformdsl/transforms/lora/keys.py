@@ -106,7 +106,7 @@ def convert(state: dict[str, torch.Tensor], root: nn.Module, component: str, fil
     others: dict[str, set[str]] = {}
     leftovers = []
     for key, tensor in state.items():
-        owner, rest = _split_component(key)
+        owner, rest = _split_component(key, root)
         if owner is not None and owner != (component or _own_component(root)):
             others.setdefault(owner, set()).add(rest.split(".lora")[0])
             continue
@@ -145,11 +145,14 @@ def _own_component(root: nn.Module) -> str:
     return "unet" if "UNet" in name else "transformer" if type(root).__module__.startswith("diffusers") else ""
 
 
-def _split_component(key: str) -> tuple[str | None, str]:
+def _split_component(key: str, root: nn.Module) -> tuple[str | None, str]:
+    """``(pipeline component, the rest)`` of a key diffusers prefixed with its component (``unet.``,
+    ``transformer.``...); ``(None, key)`` otherwise, and when the model itself has a child of that name
+    (DistilBERT's ``transformer``, T5's ``decoder``): then the key is the model's own path."""
     if key.startswith(PEFT_PREFIX):
         return None, key[len(PEFT_PREFIX):]
     head, _, rest = key.partition(".")
-    if head in COMPONENTS and rest:
+    if head in COMPONENTS and rest and head not in root._modules:
         return head, rest
     return None, key
 
@@ -206,7 +209,7 @@ def _older_diffusers_to_peft(state: dict, root: nn.Module) -> dict:
 
     parts: dict[str, dict] = {}
     for key, value in state.items():
-        owner, rest = _split_component(key)
+        owner, rest = _split_component(key, root)
         parts.setdefault(owner or "", {})[rest] = value
     out = {}
     for owner, part in parts.items():
