@@ -209,7 +209,7 @@ def main() -> None:
         f"Merged: the two sides' outputs differ by {difference:.1e}: the merged weights are equal up to float "
         "rounding, and a weight at the edge between two nf4 codes may round to the other one.  The merged LoRA "
         "adds nothing to a call: the latency ratio is `quantize nf4`'s own against bitsandbytes by hand "
-        "(RESULTS.md, flux-medium 'quantize nf4' row).  Switchable: ours adds `scale * (x @ A.T) @ B.T` in "
+        "(RESULTS.md, flux-medium 'quantize nf4' row).  Switchable: ours adds `((x @ A.T) * scale) @ B.T` in "
         "the layer's forward; PEFT's LoraLayer does the same with dropout, per-adapter dictionaries and dtype "
         "casts around it.  Beside nf4 layers both sides' outputs differ by the two quantizations' own "
         "difference (ours is `quantize nf4`, PEFT's sits on bitsandbytes by hand).", "",
