@@ -139,8 +139,8 @@ class LoraAdapter(nn.Module):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         # The scale multiplies the rank-r intermediate, not the output: r values per token instead of
-        # out_features (0.64x the adapter's time at rank 16, width 512; benchmarks/bench_lora.py).  A 0-dim
-        # float32 buffer keeps the intermediate's dtype.
+        # out_features (PEFT scales the output; ours then adds 0.77x PEFT's time beside float layers:
+        # benchmarks/results/lora.md).  A 0-dim float32 buffer keeps the intermediate's dtype.
         x = input.to(self.A.dtype)
         return torch.nn.functional.linear(torch.nn.functional.linear(x, self.A) * self.scale, self.B)
 
