@@ -408,6 +408,24 @@ def test_a_model_child_named_like_a_pipeline_component_is_the_models_own_path(tm
     assert changed == named and any(name.startswith(child + ".") for name in changed)
 
 
+@pytest.mark.parametrize("merge", ["true", "false"])
+@pytest.mark.parametrize("extra, expected", [
+    ({"alpha": float("nan")}, "has alpha nan: a LoRA's alpha must be a finite number"),
+    ({"lora_B.weight": float("inf")}, "its lora_B holds NaN or infinite values"),
+], ids=["nan alpha", "inf in B"])
+def test_a_lora_with_non_finite_values_is_refused_and_the_model_left_as_it_was(tmp_path, merge, extra, expected):
+    flux = models.tiny_flux()
+    before = models.run(flux)
+    sd = diffusers_lora(flux, "transformer", ["transformer_blocks.0.attn.to_q"])
+    for suffix, value in extra.items():
+        key = f"transformer.transformer_blocks.0.attn.to_q.{suffix}"
+        sd[key] = torch.full_like(sd[key], value) if key in sd else torch.tensor(value)
+    path = write(tmp_path, sd)
+    with pytest.raises(TransformError, match=expected):
+        transformdsl.transform(flux, script(path, merge=merge))
+    assert torch.equal(models.run(flux), before)
+
+
 def test_several_named_loras_and_an_unknown_name(tmp_path):
     flux = models.tiny_flux()
     a = write(tmp_path, diffusers_lora(flux, "transformer", linears(flux, "attn.to_q"), seed=1), "a.safetensors")

@@ -17,6 +17,7 @@ knows which modules a file names without reading its data.
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -131,7 +132,17 @@ def convert(state: dict[str, torch.Tensor], root: nn.Module, component: str, fil
             missing = "lora_B" if "lora_A" in parts else "lora_A"
             raise TransformError(f"{file}: module '{module}' has no {missing} (a LoRA needs both A and B)")
         alpha = alphas.get(module, alphas.get(id(parts["lora_A"])))
-        out[module] = Pair(parts["lora_A"], parts["lora_B"], None if alpha is None else _number(alpha))
+        alpha = None if alpha is None else _number(alpha)
+        if alpha is not None and not math.isfinite(alpha):
+            raise TransformError(f"{file}: module '{module}' has alpha {alpha}: a LoRA's alpha must be a finite "
+                                 "number (it scales the delta added to the weight)")
+        for part in ("lora_A", "lora_B"):
+            tensor = parts[part]
+            if isinstance(tensor, torch.Tensor) and not tensor.is_meta and tensor.is_floating_point() \
+                    and not bool(torch.isfinite(tensor).all()):
+                raise TransformError(f"{file}: module '{module}': its {part} holds NaN or infinite values "
+                                     "(the model would compute NaN)")
+        out[module] = Pair(parts["lora_A"], parts["lora_B"], alpha)
     return Converted(out, {k: len(v) for k, v in others.items()}, via)
 
 
