@@ -509,14 +509,16 @@ def cache_section() -> str:
     if quiet.exists():
         body = body.rstrip("\n") + "\n\n" + QUIET_INTRO + quiet.read_text().split(
             "Every figure below is written by the script that measured it.\n", 1)[-1] + QUIET_READING
-    return (heading + "\nFrom [results/cache.md](results/cache.md), written by the script that measured it.\n"
-            + body.rstrip("\n") + "\n")
+    sources = "[results/cache.md](results/cache.md)" + (
+        " and [results/cache-medium.md](results/cache-medium.md)" if medium.exists() else "")
+    return (heading + f"\nFrom {sources}, each written by the script that measured it (the CPU and command head "
+            "each table).\n" + body.rstrip("\n") + "\n")
 
 
-QUIET_INTRO = """### Our overhead, measured alone on the machine
+QUIET_INTRO = """### Our overhead, 21 rounds
 
-The runs above shared a machine at load 10-18, so their "ours ÷ by hand" ratios are mostly noise.  The same
-benchmark alone on a machine ([results/cache-quiet.md](results/cache-quiet.md), `--out` that file):
+Ours and by hand run the same hooks, so "ours ÷ by hand" measures only what we add; 21 rounds narrow the noise of
+the 5-round tables above ([results/cache-quiet.md](results/cache-quiet.md), `--out` that file):
 """
 
 QUIET_READING = """
