@@ -402,6 +402,14 @@ def _wan_call(model, inputs, timestep):
         return model(*args, **kwargs)
 
 
+def test_faster_plan_says_what_each_call_must_give():
+    text = str(transformdsl.plan(models.tiny_flux(), "cache faster"))
+    assert "a denoising loop's first call must be at a timestep outside (-1, 681)" in text
+    assert "each call carries the unconditional and conditional batches concatenated" in text
+    text = str(transformdsl.plan(models.tiny_flux(), "cache faster is_guidance_distilled=true"))
+    assert "first call must be at a timestep" in text and "batches concatenated" not in text
+
+
 def test_faster_says_what_its_hooks_assume_of_a_call_before_they_fail_inside():
     """diffusers' FasterCache failed with IndexError / 'NoneType' object is not subscriptable / a permute
     error (24 corpus denoisers in the support matrix); the guard names the cause at the call."""

@@ -305,6 +305,7 @@ class CacheBehaviour:
                 continue
             lines.append(self.describe_wrapped([name for name, _ in wrapped]))
             lines.append(f"per step: {self.skips}")
+            lines.extend(self.call_notes())
             lines.append("call the denoiser inside `with model.cache_context(\"cond\"):` (pipelines do); "
                          + ("a call outside one is an error" if self.needs_context else
                             "reset with model._reset_stateful_cache() between denoising loops"))
@@ -313,6 +314,10 @@ class CacheBehaviour:
     # -- per mode
 
     skips: str = ""
+
+    def call_notes(self) -> list[str]:
+        """What each call must give, for the plan (what :meth:`call_check` enforces)."""
+        return []
 
     def call_check(self) -> Callable[[Any, tuple, dict], str | None] | None:
         """A check of each denoiser call (``(guard, args, kwargs) -> problem or None``; the guard knows the
@@ -622,6 +627,17 @@ class FasterCache(CacheBehaviour, FasterCacheDeclaration):
                 f"'cache faster' hooks diffusers self-attention modules inside blocks whose names match the "
                 f"spatial/temporal identifiers; {type(model).__name__} has none")
         return found
+
+    def call_notes(self):
+        low, high = parse_range(self.options.spatial_attention_timestep_skip_range,
+                                "spatial_attention_timestep_skip_range")
+        notes = [f"a denoising loop's first call must be at a timestep outside ({low}, {high}) (pipelines start "
+                 "above it; an img2img at low strength may not)"]
+        if not self.options.is_guidance_distilled:
+            notes.append(f"each call carries the unconditional and conditional batches concatenated (an even batch, "
+                         f"as CFG pipelines call it) with hidden_states in {self.options.tensor_format}; a "
+                         "guidance-distilled model (Flux) takes is_guidance_distilled=true")
+        return notes
 
     def call_check(self):
         distilled = self.options.is_guidance_distilled
