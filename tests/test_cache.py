@@ -98,7 +98,7 @@ def test_saved_cache_reloads_in_a_fresh_process_with_the_same_outputs(tmp_path):
 
 
 def test_bare_call_outside_a_cache_context_gets_diffusers_message_at_the_call():
-    from transformdsl.transforms.cache.run import CacheContextError
+    from transformdsl.transforms.cache.guard import CacheContextError
 
     model = models.tiny_flux()
     transformdsl.transform(model, "cache first_block threshold=0.2")
@@ -413,7 +413,7 @@ def test_faster_plan_says_what_each_call_must_give():
 def test_faster_says_what_its_hooks_assume_of_a_call_before_they_fail_inside():
     """diffusers' FasterCache failed with IndexError / 'NoneType' object is not subscriptable / a permute
     error (24 corpus denoisers in the support matrix); the guard names the cause at the call."""
-    from transformdsl.transforms.cache.run import CacheContextError
+    from transformdsl.transforms.cache.guard import CacheContextError
 
     flux = models.tiny_flux()
     transformdsl.transform(flux, "cache faster")

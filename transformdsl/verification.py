@@ -299,7 +299,7 @@ def model_output(model: Any, inputs: tuple[tuple, dict] | None = None) -> Output
     """
     from . import models
     from .planner import module_components
-    from .transforms.cache.run import fresh_context  # a step cache runs each sample as a fresh denoising loop
+    from .transforms.cache.guard import fresh_context  # a step cache runs each sample as a fresh denoising loop
 
     roots = list(module_components(model).values())
     flags = [(m, m.training) for root in roots for m in root.modules()]

@@ -130,7 +130,7 @@ def scripts_for(model_id: str) -> list[str]:
 
 def _run(model, inputs):
     """The model's output tensor; a denoiser with a step cache runs as one fresh denoising loop."""
-    from transformdsl.transforms.cache.run import fresh_context
+    from transformdsl.transforms.cache.guard import fresh_context
 
     from . import corpus
 

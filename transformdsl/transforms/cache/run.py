@@ -14,13 +14,13 @@ Planning computes the modules the hooks will wrap with the hooks' own rules (dif
 identifiers, its ``TransformerBlockRegistry``, its attention classes): a model a mode cannot wrap is
 a plan error naming what the mode looks for.  Nothing is saved but the statement: ``load()``
 enables the cache again (:meth:`finalize`).
+
+Beside it: :mod:`.guard` (our hook at the denoiser's call) and :mod:`.blocks` (what the hooks wrap).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import inspect
 import re
 from collections.abc import Callable
 from typing import Any
@@ -41,222 +41,8 @@ from . import SeaCache as SeaCacheDeclaration
 from . import TaylorSeerCache as TaylorSeerCacheDeclaration
 from . import TextKVCache as TextKVCacheDeclaration
 from . import parse_numbers, parse_patterns, parse_range
-
-GUARD_HOOK = "transformdsl_cache_guard"
-
-
-class CacheContextError(ValueError):
-    """A denoiser with a step cache was called outside ``cache_context`` (diffusers' ValueError, raised early)."""
-
-
-# --------------------------------------------------------------------------- the guard hook
-
-
-def _hooks():
-    from diffusers.hooks import hooks
-
-    return hooks
-
-
-class _NoState:
-    def reset(self, *args, **kwargs) -> None:
-        pass
-
-
-def _make_guard(statement: str, needs_context: bool, reads_timestep: bool, timestep_scale: float,
-                call_check: Callable[[Any, tuple, dict], str | None] | None = None):
-    """Our hook at the denoiser's call: the cache-context check, the call's timestep, and ``call_check``
-    (what the mode's hooks assume of the call's inputs, said before they fail inside)."""
-    hooks = _hooks()
-
-    class ContextGuard(hooks.ModelHook):
-        """Checks the cache context at the denoiser's call; remembers the call's timestep."""
-
-        _is_stateful = True
-
-        def __init__(self):
-            super().__init__()
-            self.state_manager = hooks.StateManager(_NoState)  # _set_cache_context sets its context
-            self.statement = statement
-            self.needs_context = needs_context
-            self.reads_timestep = reads_timestep
-            self.timestep_scale = timestep_scale
-            self.timestep = None
-            self._timestep_index = None
-            self.call_check = call_check
-            #: Denoiser calls since the cache was last reset (a new denoising loop starts at 0).
-            self.calls = 0
-
-        def initialize_hook(self, module):
-            names = list(inspect.signature(type(module).forward).parameters)[1:]
-            self._timestep_index = names.index("timestep") if "timestep" in names else None
-            return module
-
-        def pre_forward(self, module, *args, **kwargs):
-            context = self.state_manager._context
-            if context is None and self.needs_context:
-                _raise_outside_context(module, self.statement, self.state_manager)
-            if self.reads_timestep:
-                if context is not None and context.timestep is not None:
-                    self.timestep = (context.timestep, 1.0)
-                else:
-                    value = kwargs.get("timestep")
-                    if value is None and self._timestep_index is not None and self._timestep_index < len(args):
-                        value = args[self._timestep_index]
-                    self.timestep = (value, self.timestep_scale)
-            if self.call_check is not None:
-                problem = self.call_check(self, args, kwargs)
-                if problem:
-                    raise CacheContextError(f"{self.statement}: {problem}")
-            self.calls += 1
-            return args, kwargs
-
-        def reset_state(self, module):
-            self.timestep = None
-            self.calls = 0
-            return module
-
-        @torch.compiler.disable
-        def current_timestep(self) -> float:
-            if self.timestep is None or self.timestep[0] is None:
-                raise CacheContextError(
-                    f"{self.statement}: the cache needs the current timestep, and this call gave none: pass "
-                    "timestep= to the denoiser, or cache_context(name, timestep=t)")
-            value, scale = self.timestep
-            if isinstance(value, torch.Tensor):
-                value = value.detach().flatten()[0].item()
-            return float(value) * scale
-
-    return ContextGuard()
-
-
-def _raise_outside_context(module: nn.Module, statement: str, state_manager) -> None:
-    try:
-        _ = state_manager.context  # raises diffusers' own message outside a context
-    except ValueError as exc:
-        message = str(exc)
-    else:  # pragma: no cover - the context is set after all
-        return
-    raise CacheContextError(
-        f"{message} ({type(module).__name__} has a step cache, '{statement}': call it as "
-        f"`with model.cache_context(\"cond\"): model(...)`, one context per prompt branch; diffusers' pipelines "
-        "do this themselves.  Between two denoising loops call model._reset_stateful_cache().)") from None
-
-
-def guard_of(model: nn.Module):
-    registry = getattr(model, "_diffusers_hook", None)
-    return registry.get_hook(GUARD_HOOK) if registry is not None else None
-
-
-@contextlib.contextmanager
-def fresh_context(model: Any, name: str = "transformdsl"):
-    """Run ``model`` (a module or a pipeline) once as a fresh denoising loop: each component with a
-    step cache is reset and called inside ``cache_context(name)``, and reset again afterwards (so a
-    check, e.g. ``verify``, leaves no cached step behind)."""
-    from ...planner import module_components
-
-    cached = [m for m in module_components(model).values() if getattr(m, "is_cache_enabled", False)]
-    with contextlib.ExitStack() as stack:
-        for module in cached:
-            module._reset_stateful_cache()
-            stack.callback(module._reset_stateful_cache)
-            stack.enter_context(module.cache_context(name))
-        yield
-
-
-def _timestep_scale(model: nn.Module) -> float:
-    """1000 for denoisers whose forward multiplies the timestep by 1000 (their pipelines pass t/1000)."""
-    try:
-        source = inspect.getsource(type(model).forward)
-    except (OSError, TypeError):
-        return 1.0
-    return 1000.0 if re.search(r"timestep[^\n]*\*\s*1000\b", source) else 1.0
-
-
-# --------------------------------------------------------------------------- what the hooks wrap
-
-
-def _block_lists(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The blocks diffusers' block caches hook: children named like its block lists, in order."""
-    from diffusers.hooks._common import _ALL_TRANSFORMER_BLOCK_IDENTIFIERS
-
-    blocks = []
-    for name, child in model.named_children():
-        if name in _ALL_TRANSFORMER_BLOCK_IDENTIFIERS and isinstance(child, nn.ModuleList):
-            blocks.extend((f"{name}.{i}", block) for i, block in enumerate(child))
-    return blocks
-
-
-def _registered_blocks(model: nn.Module, mode: str, least: int) -> list[tuple[str, nn.Module]]:
-    from diffusers.hooks._common import _ALL_TRANSFORMER_BLOCK_IDENTIFIERS
-    from diffusers.hooks._helpers import TransformerBlockRegistry
-
-    blocks = _block_lists(model)
-    if len(blocks) < least:
-        found = f"{len(blocks)} block(s)" if blocks else "none"
-        raise _Unsupported(
-            f"'cache {mode}' hooks the blocks of the denoiser's block lists (children named "
-            f"{', '.join(sorted(_ALL_TRANSFORMER_BLOCK_IDENTIFIERS))} holding a ModuleList) and needs at least "
-            f"{least}; {type(model).__name__} has {found}")
-    TransformerBlockRegistry._register()
-    unknown = sorted({type(block).__name__ for _, block in blocks
-                      if type(block) not in TransformerBlockRegistry._registry})
-    if unknown:
-        raise _Unsupported(
-            f"'cache {mode}' needs diffusers to know where each block returns its hidden states "
-            f"(diffusers.hooks._helpers.TransformerBlockRegistry); it does not know {', '.join(unknown)}")
-    return blocks
-
-
-def _residual_chain(model: nn.Module, blocks: list[tuple[str, nn.Module]], mode: str, argument: str | None) -> None:
-    """What the residual caches (first_block, mag) assume of the blocks they chain, checked: each block's
-    forward takes the hidden states under the name the hook reads (``argument``; None: the block's
-    registered name), the block lists run one after the other (not interleaved), and, for first_block,
-    the first and last block return the same kind of output (it subtracts one from the other)."""
-    from diffusers.hooks._common import _ALL_TRANSFORMER_BLOCK_IDENTIFIERS
-    from diffusers.hooks._helpers import TransformerBlockRegistry
-
-    for _, block in blocks:
-        metadata = TransformerBlockRegistry.get(type(block))
-        name = argument or getattr(metadata, "hidden_states_argument_name", "hidden_states")
-        parameters = list(inspect.signature(type(block).forward).parameters)[1:]
-        if name not in parameters:
-            raise _Unsupported(
-                f"'cache {mode}' reads each block's '{name}' argument, and {type(block).__name__}.forward takes "
-                f"{', '.join(parameters[:4])}{', ...' if len(parameters) > 4 else ''} (no {name}): its blocks are not "
-                "the hidden-states blocks this cache chains")
-    try:
-        source = inspect.getsource(type(model).forward)
-    except (OSError, TypeError):
-        source = ""
-    lists = sorted({path.split(".")[0] for path, _ in blocks} & set(_ALL_TRANSFORMER_BLOCK_IDENTIFIERS))
-    for first in lists:
-        for second in lists:
-            if first != second and re.search(rf"zip\(\s*self\.{first}\s*,\s*self\.{second}\b", source):
-                raise _Unsupported(
-                    f"'cache {mode}' treats the block lists as one chain (the first block decides, the last one's "
-                    f"residual is cached), and {type(model).__name__}.forward interleaves {first} and {second}, "
-                    "reshaping between them: a skipped step would add a residual of another shape")
-    if argument is not None and len(blocks) > 1:  # first_block: the tail's output minus the head's
-        head, tail = (TransformerBlockRegistry.get(type(b)) for _, b in (blocks[0], blocks[-1]))
-        if (head.return_encoder_hidden_states_index is None) != (tail.return_encoder_hidden_states_index is None):
-            both, alone = ((blocks[0], blocks[-1]) if head.return_encoder_hidden_states_index is not None
-                           else (blocks[-1], blocks[0]))
-            raise _Unsupported(
-                f"'cache {mode}' subtracts the first block's output from the last block's, and here they differ: "
-                f"{type(both[1]).__name__} ({both[0]}) returns text and image states, {type(alone[1]).__name__} "
-                f"({alone[0]}) image states only")
-
-
-class _Unsupported(Exception):
-    """The model has nothing this mode can hook (the message says what the mode looks for)."""
-
-
-def _attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    from diffusers.hooks._common import _ATTENTION_CLASSES
-
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, _ATTENTION_CLASSES)]
-
+from .blocks import Unsupported, attention_modules, registered_blocks, residual_chain
+from .guard import GUARD_HOOK, make_guard, timestep_callback, timestep_scale
 
 # --------------------------------------------------------------------------- shared behaviour
 
@@ -287,7 +73,7 @@ class CacheBehaviour:
         try:
             self.wrapped(model)
             self.build_config(model, None)
-        except _Unsupported as exc:
+        except Unsupported as exc:
             return str(exc)
         except ValueError as exc:  # the config's own checks
             return f"diffusers refuses the options: {exc}"
@@ -301,7 +87,7 @@ class CacheBehaviour:
                 continue
             try:
                 wrapped = self.wrapped(model)
-            except _Unsupported:
+            except Unsupported:
                 continue
             lines.append(self.describe_wrapped([name for name, _ in wrapped]))
             lines.append(f"per step: {self.skips}")
@@ -350,7 +136,7 @@ class CacheBehaviour:
             ctx.edit.on_rollback(lambda m=model: disable(m))
             try:
                 wrapped = enable(model, type(self), self.options, describe(self.key(), self.options))
-            except (_Unsupported, ValueError, TypeError) as exc:
+            except (Unsupported, ValueError, TypeError) as exc:
                 raise TransformError(f"diffusers' enable_cache failed on {type(model).__name__}: {exc}") from exc
         return {"targets": list(targets), "options": dataclasses.asdict(self.options), "wrapped": wrapped}
 
@@ -398,7 +184,7 @@ def enable(model: nn.Module, cls: type, options: Any, statement: str) -> list[st
     behaviour = cls.__new__(cls)
     behaviour.options = options
     wrapped = behaviour.wrapped(model)
-    guard = _make_guard(statement, cls.needs_context, cls.reads_timestep, _timestep_scale(model),
+    guard = make_guard(statement, cls.needs_context, cls.reads_timestep, timestep_scale(model),
                         behaviour.call_check())
     config = behaviour.build_config(model, guard)
     model.enable_cache(config)
@@ -432,8 +218,8 @@ class FirstBlockCache(CacheBehaviour, FirstBlockCacheDeclaration):
              "full step, every other block is skipped and their cached residual added")
 
     def wrapped(self, model):
-        blocks = _registered_blocks(model, self.mode, least=2)
-        _residual_chain(model, blocks, self.mode, "hidden_states")  # the name its hooks read, whatever the block's
+        blocks = registered_blocks(model, self.mode, least=2)
+        residual_chain(model, blocks, self.mode, "hidden_states")  # the name its hooks read, whatever the block's
         return blocks
 
     def describe_wrapped(self, names):
@@ -447,8 +233,8 @@ class MagCache(CacheBehaviour, MagCacheDeclaration):
              "and the cached residual added")
 
     def wrapped(self, model):
-        blocks = _registered_blocks(model, self.mode, least=1)
-        _residual_chain(model, blocks, self.mode, None)
+        blocks = registered_blocks(model, self.mode, least=1)
+        residual_chain(model, blocks, self.mode, None)
         return blocks
 
     def describe_wrapped(self, names):
@@ -479,11 +265,11 @@ class SeaCache(CacheBehaviour, SeaCacheDeclaration):
         adapted = isinstance(model, Cosmos3OmniTransformer) or (
             isinstance(model, WanTransformer3DModel) and model.config.in_channels == model.config.out_channels)
         if not adapted:
-            raise _Unsupported(
+            raise Unsupported(
                 f"'cache sea' needs a raw_vision_callback (a Python function, which a script cannot hold) except on "
                 f"the models diffusers has an adapter for: Cosmos3OmniTransformer, and WanTransformer3DModel with "
                 f"in_channels == out_channels (text-to-video); {type(model).__name__} is not one")
-        blocks = _registered_blocks(model, self.mode, least=1)
+        blocks = registered_blocks(model, self.mode, least=1)
         return blocks if not isinstance(model, Cosmos3OmniTransformer) else [("", model)]
 
 
@@ -495,7 +281,7 @@ class TextKVCache(CacheBehaviour, TextKVCacheDeclaration):
 
         blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, NucleusMoEImageTransformerBlock)]
         if not blocks:
-            raise _Unsupported(f"'cache text_kv' hooks NucleusMoEImageTransformerBlock blocks (the only ones whose "
+            raise Unsupported(f"'cache text_kv' hooks NucleusMoEImageTransformerBlock blocks (the only ones whose "
                                f"attention reads cached text keys and values); {type(model).__name__} has none")
         return blocks
 
@@ -518,7 +304,7 @@ class TaylorSeerCache(CacheBehaviour, TaylorSeerCacheDeclaration):
         found = [(name, m) for name, m in model.named_modules()
                  if any(regexes.fullmatch(regexes.compile_regex(p), name) for p in (*inactive, *active))]
         if not found:
-            raise _Unsupported(f"'cache taylorseer' hooks the modules whose names fully match "
+            raise Unsupported(f"'cache taylorseer' hooks the modules whose names fully match "
                                f"{', '.join(active + inactive)}; {type(model).__name__} has none (give "
                                "cache_identifiers=\"...\" naming its attention modules)")
         return found
@@ -529,12 +315,6 @@ class TaylorSeerCache(CacheBehaviour, TaylorSeerCacheDeclaration):
         for name in ("skip_predict_identifiers", "cache_identifiers"):
             kwargs[name] = list(parse_patterns(kwargs[name], name)) or None
         return kwargs
-
-
-def _timestep_callback(guard):
-    if guard is None:
-        return lambda: 0.0  # planning: the config is only built to run diffusers' own checks
-    return guard.current_timestep
 
 
 class PyramidBroadcastCache(CacheBehaviour, PyramidBroadcastCacheDeclaration):
@@ -565,7 +345,7 @@ class PyramidBroadcastCache(CacheBehaviour, PyramidBroadcastCacheDeclaration):
     def wrapped(self, model):
         fields = self._config_fields()
         found = []
-        for name, module in _attention_modules(model):
+        for name, module in attention_modules(model):
             cross = bool(getattr(module, "is_cross_attention", False))
             for kind in ("spatial", "temporal", "cross"):
                 if fields[f"{kind}_attention_block_skip_range"] is None or (kind == "cross") != cross:
@@ -575,14 +355,14 @@ class PyramidBroadcastCache(CacheBehaviour, PyramidBroadcastCacheDeclaration):
                     found.append((name, module))
                     break
         if not found:
-            raise _Unsupported(
+            raise Unsupported(
                 f"'cache pyramid_broadcast' hooks diffusers attention modules (Attention, AttentionModuleMixin) "
                 f"whose names match the block identifiers and whose kind (self or cross attention) has a skip "
                 f"range; {type(model).__name__} has none")
         return found
 
     def config_kwargs(self, model, guard):
-        return dict(self._config_fields(), current_timestep_callback=_timestep_callback(guard))
+        return dict(self._config_fields(), current_timestep_callback=timestep_callback(guard))
 
 
 class FasterCache(CacheBehaviour, FasterCacheDeclaration):
@@ -611,7 +391,7 @@ class FasterCache(CacheBehaviour, FasterCacheDeclaration):
 
         fields = self._fields()
         found = []
-        for name, module in _attention_modules(model):
+        for name, module in attention_modules(model):
             if not any(re.search(p, name) for p in fc._TRANSFORMER_BLOCK_IDENTIFIERS):
                 continue
             cross = bool(getattr(module, "is_cross_attention", False))
@@ -623,7 +403,7 @@ class FasterCache(CacheBehaviour, FasterCacheDeclaration):
             if spatial or temporal:
                 found.append((name, module))
         if not found:
-            raise _Unsupported(
+            raise Unsupported(
                 f"'cache faster' hooks diffusers self-attention modules inside blocks whose names match the "
                 f"spatial/temporal identifiers; {type(model).__name__} has none")
         return found
@@ -683,5 +463,5 @@ class FasterCache(CacheBehaviour, FasterCacheDeclaration):
         kwargs = self._fields()
         weight = kwargs.pop("attention_weight")
         kwargs["attention_weight_callback"] = lambda _module, w=weight: w
-        kwargs["current_timestep_callback"] = _timestep_callback(guard)
+        kwargs["current_timestep_callback"] = timestep_callback(guard)
         return kwargs
