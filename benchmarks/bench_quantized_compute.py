@@ -1,6 +1,8 @@
 """Quantized compute against float and against torchao, side by side in one run, on this CPU.
 
-    /work/wt/venv-torchao/bin/python benchmarks/bench_quantized_compute.py [--rounds 5] [--quick]
+    python -m venv /tmp/vt && /tmp/vt/bin/pip install torch==2.13.0 && \
+        /tmp/vt/bin/pip install -c requirements/constraints.txt -e '.[bench]' torchao==0.18.0
+    /tmp/vt/bin/python benchmarks/bench_quantized_compute.py [--rounds 5] [--quick]
 
 (any environment with torch 2.13; torchao's columns need torchao installed there: never in the
 project's environment, where diffusers would import it on every import).  Writes
@@ -433,8 +435,9 @@ def render(data: dict) -> str:
             f"load average {data['load before'][0]:.1f} before, {data['load after'][0]:.1f} after (a shared "
             f"machine: ratios compare calls made in turn).  Memory read bandwidth (one thread, the floor's "
             f"denominator): {data['bandwidth GB/s']:.1f} GB/s.\n\n"
-            "Command: `/work/wt/venv-torchao/bin/python benchmarks/bench_quantized_compute.py"
-            f" --rounds {data['rounds']}` (bandwidth: the best of 5 `torch.ones(1 << 28).sum()`, in the same run).\n")
+            "Command: `python benchmarks/bench_quantized_compute.py"
+            f" --rounds {data['rounds']}`, in a venv with torchao {data['torchao']} beside the project's stack (the module "
+            "docstring says how to make one; bandwidth: the best of 5 `torch.ones(1 << 28).sum()`, in the same run).\n")
     text += "\n## Targets\n\n" + targets(data) + "\n"
     text += f"\n## Layers, prefill ({PREFILL} tokens, float32 input; times in ms)\n\n" + table(data["prefill layers"])
     text += ("\n\n`w8a8 fallback`: the same layer built with the CPU's int8 dot-product flags hidden "

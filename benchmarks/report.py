@@ -552,11 +552,16 @@ def quantized_compute_section() -> str:
     if not page.exists():
         return ("\nNot yet measured: `benchmarks/bench_quantized_compute.py` writes "
                 "`benchmarks/results/quantized_compute.md`.\n")
-    text = page.read_text()
-    measured = next((line for line in text.splitlines() if line.startswith("Measured ")), "")
-    targets = text.split("## Targets\n", 1)[1].split("\n## ", 1)[0] if "## Targets\n" in text else ""
-    return (f"\n{measured}\n{targets.rstrip()}\n\nDetails (per layer, whole models, the crossover, imports): "
-            "[results/quantized_compute.md](results/quantized_compute.md).\n")
+    # The latest run, then earlier runs on other kinds of CPU kept beside it (quantized_compute-<cpu>.md):
+    # the kernels' speed follows the CPU's instructions, so each CPU keeps its own figures.
+    out = ""
+    for each in [page, *sorted((HERE / "results").glob("quantized_compute-*.md"))]:
+        text = each.read_text()
+        measured = next((line for line in text.splitlines() if line.startswith("Measured ")), "")
+        targets = text.split("## Targets\n", 1)[1].split("\n## ", 1)[0] if "## Targets\n" in text else ""
+        out += (f"\n{measured}\n{targets.rstrip()}\n\nDetails (per layer, whole models, the crossover, imports): "
+                f"[results/{each.name}](results/{each.name}).\n")
+    return out
 
 
 def gaps_section(rows: list[dict]) -> str:

@@ -233,8 +233,12 @@ def test_w8a8_note_when_the_cpu_has_no_int8_dot_products():
         assert "float32" in step.device_note and "weight_only=true" in step.device_note
         assert os.environ[capabilities.HIDE_FLAGS_ENV]
     assert capabilities.HIDE_FLAGS_ENV not in os.environ
+    with capabilities.hidden_cpu_flags("amx_bf16"):
+        step = transformdsl.plan(models.tiny_llama(), "quantize w8a8").steps[0]
+        assert (step.device_note is None) == capabilities.cpu_int8_dot()
     step = transformdsl.plan(models.tiny_llama(), "quantize w8a8").steps[0]
-    assert (step.device_note is None) == capabilities.cpu_int8_dot()
+    if capabilities.cpu_int8_dot() and "amx_bf16" in capabilities.cpu_flags():  # AMX: bfloat16 is as fast
+        assert "a bfloat16 layer runs about as fast as these int8 layers or faster" in step.device_note
 
 
 def test_packed_weight_only_notes():

@@ -44,13 +44,23 @@ def int8_note(device_type: str) -> str | None:
 
 
 def w8a8_note(device_type: str) -> str | None:
-    """What ``quantize w8a8`` costs on ``device_type`` where it has no fast int8 matmul, or None.
+    """What ``quantize w8a8`` costs on ``device_type`` where it has no fast int8 matmul, or where a
+    bfloat16 model is as fast (AMX bf16 tiles); None where it is the fast choice.
 
-    The figures: ``benchmarks/bench_quantized_compute.py`` on an AMD EPYC with avx512_vnni (square
-    layers of width 3072-4096, 512 tokens, one thread), the fallback measured there with the int8
-    dot-product flags hidden."""
-    if device_type != "cpu" or w8a8_kernel("cpu") == "int_mm":
+    The figures: ``benchmarks/bench_quantized_compute.py`` on an AMD EPYC with avx512_vnni and an
+    Intel Xeon with AMX (square layers of width 3072-4096, 512 tokens, one thread), the fallback
+    measured with the int8 dot-product flags hidden."""
+    if device_type != "cpu":
         return None
+    if w8a8_kernel("cpu") == "int_mm":
+        if "amx_bf16" not in cpu_flags():
+            return None
+        # Measured on an Intel Xeon with AMX (bench_quantized_compute.py, one thread, 512 tokens): w8a8
+        # 0.27x / 0.20x fp32 at width 3072 / 4096, and a bfloat16 layer 0.18x / 0.20x.
+        return ("this CPU multiplies bfloat16 in AMX tiles (amx_bf16): a bfloat16 layer runs about as fast as these "
+                "int8 layers or faster (measured 1.0-1.5× the bf16 layer's time, 0.20-0.27× fp32, width 3072-4096, "
+                "512 tokens; benchmarks/results/quantized_compute.md): w8a8 halves the weight bytes of bfloat16; "
+                "for speed alone model.to(torch.bfloat16) is enough here")
     return ("this CPU has no int8 dot-product instructions (avx512_vnni, avx_vnni, amx_int8): torch._int_mm "
             "runs ~35× slower than fp32 on such a CPU, so these layers multiply their int8 values in float32 "
             "(same results up to float rounding), measured 1.0-1.6× the fp32 layer; 'quantize int8 "
