@@ -404,10 +404,11 @@ def _wan_call(model, inputs, timestep):
 
 def test_faster_plan_says_what_each_call_must_give():
     text = str(transformdsl.plan(models.tiny_flux(), "cache faster"))
-    assert "a denoising loop's first call must be at a timestep outside (-1, 681)" in text
     assert "each call carries the unconditional and conditional batches concatenated" in text
+    assert "first call must be at a timestep" not in text  # with CFG the first call computes (diffusers' rule)
     text = str(transformdsl.plan(models.tiny_flux(), "cache faster is_guidance_distilled=true"))
-    assert "first call must be at a timestep" in text and "batches concatenated" not in text
+    assert "a denoising loop's first call must be at a timestep outside (-1, 681)" in text
+    assert "batches concatenated" not in text
 
 
 def test_faster_says_what_its_hooks_assume_of_a_call_before_they_fail_inside():
@@ -438,6 +439,22 @@ def test_faster_says_what_its_hooks_assume_of_a_call_before_they_fail_inside():
     with pytest.raises(CacheContextError, match="expects the unconditional and conditional batches concatenated .* "
                                                 "an even batch; this call's is 1"):
         _wan_call(cfg, inputs, 999)
+    # With the CFG batch a loop may start inside the reuse range (an img2img at low strength): diffusers'
+    # hooks compute on the first call there, and the guard lets it through.
+    args, kwargs = inputs if isinstance(inputs, tuple) else ((), inputs)
+    doubled = {k: torch.cat([v, v]) if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == 1 else v
+               for k, v in kwargs.items()}
+    cfg._reset_stateful_cache()
+    for t in (400, 300, 200, 100):
+        _wan_call(cfg, (args, doubled), t)
+
+
+def test_an_identifier_list_is_capped_since_its_quoted_commas_escape_the_selector_cap():
+    """2,000 plain patterns in one quoted option planned for 9 s on the tiny Flux (each matched against every
+    module); a quoted list's commas do not count toward the script's selector cap."""
+    patterns = ",".join(f"blk{i}" for i in range(2000))
+    assert "2000 regular expressions; the limit is 64" in plan_error(
+        models.tiny_flux(), f'cache taylorseer cache_identifiers="{patterns}"')
 
 
 @pytest.mark.parametrize("ratios", ["1e309,1", "nan,1", "1,0", "1,-0.5"])

@@ -400,6 +400,19 @@ def test_a_save_killed_while_writing_its_marker_is_removed_by_the_next(tmp_path,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
 
+@pytest.mark.parametrize("marker", ["", "91", None], ids=["empty marker", "partial marker", "no marker"])
+def test_a_temporary_named_as_ours_of_a_running_process_is_left_alone(tmp_path, marker):
+    """The same leftovers as above, named by a process that is still running (this one): a save in progress."""
+    from transformdsl.persist.atomic import _boot_tag
+
+    running = tmp_path / f".model.tmp-{os.getpid()}.{_boot_tag()}.abcd1234"
+    running.mkdir()
+    if marker is not None:
+        (running / ".transformdsl-incomplete").write_text(marker)
+    transformdsl.save(torch.nn.Linear(4, 4), tmp_path / "model")
+    assert running.exists()
+
+
 def test_a_temporary_directory_of_a_running_save_is_left_alone(tmp_path):
     model = torch.nn.Linear(4, 4)
     running = tmp_path / ".model.tmp-running"

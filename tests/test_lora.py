@@ -426,6 +426,16 @@ def test_a_lora_with_non_finite_values_is_refused_and_the_model_left_as_it_was(t
     assert torch.equal(models.run(flux), before)
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16])
+def test_a_lora_stored_in_a_narrow_float_dtype_applies(tmp_path, dtype):
+    """isfinite has no float8_e4m3fn kernel: the finiteness check widened it first (the LoRA failed to apply)."""
+    flux = models.tiny_flux()
+    before = flux.transformer_blocks[0].attn.to_q.weight.detach().clone()
+    sd = {k: v.to(dtype) for k, v in diffusers_lora(flux, "transformer", ["transformer_blocks.0.attn.to_q"]).items()}
+    transformdsl.transform(flux, script(write(tmp_path, sd)))
+    assert not torch.equal(flux.transformer_blocks[0].attn.to_q.weight, before)
+
+
 def test_several_named_loras_and_an_unknown_name(tmp_path):
     flux = models.tiny_flux()
     a = write(tmp_path, diffusers_lora(flux, "transformer", linears(flux, "attn.to_q"), seed=1), "a.safetensors")

@@ -229,7 +229,7 @@ def test_int4_weight_only_false_is_refused_with_the_fix():
 def test_w8a8_note_when_the_cpu_has_no_int8_dot_products():
     with capabilities.hidden_cpu_flags(*capabilities.INT8_DOT_FLAGS):
         step = transformdsl.plan(models.tiny_llama(), "quantize w8a8").steps[0]
-        assert step.device_note == device_notes.w8a8_note("cpu")
+        assert step.device_note == device_notes.w8a8_note("cpu", {"float32"})
         assert "float32" in step.device_note and "weight_only=true" in step.device_note
         assert os.environ[capabilities.HIDE_FLAGS_ENV]
     assert capabilities.HIDE_FLAGS_ENV not in os.environ
@@ -239,6 +239,18 @@ def test_w8a8_note_when_the_cpu_has_no_int8_dot_products():
     step = transformdsl.plan(models.tiny_llama(), "quantize w8a8").steps[0]
     if capabilities.cpu_int8_dot() and "amx_bf16" in capabilities.cpu_flags():  # AMX: bfloat16 is as fast
         assert "a bfloat16 layer runs about as fast as these int8 layers or faster" in step.device_note
+
+
+def test_w8a8_note_on_a_cpu_with_amx_bf16_tiles(monkeypatch):
+    """Measured on an Intel Xeon with AMX: a bfloat16 layer is as fast as w8a8 or faster; the note says so
+    (and, for a model already in bfloat16, that w8a8 saves bytes, not time).  Faked flags: runs anywhere."""
+    monkeypatch.setattr(device_notes, "w8a8_kernel", lambda device: "int_mm")
+    monkeypatch.setattr(device_notes, "cpu_flags", lambda: frozenset({"amx_int8", "amx_bf16"}))
+    assert "for speed alone model.to(torch.bfloat16) is enough here" in device_notes.w8a8_note("cpu", {"float32"})
+    assert "w8a8 halves their weight bytes, not their time" in device_notes.w8a8_note("cpu", {"bfloat16"})
+    monkeypatch.setattr(device_notes, "cpu_flags", lambda: frozenset({"avx512_vnni"}))
+    assert device_notes.w8a8_note("cpu", {"float32"}) is None  # VNNI without AMX bf16: w8a8 is the fast choice
+    assert device_notes.w8a8_note("cuda", {"float32"}) is None
 
 
 def test_packed_weight_only_notes():

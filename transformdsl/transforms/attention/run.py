@@ -234,26 +234,19 @@ class AttentionBehaviour:
     def finalize(cls, root: nn.Module, record: dict, options: Any) -> None:
         """Set the backend again on the loaded model, if this machine can run it (else LoadError, or the fallback).
 
-        The backend is the statement's, never the record's alone: a record that names another backend,
-        modules the model does not have, or other attention modules than the model's is refused (an
-        edited file must not choose what runs, e.g. a backend that downloads its kernel)."""
+        The backend is the statement's, never the record's alone: a record that names another backend or
+        targets the model does not have is refused (an edited file must not choose what runs, e.g. a
+        backend that downloads its kernel)."""
         library, backend = cls.library, cls.backend
         where = f"the record of 'attention {cls.mode}'"
         if (record.get("library"), record.get("backend")) != (library, backend):
             raise LoadError(f"{where} names backend {str(record.get('backend'))[:60]!r} "
                             f"({str(record.get('library'))[:20]}), not the statement's '{backend}' ({library}): "
                             "transformdsl.json was edited or is corrupt; save the model again")
-        targets, modules = recorded_targets(root, record, cls.key()), record.get("modules")
-        if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):
-            raise LoadError(f"{where} has no list of attention modules: transformdsl.json was edited or is "
-                            "corrupt; save the model again")
-        expected = [m for path, model in targets for m in _backend_modules(model, library, path)]
-        if sorted(expected) != sorted(modules):
-            missing, extra = sorted(set(modules) - set(expected)), sorted(set(expected) - set(modules))
-            raise LoadError(f"{where} lists other attention modules than the loaded model has (saved only: "
-                            f"{', '.join(m[:80] for m in missing[:3]) or 'none'}; here only: "
-                            f"{', '.join(m[:80] for m in extra[:3]) or 'none'}): transformdsl.json was edited or "
-                            "belongs to another model")
+        # The modules it applies to are the statement's targets' attention modules on the loaded model (the
+        # record's list of them is informative: a processor the user wrapped, or another diffusers version,
+        # may change it, and it chooses nothing).
+        targets = recorded_targets(root, record, cls.key())
         for path, model in targets:
             try:
                 requirements(model, library, backend)
@@ -268,13 +261,6 @@ class AttentionBehaviour:
                     "`with transformdsl.transforms.attention.FALLBACK.turned(True): transformdsl.load(...)` "
                     "(or TRANSFORMDSL_ATTENTION_FALLBACK=1)") from None
             set_backend(model, library, backend, None, path)
-
-
-def _backend_modules(model: nn.Module, library: str, prefix: str) -> list[str]:
-    """The paths :func:`set_backend` sets the backend on (as it returns them)."""
-    if library == "diffusers":
-        return [f"{prefix}.{path}".strip(".") if path else prefix for path, _ in diffusers_attention(model)]
-    return [prefix]
 
 
 def set_backend(model: nn.Module, library: str, backend: str, edit, prefix: str) -> list[str]:

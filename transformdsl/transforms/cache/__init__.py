@@ -40,9 +40,17 @@ def parse_range(text: str, name: str) -> tuple[int, int]:
     return low, high
 
 
+#: The most regular expressions an identifier list takes: each is matched against every module while
+#: planning, and a quoted list's commas do not count toward the script's selector cap.
+MAX_PATTERNS = 64
+
+
 def parse_patterns(text: str, name: str) -> tuple[str, ...]:
     """``"a.*,b"`` -> ``("a.*", "b")`` (regular expressions, each checked); ``""`` -> ``()``."""
     patterns = tuple(p.strip() for p in str(text).split(",") if p.strip())
+    if len(patterns) > MAX_PATTERNS:
+        raise ValueError(f"{name}: {len(patterns)} regular expressions; the limit is {MAX_PATTERNS} (each is matched "
+                         "against every module; one alternation 'a|b|c' names several)")
     for pattern in patterns:
         try:
             re.compile(pattern)

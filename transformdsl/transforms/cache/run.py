@@ -411,13 +411,12 @@ class FasterCache(CacheBehaviour, FasterCacheDeclaration):
     def call_notes(self):
         low, high = parse_range(self.options.spatial_attention_timestep_skip_range,
                                 "spatial_attention_timestep_skip_range")
-        notes = [f"a denoising loop's first call must be at a timestep outside ({low}, {high}) (pipelines start "
-                 "above it; an img2img at low strength may not)"]
-        if not self.options.is_guidance_distilled:
-            notes.append(f"each call carries the unconditional and conditional batches concatenated (an even batch, "
-                         f"as CFG pipelines call it) with hidden_states in {self.options.tensor_format}; a "
-                         "guidance-distilled model (Flux) takes is_guidance_distilled=true")
-        return notes
+        if self.options.is_guidance_distilled:
+            return [f"a denoising loop's first call must be at a timestep outside ({low}, {high}) (pipelines start "
+                    "above it; an img2img at low strength may not)"]
+        return [f"each call carries the unconditional and conditional batches concatenated (an even batch, as CFG "
+                f"pipelines call it) with hidden_states in {self.options.tensor_format}; a guidance-distilled model "
+                "(Flux) takes is_guidance_distilled=true"]
 
     def call_check(self):
         distilled = self.options.is_guidance_distilled
@@ -430,10 +429,11 @@ class FasterCache(CacheBehaviour, FasterCacheDeclaration):
                 self.options.temporal_attention_timestep_skip_range, "temporal_attention_timestep_skip_range")))
 
         def check(guard, args: tuple, kwargs: dict) -> str | None:
-            if guard.calls == 0 and guard.timestep is not None and guard.timestep[0] is not None:
-                # The attention hooks reuse their last outputs within these timesteps from the first call on,
-                # and on the first call there are none yet (diffusers fails with "'NoneType' object is not
+            if distilled and guard.calls == 0 and guard.timestep is not None and guard.timestep[0] is not None:
+                # Guidance-distilled, the attention hooks reuse their last outputs within these timesteps from
+                # the first call on, and there are none yet (diffusers fails with "'NoneType' object is not
                 # subscriptable"); a pipeline starts at a high timestep, an img2img at low strength may not.
+                # (With CFG they compute on the first call: it sets the batch size they compare against.)
                 timestep = guard.current_timestep()
                 for name, (low, high) in ranges:
                     if low < timestep < high:

@@ -139,7 +139,8 @@ def convert(state: dict[str, torch.Tensor], root: nn.Module, component: str, fil
         for part in ("lora_A", "lora_B"):
             tensor = parts[part]
             if isinstance(tensor, torch.Tensor) and not tensor.is_meta and tensor.is_floating_point() \
-                    and not bool(torch.isfinite(tensor).all()):
+                    and not bool(torch.isfinite(tensor if tensor.element_size() > 1 else tensor.float()).all()):
+                # (isfinite has no float8 kernel: those, a byte each, are widened first)
                 raise TransformError(f"{file}: module '{module}': its {part} holds NaN or infinite values "
                                      "(the model would compute NaN)")
         out[module] = Pair(parts["lora_A"], parts["lora_B"], alpha)

@@ -59,7 +59,7 @@ class W8A8Quantization(QuantizeBehaviour, W8A8Declaration):
         from .device_notes import w8a8_note
 
         device = targets_device_type(tree, targets)
-        return w8a8_note(device) if device else None
+        return w8a8_note(device, _target_dtypes(tree, targets)) if device else None
 
     @classmethod
     def export(cls, step, out) -> None:

@@ -43,7 +43,7 @@ def int8_note(device_type: str) -> str | None:
                   f"{faster}", alternative)
 
 
-def w8a8_note(device_type: str) -> str | None:
+def w8a8_note(device_type: str, dtypes: set[str] = frozenset()) -> str | None:
     """What ``quantize w8a8`` costs on ``device_type`` where it has no fast int8 matmul, or where a
     bfloat16 model is as fast (AMX bf16 tiles); None where it is the fast choice.
 
@@ -57,10 +57,14 @@ def w8a8_note(device_type: str) -> str | None:
             return None
         # Measured on an Intel Xeon with AMX (bench_quantized_compute.py, one thread, 512 tokens): w8a8
         # 0.27x / 0.20x fp32 at width 3072 / 4096, and a bfloat16 layer 0.18x / 0.20x.
+        measured = ("(measured 1.0-1.5× the bf16 layer's time, 0.20-0.27× fp32, width 3072-4096, 512 tokens; "
+                    "benchmarks/results/quantized_compute.md)")
+        if dtypes and dtypes <= {"bfloat16"}:
+            return ("this CPU multiplies bfloat16 in AMX tiles (amx_bf16): these bfloat16 layers ran about as fast "
+                    f"as their int8 replacements or faster {measured}; w8a8 halves their weight bytes, not their time")
         return ("this CPU multiplies bfloat16 in AMX tiles (amx_bf16): a bfloat16 layer runs about as fast as these "
-                "int8 layers or faster (measured 1.0-1.5× the bf16 layer's time, 0.20-0.27× fp32, width 3072-4096, "
-                "512 tokens; benchmarks/results/quantized_compute.md): w8a8 halves the weight bytes of bfloat16; "
-                "for speed alone model.to(torch.bfloat16) is enough here")
+                f"int8 layers or faster {measured}: w8a8 halves the weight bytes of bfloat16; for speed alone "
+                "model.to(torch.bfloat16) is enough here")
     return ("this CPU has no int8 dot-product instructions (avx512_vnni, avx_vnni, amx_int8): torch._int_mm "
             "runs ~35× slower than fp32 on such a CPU, so these layers multiply their int8 values in float32 "
             "(same results up to float rounding), measured 1.0-1.6× the fp32 layer; 'quantize int8 "
