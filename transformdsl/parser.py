@@ -139,10 +139,11 @@ def parse(text: str, filename: str | None = None) -> Script:
 def _check_counts(text: str, filename: str | None) -> None:
     """Refuse, before parsing, scripts with more statements, selectors or options than
     :data:`MAX_STATEMENTS` / :data:`MAX_LIST_ITEMS` (planning cost grows with each)."""
-    code = _without_comments(text)
+    pieces = _code_pieces(text)
+    code = "".join(pieces)
     # A comma inside a quoted value (a cache's mag_ratios="1.0,0.98,...") separates no selectors:
     # that value is one string, bounded by the script's length.
-    commas = sum(piece.count(",") for piece in _COMMENT_SCAN_RE.findall(code) if piece[:1] not in "\"'")
+    commas = sum(piece.count(",") for piece in pieces if piece[:1] not in "\"'")
     counts = (("statements", _pieces(code), MAX_STATEMENTS),
               ("commas (selectors)", commas, MAX_LIST_ITEMS),
               ("'=' signs (options)", code.count("="), MAX_LIST_ITEMS))
@@ -153,11 +154,11 @@ def _check_counts(text: str, filename: str | None) -> None:
                                        "cost grows with each)", [span])], text)
 
 
-def _without_comments(text: str) -> str:
-    """``text`` without its comments, in one linear pass and without parsing (a ``#`` inside a
-    quoted string is not a comment).  Where a quote is left open the rest of its line is kept:
-    the counts stay upper bounds."""
-    return "".join(m.group() for m in _COMMENT_SCAN_RE.finditer(text) if not m.group().startswith("#"))
+def _code_pieces(text: str) -> list[str]:
+    """``text`` without its comments, as the pieces of one linear pass without parsing: quoted strings
+    (a ``#`` inside one is not a comment) and the code between them.  Where a quote is left open the
+    rest of its line is kept: the counts stay upper bounds."""
+    return [piece for piece in _COMMENT_SCAN_RE.findall(text) if not piece.startswith("#")]
 
 
 def _pieces(text: str) -> int:
