@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import transformdsl
+from tests.saved_files import edit_meta
 from transformdsl import models
 from transformdsl.errors import LoadError, ScriptError
 from transformdsl.transforms import attention
@@ -127,10 +128,7 @@ def test_an_edited_attention_record_is_refused_on_load(tmp_path, field, value, e
     model = models.tiny_flux()
     transformdsl.transform(model, "attention native_math")
     transformdsl.save(model, tmp_path / "m")
-    meta_path = tmp_path / "m" / "transformdsl.json"
-    meta = json.loads(meta_path.read_text())
-    meta["steps"][0]["record"][field] = value
-    meta_path.write_text(json.dumps(meta))
+    edit_meta(tmp_path / "m", ("steps", 0, "record", field), value)
     with pytest.raises(LoadError) as info:
         transformdsl.load(tmp_path / "m")
     assert expected in str(info.value)
@@ -161,10 +159,7 @@ def test_the_records_list_of_attention_modules_chooses_nothing_on_load(tmp_path)
     model = models.tiny_flux()
     transformdsl.transform(model, "attention native_math")
     transformdsl.save(model, tmp_path / "m")
-    meta_path = tmp_path / "m" / "transformdsl.json"
-    meta = json.loads(meta_path.read_text())
-    meta["steps"][0]["record"]["modules"] = ["x.y"]
-    meta_path.write_text(json.dumps(meta))
+    edit_meta(tmp_path / "m", ("steps", 0, "record", "modules"), ["x.y"])
     assert backends(transformdsl.load(tmp_path / "m")) == {"AttentionBackendName._NATIVE_MATH"}
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import transformdsl
+from tests.saved_files import edit_meta
 from tests.zoo import corpus
 from transformdsl import models
 from transformdsl.errors import ScriptError
@@ -361,17 +362,12 @@ def test_options_left_none_reload(tmp_path):
 ], ids=["options", "targets"])
 def test_an_edited_cache_record_is_refused_on_load(tmp_path, field, value, expected):
     """The cache enabled on load is the saved statement's, checked: the record alone chooses nothing."""
-    import json
-
     from transformdsl.errors import LoadError
 
     model = models.tiny_flux()
     transformdsl.transform(model, "cache first_block threshold=0.2")
     transformdsl.save(model, tmp_path / "m")
-    meta_path = tmp_path / "m" / "transformdsl.json"
-    meta = json.loads(meta_path.read_text())
-    meta["steps"][0]["record"][field] = value
-    meta_path.write_text(json.dumps(meta))
+    edit_meta(tmp_path / "m", ("steps", 0, "record", field), value)
     with pytest.raises(LoadError, match=expected):
         transformdsl.load(tmp_path / "m")
 

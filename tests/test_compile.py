@@ -136,16 +136,12 @@ def test_save_and_load_compile_again(tmp_path):
 
 def test_an_edited_compile_record_is_refused_on_load(tmp_path):
     """The options compiled with on load are the saved statement's: a record naming others is refused."""
-    import json
-
+    from tests.saved_files import edit_meta
     from transformdsl.errors import LoadError
 
     model = transformdsl.transform(models.tiny_llama(), "compile regional in *DecoderLayer fullgraph=false")
     transformdsl.save(model, tmp_path / "m")
-    meta_path = tmp_path / "m" / "transformdsl.json"
-    meta = json.loads(meta_path.read_text())
-    meta["steps"][0]["record"]["options"]["backend"] = "eager"
-    meta_path.write_text(json.dumps(meta))
+    edit_meta(tmp_path / "m", ("steps", 0, "record", "options", "backend"), "eager")
     with pytest.raises(LoadError, match="step 'compile regional' record options .* disagree with its options"):
         transformdsl.load(tmp_path / "m")
 

@@ -32,6 +32,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import transformdsl
+from tests.saved_files import edit_meta, read_meta, write_meta
 from transformdsl import LoadError, registry
 from transformdsl.extend import Transform
 from transformdsl.options import option
@@ -163,24 +164,6 @@ def assert_refused(directory: Path, match: str, *, template=None) -> LoadError:
     if template is not None:
         assert state_snapshot(template) == snapshot, "load() changed the template model"
     return caught.value
-
-
-def read_meta(directory: Path) -> dict:
-    return json.loads((directory / META_FILE).read_text())
-
-
-def write_meta(directory: Path, meta, name: str = META_FILE) -> None:
-    (directory / name).write_text(json.dumps(meta))
-
-
-def edit_meta(directory: Path, path: tuple, value) -> None:
-    """Set ``meta[path[0]][path[1]]... = value``."""
-    meta = read_meta(directory)
-    node = meta
-    for key in path[:-1]:
-        node = node[key]
-    node[path[-1]] = value
-    write_meta(directory, meta)
 
 
 def split_safetensors(path: Path) -> tuple[dict, bytes]:
