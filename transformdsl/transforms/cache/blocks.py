@@ -8,6 +8,7 @@ the plan shows as the statement's error.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 
@@ -54,19 +55,16 @@ def residual_chain(model: nn.Module, blocks: list[tuple[str, nn.Module]], mode: 
     from diffusers.hooks._common import _ALL_TRANSFORMER_BLOCK_IDENTIFIERS
     from diffusers.hooks._helpers import TransformerBlockRegistry
 
-    for _, block in blocks:
-        metadata = TransformerBlockRegistry.get(type(block))
+    for cls in dict.fromkeys(type(block) for _, block in blocks):  # each block class once, in order
+        metadata = TransformerBlockRegistry.get(cls)
         name = argument or getattr(metadata, "hidden_states_argument_name", "hidden_states")
-        parameters = list(inspect.signature(type(block).forward).parameters)[1:]
+        parameters = list(inspect.signature(cls.forward).parameters)[1:]
         if name not in parameters:
             raise Unsupported(
-                f"'cache {mode}' reads each block's '{name}' argument, and {type(block).__name__}.forward takes "
+                f"'cache {mode}' reads each block's '{name}' argument, and {cls.__name__}.forward takes "
                 f"{', '.join(parameters[:4])}{', ...' if len(parameters) > 4 else ''} (no {name}): its blocks are not "
                 "the hidden-states blocks this cache chains")
-    try:
-        source = inspect.getsource(type(model).forward)
-    except (OSError, TypeError):
-        source = ""
+    source = _forward_source(type(model))
     lists = sorted({path.split(".")[0] for path, _ in blocks} & set(_ALL_TRANSFORMER_BLOCK_IDENTIFIERS))
     for first in lists:
         for second in lists:
@@ -84,6 +82,16 @@ def residual_chain(model: nn.Module, blocks: list[tuple[str, nn.Module]], mode: 
                 f"'cache {mode}' subtracts the first block's output from the last block's, and here they differ: "
                 f"{type(both[1]).__name__} ({both[0]}) returns text and image states, {type(alone[1]).__name__} "
                 f"({alone[0]}) image states only")
+
+
+@functools.lru_cache(maxsize=64)
+def _forward_source(cls: type) -> str:
+    """``cls.forward``'s source ("" when unavailable); read once per class: planning asks for it at each
+    check, note and enable, and reading source takes milliseconds."""
+    try:
+        return inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return ""
 
 
 class Unsupported(Exception):
