@@ -62,7 +62,7 @@ def test_check_errors_go_to_stderr_as_file_line_col(capsys, script):
         f"{path}:1:1: unknown verb 'quantise' (did you mean 'quantize'?)",
         "   1 | quantise int8",
         "       ^^^^^^^^",
-        "  hint: verbs: attention, cache, compile, fp8, fuse, lora, quantize",
+        "  hint: verbs: attention, cache, calibrate, compile, fp8, fuse, lora, quantize",
         f"{path}:2:19: option 'fullgraph': expected true or false, got 'maybe'",
         "   2 | compile fullgraph=maybe",
         "                         ^^^^^",

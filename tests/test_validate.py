@@ -59,7 +59,8 @@ def test_valid(text):
 @pytest.mark.parametrize("text, options", [
     ("quantize nf4 compute=bf16", {"compute": "bfloat16", "double_quant": False, "blocksize": 64}),
     ("quantize nf4 compute=HALF blocksize=128", {"compute": "float16", "double_quant": False, "blocksize": 128}),
-    ("quantize int8 threshold=6", {"threshold": 6.0, "weight_only": False}),
+    ("quantize int8 threshold=6", {"method": "rtn", "damp": 0.01, "block_size": 128, "act_order": False,
+                                   "threshold": 6.0, "weight_only": False}),
     ("quantize hqq bits=8 group_size=32 axis=0", {"bits": 8, "group_size": 32, "axis": 0, "compute": "float32"}),
     ("compile mode=max-autotune fullgraph=true",
      {"fullgraph": True, "mode": "max-autotune", "dynamic": "auto", "backend": "inductor"}),
@@ -84,8 +85,8 @@ def test_common_options(text, common):
 
 # text -> (line, column, message, hint or None)
 INVALID = {
-    "quantise int8": (1, 1, "unknown verb 'quantise' (did you mean 'quantize'?)", "verbs: attention, cache, compile, fp8, fuse, lora, quantize"),
-    "frobnicate": (1, 1, "unknown verb 'frobnicate'", "verbs: attention, cache, compile, fp8, fuse, lora, quantize"),
+    "quantise int8": (1, 1, "unknown verb 'quantise' (did you mean 'quantize'?)", "verbs: attention, cache, calibrate, compile, fp8, fuse, lora, quantize"),
+    "frobnicate": (1, 1, "unknown verb 'frobnicate'", "verbs: attention, cache, calibrate, compile, fp8, fuse, lora, quantize"),
     "quantize int9": (1, 10, "unknown mode 'int9' for 'quantize' (did you mean 'int8'?)",
                       "'quantize' modes: fp4, hqq, int4, int8, nf4, w8a8"),
     "fuse qvk": (1, 6, "unknown mode 'qvk' for 'fuse' (did you mean 'qkv'?)", None),

@@ -93,7 +93,8 @@ def _log_device_notes(the_plan: Plan, log: Callable[[str], None] | None) -> None
 def transform(model: Any, script: str | Path | Script | ValidatedScript | Plan, *, progress: bool = False,
               log: Callable[[str], None] | None = None, verify: bool | float | str | dict = False,
               verify_inputs: tuple[tuple, dict] | list[tuple[tuple, dict]] | None = None, strict: bool = False,
-              undo: str = "auto", undo_budget: int | None = None, undo_dir: str | Path | None = None) -> Any:
+              undo: str = "auto", undo_budget: int | None = None, undo_dir: str | Path | None = None,
+              calibration: Any = None, tokenizer: Any = None) -> Any:
     """Apply ``script`` to ``model`` (an ``nn.Module`` or a diffusers pipeline); return the model.
 
     The model is changed in place and returned.  ``progress=True`` shows a progress bar
@@ -128,9 +129,17 @@ def transform(model: Any, script: str | Path | Script | ValidatedScript | Plan, 
     nameless temporary file in ``undo_dir`` (default: the system's temporary directory), freed when
     the transform ends, whatever way it ends.  Either way a rollback is bit-exact, and only
     originals that nothing but the undo log refers to leave memory.
+
+    ``calibration``: the inputs the statements that learn from data (``quantize int4 method=gptq``,
+    ``method=awq``, ``quantize w8a8 smooth=0.5``) fit on: an iterable of model inputs, each a tensor
+    (the first positional argument: token ids ``(1, seqlen)``), a mapping of forward keyword
+    arguments, or an ``(args, kwargs)`` pair; or the script's ``calibrate "PATH"`` statement
+    (text is tokenized with ``tokenizer``, default: the tokenizer saved beside the model).  The
+    data are read and checked before anything changes.  With ``verify`` and no ``verify_inputs``,
+    the guard measures on a held-out eighth of the samples, which the methods never fit on.
     """
     check_undo_options(undo, undo_budget)
-    the_plan = script if isinstance(script, Plan) else plan(model, script)
+    the_plan = script if isinstance(script, Plan) else plan(model, script, calibration=calibration is not None)
     if the_plan.skeletons:
         which = "the model's" if the_plan.skeletons == [""] else f"{', '.join(the_plan.skeletons)}'s"
         raise TransformError(f"{which} weights are all on the meta device (none loaded): load them before "
@@ -141,12 +150,26 @@ def transform(model: Any, script: str | Path | Script | ValidatedScript | Plan, 
     for line in idle:
         warnings.warn(line, NothingToDoWarning, stacklevel=2)
     _log_device_notes(the_plan, log)
+    components = module_components(model)
+    from .calibration import for_run
+
+    data = for_run(the_plan, components, calibration, tokenizer)
     checks = verification.checks(verify) or ([verification.Check()] if verify_inputs is not None else [])
+    if data is not None:
+        for line in data.warnings():
+            warnings.warn(line, UserWarning, stacklevel=2)
+            if log is not None:
+                log(line)
+        if checks and verify_inputs is None and len(data.samples) > 1:
+            data.split_heldout()
+            verify_inputs = list(data.heldout)
+            if log is not None:
+                log(f"verify: on {len(data.heldout)} held-out calibration sample(s) ({data.name}), which the methods "
+                    f"do not fit on; they fit on the other {len(data.samples)}")
     samples = verify_inputs if isinstance(verify_inputs, list) else [verify_inputs]
     if not samples:
         raise TransformError("verify_inputs=[] holds no sample: pass [(args, kwargs), ...] (nothing was changed)")
     reference = [verification.reference_output(model, sample) for sample in samples] if checks else None
-    components = module_components(model)
     edit = Edit(_undo_store(undo, undo_budget, undo_dir, components))
     applied: dict[str, list[AppliedStep]] = {}
     source, texts = recorded_text(the_plan)
@@ -161,7 +184,7 @@ def transform(model: Any, script: str | Path | Script | ValidatedScript | Plan, 
             root = components[step.component]
             before = parameter_bytes(root)
             started = time.perf_counter()
-            ctx = ApplyContext(root, edit, make_progress)
+            ctx = ApplyContext(root, edit, make_progress, calibration=data)
             record = apply_step(step, ctx, list(step.targets), "the model was left unchanged")
             if edit.store is not None:
                 edit.store.settle()

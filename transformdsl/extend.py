@@ -73,6 +73,10 @@ class ApplyContext:
     progress: Any
     #: Free space for a transform to leave facts for later statements of the same run.
     notes: dict = field(default_factory=dict)
+    #: The run's calibration data (:class:`transformdsl.calibration.CalibrationData`: a script's
+    #: ``calibrate`` statement, or ``transform(..., calibration=)``), or ``None``; a transform whose
+    #: :attr:`~Transform.needs_calibration` is true gets it.
+    calibration: Any = None
 
 
 class Transform:
@@ -119,6 +123,10 @@ class Transform:
     #: Whether ``convert`` can apply it to a model streamed block by block (``False``: it refuses the
     #: statement, naming it).
     streams: ClassVar[bool] = True
+    #: Whether :meth:`apply` learns from calibration data (``ctx.calibration``): the plan fails when a
+    #: script has neither a ``calibrate`` statement nor ``calibration=`` data for it.  A property
+    #: when it depends on the options (``quantize int4 method=gptq``).
+    needs_calibration: ClassVar[bool] = False
     #: ``quant_method`` values of a library checkpoint's ``quantization_config`` whose layers this
     #: transform rebuilds as its own (:meth:`import_checkpoint`): ``load(dir)`` reads such a checkpoint.
     quant_methods: ClassVar[tuple[str, ...]] = ()

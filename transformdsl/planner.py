@@ -162,7 +162,8 @@ class Plan:
         return render_plan(self)
 
 
-def plan(model: Any, script: str | Path | Script | ValidatedScript, *, component: str | None = None) -> Plan:
+def plan(model: Any, script: str | Path | Script | ValidatedScript, *, component: str | None = None,
+         calibration: bool = False) -> Plan:
     """Validate ``script`` and resolve it against ``model`` (an ``nn.Module`` or a pipeline).
 
     ``component``: ``model`` is that component of a pipeline, planned alone (``convert`` streams
@@ -174,9 +175,26 @@ def plan(model: Any, script: str | Path | Script | ValidatedScript, *, component
     that exclude each other, options that do not suit a selected module.
     """
     validated = script if isinstance(script, ValidatedScript) else validate(load_script(script))
+    _check_calibration_data(validated, calibration)
     planner = Planner(model, validated)
     planner.component_name = component if isinstance(model, nn.Module) else None
     return planner.run()
+
+
+def _check_calibration_data(validated: ValidatedScript, given: bool) -> None:
+    """A statement that learns from data, in a script without ``calibrate`` and with no
+    ``calibration=`` given: a plan error naming both fixes."""
+    from .calibration import missing_data_message, needs_data
+
+    if given or any(t.verb == "calibrate" for t in validated.steps):
+        return
+    problems = []
+    for transform in needs_data(validated.steps):
+        span = next((o.span for o in transform.statement.options if o.name in ("method", "smooth")),
+                    transform.statement.span)
+        problems.append(Problem(missing_data_message(transform), [span]))
+    if problems:
+        raise ScriptError(problems, validated.script.source)
 
 
 #: Selectors matching nothing for which the plan looks up the nearest names.

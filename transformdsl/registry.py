@@ -37,6 +37,7 @@ GROUP = "transformdsl.transforms"
 
 #: The built-in transforms: key → ``"module:Class"`` of its (torch-free) declaration.
 BUILTIN: dict[str, str] = {
+    "calibrate": "transformdsl.transforms.calibrate:Calibrate",
     "cache faster": "transformdsl.transforms.cache:FasterCache",
     "cache first_block": "transformdsl.transforms.cache:FirstBlockCache",
     "cache mag": "transformdsl.transforms.cache:MagCache",

@@ -61,6 +61,12 @@ SCRIPTS = {
     "fp8 native": "fp8 native",
     "quantize w8a8": "quantize w8a8",
     "quantize int4": "quantize int4 group_size=32",  # the smallest group: the tiny models' layers are narrow
+    # Methods that learn from data, calibrated on the cell's generated samples (the test input and the
+    # verify samples; the held-out sample stays unseen).
+    "quantize int4 method=gptq": "quantize int4 group_size=32 method=gptq",
+    "quantize int4 method=awq": "quantize int4 group_size=32 method=awq",
+    "quantize int8 weight_only method=gptq": "quantize int8 weight_only=true method=gptq",
+    "quantize w8a8 smooth=0.5": "quantize w8a8 smooth=0.5",
     "fuse qkv; quantize int8": "fuse qkv; quantize int8",
     "fuse bias_act_dropout": "fuse bias_act_dropout kernel=eager",
     "fuse bias_dropout_residual": "fuse bias_dropout_residual kernel=eager",
@@ -237,8 +243,9 @@ def _run_planned(cell, done, model, script, inputs, heldout, verify_samples, ref
     )
 
 
+    learns = "method=" in script or "smooth=" in script
     try:
-        plan = transformdsl.plan(model, script)
+        plan = transformdsl.plan(model, script, calibration=learns)
     except ScriptError as exc:
         if "matches no module" in str(exc) or "selects nothing" in str(exc):
             return done("not applicable", _first_line(exc))
@@ -259,7 +266,8 @@ def _run_planned(cell, done, model, script, inputs, heldout, verify_samples, ref
     tolerance = None if bound is None else METRICS[metric].tolerance(bound, reference)
 
     try:
-        transformdsl.transform(model, plan, verify=True, verify_inputs=verify_samples)
+        transformdsl.transform(model, plan, verify=True, verify_inputs=verify_samples,
+                               calibration=verify_samples if learns else None)
     except VerifyError as exc:
         cell["error"] = exc.report.value
         return done("refused by verify", _first_line(exc))

@@ -93,7 +93,7 @@ def convert(source: str | os.PathLike, script: Any, out: str | os.PathLike, *, c
                 meta_parameters_to(opened.skeleton, checkpoint)
             opened.skeleton.__dict__[WEIGHTS_PENDING] = True
             try:
-                the_plan = plan(opened.skeleton, script,
+                the_plan = plan(opened.skeleton, script, calibration=True,  # refused below, by statement
                                 component=located.name if located.pipeline is not None else None)
             finally:
                 del opened.skeleton.__dict__[WEIGHTS_PENDING]
@@ -329,6 +329,10 @@ def plan_units(root: nn.Module, the_plan: Plan, aliases: dict[str, str]) -> tupl
     steps = the_plan.steps
     source = the_plan.script.source
     for step in steps:
+        if step.transform.needs_calibration:
+            raise TransformError(f"line {step.statement.line}: '{step.text(source)}' learns from calibration data, "
+                                 "which convert does not stream yet: load the model, then transform(model, script, "
+                                 "calibration=...) and save it (nothing was written)")
         if not step.transform.streams:
             raise TransformError(f"line {step.statement.line}: '{step.text(source)}' cannot be applied block by "
                                  "block: convert without it, then load the result and transform it (nothing was "

@@ -31,15 +31,64 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)
 # --------------------------------------------------------------------------- options
 
 
+#: How a calibrated mode may round its weights (``method=``): to nearest, or learnt from data.
+METHODS = ("rtn", "gptq", "awq")
+#: GPTQ's options and their defaults: the reference implementation's (and llm-compressor's).
+GPTQ_DEFAULTS = {"damp": 0.01, "block_size": 128, "act_order": False}
+
+
 @dataclass(frozen=True)
-class Int8Options:
+class CalibratedOptions:
+    """The options of a mode whose weights may be rounded by a method that learns from calibration
+    data (``calibrate "PATH"`` in the script, or ``transform(..., calibration=DATA)``)."""
+
+    method: str = option("rtn", "how weights are rounded: rtn (to nearest), gptq (error compensation on "
+                         "calibration data)", choices=("rtn", "gptq"))
+    damp: float = option(0.01, "GPTQ: dampening added to the Hessian's diagonal, a fraction of its mean",
+                         min=0.0, max=1.0)
+    block_size: int = option(128, "GPTQ: columns rounded before their error is spread over the rest at once",
+                             min=1, max=8192)
+    act_order: bool = option(False, "GPTQ: round columns by decreasing input energy (diag of the Hessian), "
+                             "groups fixed beforehand")
+
+    def __post_init__(self):
+        if self.method != "gptq":
+            given = [f"{name}={getattr(self, name)}" for name, default in GPTQ_DEFAULTS.items()
+                     if getattr(self, name) != default]
+            if given:
+                raise ValueError(f"{', '.join(given)} tune GPTQ, and method={self.method}: add method=gptq, or drop "
+                                 f"{'them' if len(given) > 1 else 'it'}")
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether the mode learns from calibration data with these options."""
+        return self.method != "rtn"
+
+
+@dataclass(frozen=True)
+class Int8Options(CalibratedOptions):
     threshold: float = option(0.0, "LLM.int8 outlier threshold (0 = no outlier decomposition)", min=0.0)
     weight_only: bool = option(False, "int8 weights, float activations and matmul (W8A16) instead of LLM.int8")
 
     def __post_init__(self):
+        super().__post_init__()
         if self.weight_only and self.threshold:
             raise ValueError(f"threshold={self.threshold:g} is LLM.int8's activation outlier threshold; "
                              "weight_only=true never quantizes activations: drop one of the two")
+        if self.method != "rtn" and not self.weight_only:
+            raise ValueError(f"method={self.method} rounds int8 weights of our own layers: add weight_only=true "
+                             "(bitsandbytes' LLM.int8 layers quantize their weights themselves)")
+
+
+@dataclass(frozen=True)
+class W8A8Options(CalibratedOptions):
+    smooth: float = option(0.0, "SmoothQuant's migration strength alpha: moves activation outliers into the "
+                           "weights before quantizing (0: off; 0.5: the paper's default; needs calibration data)",
+                           min=0.0, max=1.0)
+
+    @property
+    def calibrated(self) -> bool:
+        return self.method != "rtn" or self.smooth > 0
 
 
 @dataclass(frozen=True)
@@ -80,6 +129,10 @@ class Quantize(Transform):
     runs_after = ("fuse *",)
     exclusive = "weights"
     summed_record_fields = ("bytes_before", "bytes_after")
+
+    @property
+    def needs_calibration(self) -> bool:  # depends on the options (see Transform.needs_calibration)
+        return bool(getattr(self.options, "calibrated", False))
 
 
 class Int8Quantization(Quantize):
@@ -139,13 +192,20 @@ class HQQQuantization(Quantize):
 
 
 @dataclass(frozen=True)
-class Int4Options:
+class Int4Options(CalibratedOptions):
+    method: str = option("rtn", "how weights are rounded: rtn (to nearest), gptq (error compensation on "
+                         "calibration data), awq (activation-aware scales and clipping on calibration data)",
+                         choices=METHODS)
+    awq_grid: int = option(20, "AWQ: points of its scale search and of its clipping search", min=2, max=100)
     group_size: int = option(128, "weights per (scale, zero) group along a row's inputs", choices=INT4_GROUP_SIZES)
     weight_only: bool = option(True, "int4 weights, bfloat16 activations (W4A16); false is not supported")
     compute: str = option("bfloat16", "dtype the matmul runs in (the packed CPU kernel takes bfloat16 only)",
                           kind="dtype")
 
     def __post_init__(self):
+        super().__post_init__()
+        if self.awq_grid != 20 and self.method != "awq":
+            raise ValueError(f"awq_grid={self.awq_grid} tunes AWQ, and method={self.method}: add method=awq, or drop it")
         if not self.weight_only:
             raise ValueError("int4 quantizes weights only (W4A16): int4 activations have no kernel here; "
                              "use weight_only=true, or 'quantize w8a8' for quantized activations")
@@ -157,6 +217,7 @@ class W8A8Quantization(Quantize):
     #: Per metric, as LLM.int8's (the same scheme without outliers): measured max 0.010-0.018 and rms
     #: ~0.01 on the built-in tiny models (random weights: the worst case for per-token rounding).
     error_bound = {"kl": 0.4, "top1": 0.2, "rms": 0.1, "max": 0.05}
+    Options = W8A8Options
     implementation = ".compute:W8A8Quantization"
 
 

@@ -76,6 +76,16 @@ class W8A8Quantization(QuantizeBehaviour, W8A8Declaration):
         return backend.Int8DynamicLinear.build(weight, bias)
 
     @classmethod
+    def calibration_grid(cls, options, weight):
+        from .int8_weight_only import RowGrid
+
+        return RowGrid(weight)
+
+    @classmethod
+    def build_on_grid(cls, backend, options, grid, weight, bias, weight_dtype):
+        return backend.Int8DynamicLinear(grid.codes(weight), grid.scale, bias, weight_dtype)
+
+    @classmethod
     def estimate_bytes(cls, options, in_features, out_features, bias, dtype):
         return in_features * out_features + 4 * out_features + (out_features * dtype.itemsize if bias else 0)
 
@@ -123,6 +133,17 @@ class Int4Quantization(QuantizeBehaviour, Int4Declaration):
     @classmethod
     def build(cls, backend, options, weight, bias, layer=None):
         return backend.Int4WeightOnlyLinear.build(weight, bias, options.group_size, DTYPES[options.compute])
+
+    @classmethod
+    def calibration_grid(cls, options, weight, low=None, high=None):
+        from .int4 import GroupGrid
+
+        return GroupGrid(weight, options.group_size, low, high)
+
+    @classmethod
+    def build_on_grid(cls, backend, options, grid, weight, bias, weight_dtype):
+        return backend.Int4WeightOnlyLinear(backend.pack_nibbles(grid.codes(weight)), grid.scale, grid.zero, bias,
+                                            options.group_size, DTYPES[options.compute], weight_dtype)
 
     @classmethod
     def estimate_bytes(cls, options, in_features, out_features, bias, dtype):

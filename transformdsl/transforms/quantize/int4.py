@@ -36,6 +36,18 @@ _EPS = 1e-6
 _CHUNK_ELEMENTS = 1 << 22
 
 
+def group_parameters(low: torch.Tensor, high: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, zero)`` in bfloat16 of groups whose values span ``[low, high]`` (float32)."""
+    s = ((high - low) / QMAX).clamp(min=_EPS).to(torch.bfloat16)
+    return s, (low + s.float() * MID).to(torch.bfloat16)
+
+
+def group_codes(chunk: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """Values 0..15 (float) of ``chunk`` (rows, groups, group_size) on the grid of ``(scale, zero)``."""
+    minimum = zero.float() - scale.float() * MID
+    return torch.round((chunk - minimum[..., None]) / scale.float()[..., None]).clamp_(0, QMAX)
+
+
 def quantize_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(values uint8 (out, in) in 0..15, scale bf16 (out, groups), zero bf16 (out, groups))``."""
     rows, cols = weight.shape
@@ -48,15 +60,48 @@ def quantize_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor
     step = max(1, _CHUNK_ELEMENTS // max(cols, 1))
     for start in range(0, rows, step):
         chunk = weight[start:start + step].detach().float().reshape(-1, groups, group_size)
-        low, high = chunk.amin(dim=2), chunk.amax(dim=2)
-        s = ((high - low) / QMAX).clamp(min=_EPS).to(torch.bfloat16)
-        z = (low + s.float() * MID).to(torch.bfloat16)
-        minimum = z.float() - s.float() * MID
-        q = torch.round((chunk - minimum[..., None]) / s.float()[..., None]).clamp_(0, QMAX)
-        values[start:start + step] = q.reshape(-1, cols).to(torch.uint8)
+        s, z = group_parameters(chunk.amin(dim=2), chunk.amax(dim=2))
+        values[start:start + step] = group_codes(chunk, s, z).reshape(-1, cols).to(torch.uint8)
         scale[start:start + step] = s
         zero[start:start + step] = z
     return values, scale, zero
+
+
+class GroupGrid:
+    """The int4 grid of one weight with its groups' ``(scale, zero)`` fixed up front: what GPTQ and
+    AWQ round onto (llm-compressor's GPTQ fixes them the same way, from the weight before any
+    update).  ``low``/``high`` (rows x groups) narrow the groups' ranges (AWQ's clipping)."""
+
+    def __init__(self, weight: torch.Tensor, group_size: int, low: torch.Tensor | None = None,
+                 high: torch.Tensor | None = None):
+        rows, cols = weight.shape
+        self.group_size = group_size
+        if low is None or high is None:
+            grouped = weight.float().reshape(rows, cols // group_size, group_size)
+            low, high = grouped.amin(dim=2), grouped.amax(dim=2)
+        self.scale, self.zero = group_parameters(low, high)
+        self._s, self._z = self.scale.float(), self.zero.float()
+        self._minimum = self._z - self._s * MID
+
+    def fake_column(self, column: torch.Tensor, index: int) -> torch.Tensor:
+        """Column ``index`` of the weight rounded onto the grid and dequantized (float32)."""
+        group = index // self.group_size
+        s = self._s[:, group]
+        q = torch.round((column - self._minimum[:, group]) / s).clamp_(0, QMAX)
+        return (q - MID) * s + self._z[:, group]
+
+    def fake(self, weight: torch.Tensor) -> torch.Tensor:
+        """The whole weight rounded onto the grid and dequantized (float32)."""
+        rows, cols = weight.shape
+        grouped = weight.float().reshape(rows, -1, self.group_size)
+        q = group_codes(grouped, self.scale, self.zero)
+        return ((q - MID) * self._s[..., None] + self._z[..., None]).reshape(rows, cols)
+
+    def codes(self, weight: torch.Tensor) -> torch.Tensor:
+        """Values 0..15 (uint8, out x in) of a weight on (or rounded onto) the grid."""
+        rows, cols = weight.shape
+        grouped = weight.float().reshape(rows, -1, self.group_size)
+        return group_codes(grouped, self.scale, self.zero).reshape(rows, cols).to(torch.uint8)
 
 
 def pack_nibbles(values: torch.Tensor) -> torch.Tensor:

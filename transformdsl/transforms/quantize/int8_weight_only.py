@@ -92,6 +92,29 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return values, scale
 
 
+class RowGrid:
+    """The int8 grid of one weight, each row's scale fixed up front (``amax / 127`` of the row):
+    what GPTQ rounds onto, column by column.  :func:`quantize_rows` of a weight on this grid gives
+    the same scales back."""
+
+    group_size = None
+
+    def __init__(self, weight: torch.Tensor):
+        self._amax = weight.float().abs().amax(dim=1).clamp_(min=_TINY)
+        self.scale = self._amax / QMAX
+
+    def fake_column(self, column: torch.Tensor, index: int) -> torch.Tensor:
+        """Column ``index`` rounded onto the grid and dequantized (float32)."""
+        return (column / self._amax * QMAX).round_().clamp_(-QMAX, QMAX) * self.scale
+
+    def fake(self, weight: torch.Tensor) -> torch.Tensor:
+        return self.codes(weight).float() * self.scale[:, None]
+
+    def codes(self, weight: torch.Tensor) -> torch.Tensor:
+        """The int8 values (out x in) of a weight on (or rounded onto) the grid."""
+        return (weight.float() / self._amax[:, None] * QMAX).round_().clamp_(-QMAX, QMAX).to(torch.int8)
+
+
 class Int8WeightOnlyLinear(StoredWeight):
     """A linear layer with an int8 weight and float activations (drop-in for ``nn.Linear``).
 

@@ -36,6 +36,7 @@ from . import FP4Quantization as FP4Declaration
 from . import HQQQuantization as HQQDeclaration
 from . import Int8Quantization as Int8Declaration
 from . import NF4Quantization as NF4Declaration
+from .weights import float_weight, state_bytes  # noqa: F401  (importable from here, as before)
 
 #: Weight dtypes the backends quantize from.
 FLOAT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -58,19 +59,6 @@ def linear_dims(info: ModuleInfo) -> tuple[int, int] | None:
         return (shape[0], shape[1]) if is_conv1d(info.cls, info.module) else (shape[1], shape[0])
     in_f, out_f = info.facts.get("in_features"), info.facts.get("out_features")
     return (in_f, out_f) if isinstance(in_f, int) and isinstance(out_f, int) else None
-
-
-def float_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The layer's weight as (out_features, in_features) and its bias: views, no copy."""
-    weight = module.weight
-    if is_conv1d(type(module), module):
-        weight = weight.t()
-    return weight.detach(), None if module.bias is None else module.bias.detach()
-
-
-def state_bytes(module: nn.Module) -> int:
-    """Bytes of everything the module saves (weights, scales, quant state, bias)."""
-    return sum(t.numel() * t.element_size() for t in module.state_dict().values() if isinstance(t, torch.Tensor))
 
 
 #: Planning snapshot → its tied weights: one walk per snapshot, not one per candidate.
@@ -180,6 +168,10 @@ class QuantizeBehaviour:
         return _backend()
 
     def apply(self, ctx: ApplyContext, targets: list[str]) -> dict:
+        if self.needs_calibration:  # GPTQ, AWQ, SmoothQuant: fitted block by block on ctx.calibration
+            from .calibrated import apply_calibrated
+
+            return apply_calibrated(self, ctx, targets)
         backend = self.backend(self.options)
         layers = []
         before = after = 0
@@ -202,6 +194,18 @@ class QuantizeBehaviour:
 
         ``layer`` is the layer's record entry when rebuilding."""
         raise NotImplementedError
+
+    @classmethod
+    def calibration_grid(cls, options: Any, weight: torch.Tensor):
+        """The grid (scales fixed) that a method learning from data rounds ``weight`` (out x in,
+        float32) onto; modes without one are not offered ``method=``."""
+        raise NotImplementedError(f"'{cls.key()}' has no method that learns from data")
+
+    @classmethod
+    def build_on_grid(cls, backend, options: Any, grid, weight: torch.Tensor, bias: torch.Tensor | None,
+                      weight_dtype: torch.dtype) -> nn.Module:
+        """The quantized layer holding ``weight`` (float32, on ``grid``) exactly."""
+        raise NotImplementedError(f"'{cls.key()}' has no method that learns from data")
 
     def describe(self, path: str, old: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None,
                  new: nn.Module) -> dict:
@@ -301,6 +305,16 @@ class Int8Quantization(QuantizeBehaviour, Int8Declaration):
         if options.weight_only:
             return backend.Int8WeightOnlyLinear.build(weight, bias)
         return backend.Int8Linear.build(weight, bias, options.threshold)
+
+    @classmethod
+    def calibration_grid(cls, options, weight):
+        from .int8_weight_only import RowGrid
+
+        return RowGrid(weight)
+
+    @classmethod
+    def build_on_grid(cls, backend, options, grid, weight, bias, weight_dtype):
+        return backend.Int8WeightOnlyLinear(grid.codes(weight), grid.scale, bias, weight_dtype)
 
     @classmethod
     def estimate_bytes(cls, options, in_features, out_features, bias, dtype):

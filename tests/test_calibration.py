@@ -1,0 +1,254 @@
+"""Quantization that learns from data (spec.md "calibrate" and "Methods that learn from data").
+
+Quality is judged on trained weights (tests/trained/: a Llama trained here, its held-out text):
+each method's per-token KL to the float model, on windows the methods never saw, against
+rounding to nearest with the same format.  The benchmark on a real pretrained LM, beside the
+stock implementations: benchmarks/bench_calibration.py.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import transformdsl
+from tests.trained import heldout_ids, load_model
+from transformdsl import ScriptError, TransformError
+from transformdsl.calibration.gptq import gptq, hessian
+from transformdsl.transforms.quantize.int4 import GroupGrid
+from transformdsl.transforms.quantize.int8_weight_only import RowGrid
+
+SEQ = 128
+
+
+@pytest.fixture(scope="module")
+def text():
+    ids = heldout_ids()[0]
+    calibration = [ids[i * SEQ:(i + 1) * SEQ].unsqueeze(0) for i in range(16)]
+    held_out = ids[16 * SEQ:(16 + 8) * SEQ].view(8, SEQ)
+    return calibration, held_out
+
+
+@pytest.fixture(scope="module")
+def reference(text):
+    with torch.no_grad():
+        return load_model()(text[1], use_cache=False).logits.float().log_softmax(-1)
+
+
+def kl_to_float(model, text, reference) -> float:
+    with torch.no_grad():
+        logits = model(text[1], use_cache=False).logits.float().log_softmax(-1)
+    return float((reference.exp() * (reference - logits)).sum(-1).mean())
+
+
+def quantized(script, text, **kwargs):
+    model = load_model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        transformdsl.transform(model, script, calibration=text[0], **kwargs)
+    return model
+
+
+# ---------------------------------------------------------------------------------- the methods
+
+
+@pytest.mark.parametrize("rtn, learnt", [
+    ("quantize int4 group_size=32 compute=float32", "quantize int4 group_size=32 compute=float32 method=gptq"),
+    ("quantize int4 group_size=64", "quantize int4 group_size=64 method=gptq act_order=true"),
+    ("quantize int8 weight_only=true", "quantize int8 weight_only=true method=gptq"),
+    ("quantize int4 group_size=32 compute=float32", "quantize int4 group_size=32 compute=float32 method=awq"),
+    ("quantize w8a8", "quantize w8a8 smooth=0.5"),
+])
+def test_a_method_that_learns_from_data_loses_less_than_rounding_to_nearest(rtn, learnt, text, reference):
+    plain = kl_to_float(quantized(rtn, text), text, reference)
+    fitted = kl_to_float(quantized(learnt, text), text, reference)
+    assert fitted < plain, (rtn, plain, learnt, fitted)
+
+
+def test_gptq_keeps_the_modes_format_and_reloads_bit_exactly_without_the_data(text, tmp_path):
+    model = quantized("quantize int4 group_size=32 method=gptq", text)
+    layer = model.model.layers[0].self_attn.q_proj
+    assert type(layer).__name__ == "Int4WeightOnlyLinear" and layer.group_size == 32
+    transformdsl.save(model, tmp_path / "out")
+    reloaded = transformdsl.load(tmp_path / "out")
+    for (name, a), (_, b) in zip(sorted(model.state_dict().items()), sorted(reloaded.state_dict().items())):
+        assert torch.equal(a, b), name
+    with torch.no_grad():
+        assert torch.equal(model(text[1][:1]).logits, reloaded(text[1][:1]).logits)
+
+
+def test_smoothquant_folds_its_scales_into_the_norms_and_the_save_reloads_them(text, tmp_path):
+    model = quantized("quantize w8a8 smooth=0.5", text)
+    before = load_model()
+    norm = model.model.layers[0].input_layernorm.weight
+    assert not torch.equal(norm, before.model.layers[0].input_layernorm.weight)  # the scales went here
+    transformdsl.save(model, tmp_path / "out")
+    code = (f"import torch, transformdsl; m = transformdsl.load({str(tmp_path / 'out')!r}); "
+            "print(float(m.model.layers[0].input_layernorm.weight.float().sum()))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert float(result.stdout.strip().splitlines()[-1]) == pytest.approx(float(norm.float().sum()), rel=0, abs=0)
+
+
+def test_gptq_compensates_its_rounding_on_the_inputs_it_was_fitted_on():
+    torch.manual_seed(0)
+    weight, x = torch.randn(32, 64), torch.randn(512, 64) @ torch.randn(64, 64)  # correlated inputs
+    for grid in (RowGrid(weight), GroupGrid(weight, 16)):
+        fitted = gptq(weight, hessian(x), grid).weight
+        nearest = grid.fake(weight)
+        assert (x @ (fitted - weight).T).norm() < 0.8 * (x @ (nearest - weight).T).norm()
+        assert torch.equal(grid.fake(fitted), fitted)  # on the grid: the layer stores it exactly
+
+
+def test_a_hessian_that_is_not_positive_definite_is_dampened_further_and_said():
+    torch.manual_seed(0)
+    weight = torch.randn(8, 32)
+    x = torch.randn(4, 32)  # 4 rows: rank 4 of 32
+    result = gptq(weight, hessian(x), RowGrid(weight), damp=0.0)
+    assert result.damp > 0 and not result.rounded and torch.isfinite(result.weight).all()
+
+
+# ---------------------------------------------------------------------------------- data
+
+
+def test_a_method_without_data_is_a_plan_error_naming_both_fixes():
+    with pytest.raises(ScriptError) as caught:
+        transformdsl.plan(load_model(), "quantize int4 group_size=32 method=gptq")
+    message = str(caught.value)
+    assert "calibrate" in message and "calibration=" in message
+    assert caught.value.line == 1 and caught.value.column == 29  # at method=gptq
+
+
+def test_a_calibrate_statement_reads_a_tensor_file_and_the_save_records_its_name_size_and_hash(text, tmp_path):
+    data = tmp_path / "deep" / "calibration.safetensors"
+    data.parent.mkdir()
+    save_file({"input_ids": torch.cat(text[0])}, str(data))
+    model = load_model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        transformdsl.transform(model, f'calibrate "{data}" samples=8\nquantize int4 group_size=32 method=gptq')
+    transformdsl.save(model, tmp_path / "out")
+    meta = (tmp_path / "out" / "transformdsl.json").read_text()
+    assert str(tmp_path) not in meta and "calibration.safetensors" in meta
+    steps = json.loads(meta)["steps"] if "steps" in json.loads(meta) else None
+    record = json.dumps(steps if steps is not None else json.loads(meta))
+    assert '"samples": 8' in record and '"sha256"' in record
+
+
+def test_text_needs_a_tokenizer_and_says_how_to_do_without(tmp_path):
+    (tmp_path / "notes.txt").write_text("some calibration text " * 100)
+    model = load_model()
+    with pytest.raises(TransformError, match="tokenizer"):
+        transformdsl.transform(model, f'calibrate "{tmp_path / "notes.txt"}"; quantize int4 group_size=32 method=gptq')
+
+
+def test_text_is_tokenized_with_the_given_tokenizer(text, tmp_path, reference):
+    (tmp_path / "notes.txt").write_text(heldout_ids()[0][:4096].numpy().astype("uint8").tobytes().decode("utf-8",
+                                                                                                          "replace"))
+    model = load_model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        transformdsl.transform(model, f'calibrate "{tmp_path / "notes.txt"}" samples=16 seqlen=128\n'
+                               'quantize int8 weight_only=true method=gptq', tokenizer=lambda t: list(t.encode()))
+    assert type(model.model.layers[0].mlp.down_proj).__name__ == "Int8WeightOnlyLinear"
+
+
+@pytest.mark.parametrize("data, match", [
+    ([torch.full((1, 16), 300)], "outside the model's vocabulary of 256"),
+    ([{"input_ids": torch.zeros(1, 16, dtype=torch.long), "pixel_values": torch.zeros(1, 3)}], "pixel_values"),
+    ("calibration.txt", "iterable of model inputs"),
+    ([], "holds no sample"),
+])
+def test_data_for_another_model_is_refused_before_anything_changes(data, match):
+    model = load_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(TransformError, match=match):
+        transformdsl.transform(model, "quantize int4 group_size=32 method=gptq", calibration=data)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_too_few_samples_or_tokens_is_a_warning_with_the_numbers(text):
+    model = load_model()
+    with pytest.warns(UserWarning, match=r"2 sample\(s\), fewer than 16"):
+        transformdsl.transform(model, "quantize int8 weight_only=true method=gptq", calibration=text[0][:2])
+
+
+def test_nan_in_the_activations_names_the_block_and_leaves_the_model_as_it_was(text):
+    model = load_model()
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight.mul_(1e38)  # overflows in block 1
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(TransformError, match=r"model\.layers\.1 computes NaN or infinity"):
+        transformdsl.transform(model, "quantize int4 group_size=32 method=gptq", calibration=text[0][:4])
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_an_interrupt_in_the_middle_of_the_blocks_leaves_the_model_as_it_was(text):
+    model = load_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    calls = []
+
+    def interrupt(module, args):
+        calls.append(1)
+        if len(calls) > 40:  # past the first blocks' passes
+            raise KeyboardInterrupt
+
+    handle = model.model.layers[2].register_forward_pre_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        transformdsl.transform(model, "quantize w8a8 smooth=0.5", calibration=text[0])
+    handle.remove()
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert type(model.model.layers[0].self_attn.q_proj).__name__ == "Linear"
+
+
+@pytest.mark.parametrize("script, match", [
+    ("quantize int4 damp=0.1", "tune GPTQ"),
+    ("quantize int8 method=gptq", "weight_only=true"),
+    ("quantize int8 weight_only=true method=awq", "awq"),
+    ("quantize int4 awq_grid=10 method=gptq", "tunes AWQ"),
+    ("quantize w8a8 smooth=1.5", "smooth"),
+])
+def test_method_options_are_checked_without_a_model(script, match):
+    from transformdsl.validate import validate
+
+    with pytest.raises(ScriptError, match=match):
+        validate(transformdsl.parse(script))
+
+
+def test_verify_measures_on_held_out_calibration_samples_and_says_so(text):
+    lines = []
+    model = load_model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        transformdsl.transform(model, "quantize int8 weight_only=true method=gptq", calibration=text[0], verify=True,
+                               log=lines.append)
+    assert any("2 held-out calibration sample(s)" in line and "fit on the other 14" in line for line in lines)
+
+
+# ---------------------------------------------------------------------------------- diffusers
+
+
+def test_a_denoisers_recorded_inputs_calibrate_it(tmp_path):
+    from transformdsl.calibration import record_inputs
+    from transformdsl.models import builtin
+
+    pipe = builtin.tiny_sd_pipeline()
+    with record_inputs(pipe, tmp_path / "unet.safetensors") as calls:
+        pipe("a cat", num_inference_steps=2, height=32, width=32, output_type="latent")
+    assert len(calls) >= 2
+    unet = pipe.unet
+    sample = {k: v for k, v in calls[0].items()}
+    with torch.no_grad():
+        before = unet(**sample).sample
+    transformdsl.transform(pipe, f'calibrate "{tmp_path / "unet.safetensors"}"\n'
+                           'quantize int8 weight_only=true method=gptq')
+    assert type(unet.down_blocks[0].attentions[0].transformer_blocks[0].attn1.to_q).__name__ == "Int8WeightOnlyLinear"
+    with torch.no_grad():
+        after = unet(**sample).sample
+    assert float((after - before).norm() / before.norm()) < 0.05

@@ -1,0 +1,127 @@
+"""GPTQ (Frantar et al., 2022): round a weight column by column, each column's rounding error
+spread over the columns not yet rounded, weighted by the inverse Hessian of the layer's inputs.
+
+The algorithm of the reference implementation and of llm-compressor's ``quantize_weight``: the
+grid's scales are fixed from the weight before any update (``static groups``: the saved format
+has no per-column group index), a dead input channel (never non-zero) is zeroed, the Hessian
+``H = 2/n Σ xᵀx`` is dampened by ``damp × mean(diag H)`` and inverted through Cholesky, and the
+columns are processed ``block_size`` at a time with the error of a block applied to the rest at
+once (the "lazy batch" update).  ``act_order`` processes columns by decreasing ``diag(H)``.
+
+A Hessian that is not positive definite after dampening is dampened ten times more, up to
+:data:`MAX_RETRIES` times (said in the result), never a crash; past that the layer is rounded to
+nearest and the result says so.
+
+>>> import torch
+>>> from transformdsl.transforms.quantize.int8_weight_only import RowGrid
+>>> w = torch.randn(8, 16); x = torch.randn(64, 16) @ torch.randn(16, 16)  # correlated inputs
+>>> out = gptq(w, hessian(x), RowGrid(w))
+>>> bool(((x @ out.weight.T - x @ w.T).norm() <= (x @ RowGrid(w).fake(w).T - x @ w.T).norm()))
+True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+#: How many times a Hessian that Cholesky refuses is dampened ten times more.
+MAX_RETRIES = 4
+
+
+class Grid(Protocol):
+    """A weight's quantization grid with its scales fixed (``int4.GroupGrid``, ``RowGrid``)."""
+
+    def fake_column(self, column: torch.Tensor, index: int) -> torch.Tensor: ...
+
+    def fake(self, weight: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass
+class Result:
+    #: The weight on the grid (float32, out x in): what the layer is built from.
+    weight: torch.Tensor
+    #: The dampening fraction that made the Hessian invertible (``damp`` unless retried).
+    damp: float
+    #: Whether Cholesky failed at every dampening and the layer was rounded to nearest.
+    rounded: bool = False
+
+
+class HessianAccumulator:
+    """``2/n Σ xᵀx`` over the rows ``x`` of a layer's inputs (float32, in x in)."""
+
+    def __init__(self, columns: int, device: torch.device):
+        self.matrix = torch.zeros(columns, columns, dtype=torch.float32, device=device)
+        self.rows = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1]).float()
+        added = x.shape[0]
+        if not added:
+            return
+        self.matrix.mul_(self.rows / (self.rows + added))
+        self.rows += added
+        self.matrix.addmm_(x.T, x, alpha=2.0 / self.rows)
+
+
+def hessian(x: torch.Tensor) -> torch.Tensor:
+    """The Hessian of one batch of inputs (for tests and examples)."""
+    accumulator = HessianAccumulator(x.shape[-1], x.device)
+    accumulator.add(x)
+    return accumulator.matrix
+
+
+def _inverse_cholesky(h: torch.Tensor, damp: float) -> tuple[torch.Tensor | None, float]:
+    diagonal = torch.arange(h.shape[0], device=h.device)
+    mean = float(h.diagonal().mean()) or 1.0
+    for attempt in range(MAX_RETRIES + 1):
+        fraction = damp * (10 ** attempt) if damp > 0 else (0.01 * 10 ** (attempt - 1) if attempt else 0.0)
+        damped = h.clone()
+        damped[diagonal, diagonal] += fraction * mean
+        factor, info = torch.linalg.cholesky_ex(damped)
+        if int(info) == 0:
+            inverse = torch.cholesky_inverse(factor)
+            upper, info = torch.linalg.cholesky_ex(inverse, upper=True)
+            if int(info) == 0 and torch.isfinite(upper).all():
+                return upper, fraction
+    return None, damp
+
+
+def gptq(weight: torch.Tensor, h: torch.Tensor, grid: Grid, *, damp: float = 0.01, block_size: int = 128,
+         act_order: bool = False) -> Result:
+    """``weight`` (out x in) rounded onto ``grid`` by GPTQ with Hessian ``h`` (in x in); neither is changed."""
+    w = weight.detach().float().clone()
+    h = h.detach().float().clone()
+    columns = w.shape[1]
+    dead = h.diagonal() == 0
+    if dead.any():
+        h[dead, dead] = 1.0
+        w[:, dead] = 0.0
+    order = torch.argsort(h.diagonal(), descending=True) if act_order else None
+    if order is not None:
+        w, h = w[:, order], h[order][:, order]
+    upper, used = _inverse_cholesky(h, damp)
+    if upper is None:
+        return Result(grid.fake(weight.detach().float()), used, rounded=True)
+    index = order.tolist() if order is not None else list(range(columns))
+    for start in range(0, columns, block_size):
+        end = min(start + block_size, columns)
+        block = w[:, start:end].clone()
+        errors = torch.empty_like(block)
+        inverse = upper[start:end, start:end]
+        for i in range(end - start):
+            column = block[:, i]
+            rounded = grid.fake_column(column, index[start + i])
+            error = (column - rounded) / inverse[i, i]
+            block[:, i] = rounded
+            if i + 1 < end - start:
+                block[:, i + 1:].sub_(error[:, None] * inverse[i, i + 1:][None, :])
+            errors[:, i] = error
+        w[:, start:end] = block
+        if end < columns:
+            w[:, end:].sub_(errors @ upper[start:end, end:])
+    if order is not None:
+        w = w[:, torch.argsort(order)]
+    return Result(w, used)
