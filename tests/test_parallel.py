@@ -169,6 +169,19 @@ def test_plan_overrides_and_their_errors(tmp_path):
         describe(models.tiny_flux(), 2)
 
 
+def test_a_distributed_config_gives_the_plan_and_only_tensor_parallelism():
+    from transformers.distributed import DistributedConfig
+
+    from transformdsl.parallel.runtime import requested
+
+    assert requested(None, DistributedConfig(tp_plan={"lm_head": "replicate"})) == {"lm_head": "replicate"}
+    assert requested("auto", None) == "auto"
+    with pytest.raises(LoadError, match="tensor-parallel only"):
+        requested(None, DistributedConfig(tp_size=2, fsdp_size=2))
+    with pytest.raises(LoadError, match="give one"):
+        requested("auto", DistributedConfig(tp_plan="auto"))
+
+
 def test_load_outside_torchrun_says_how_to_run_it(tmp_path, monkeypatch):
     transformdsl.save(models.tiny_llama(), tmp_path / "saved")
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):

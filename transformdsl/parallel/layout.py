@@ -278,7 +278,7 @@ def _place_fused(path: str, attention: nn.Module, styles: dict[str, str], rank: 
     if not _heads(fused_path, splits, attention, world, problems):
         return None
     local = tuple(part // world for part in splits)
-    if not all(_fits_kernels(fused_path, layer, kind, "rows", part, problems) for part in local):
+    if not _fits_kernels(fused_path, layer, kind, "rows", sum(local), problems):
         return None
     return Placement(fused_path, "colwise", "rows", f"fused q|k|v, {kind}", _ranges(splits, rank, world),
                      sum(splits), rank, world, fused_split=local)

@@ -91,6 +91,8 @@ def process_group(device: str | torch.device | None) -> tuple[torch.device, int,
         if kind is None:
             kind = "cuda" if torch.cuda.is_available() else "cpu"
         try:
+            if kind == "cuda":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             dist.init_process_group("nccl" if kind == "cuda" else "gloo", timeout=TIMEOUT)
         except (RuntimeError, ValueError) as exc:
             raise LoadError(f"load(tp_plan=...): cannot start torch.distributed: {exc}") from None
@@ -111,8 +113,8 @@ def load_tensor_parallel(load: Callable[[torch.device], Any], tp_plan: Any = Non
 
     Every rank returns its model or raises the same :class:`LoadError` (see the module docstring).
     """
-    plan = requested(tp_plan, distributed_config)
     target, rank, world = process_group(device)
+    plan = requested(tp_plan, distributed_config)
     model, error = None, None
     try:
         model = load(torch.device("cpu"))
@@ -127,30 +129,32 @@ def load_tensor_parallel(load: Callable[[torch.device], Any], tp_plan: Any = Non
         model.to(target)
     except Exception as exc:  # every failure is told to the other ranks first
         error = exc
-    agree(error, rank, world)
+    agree(error, rank, world, target)
     return model
 
 
-def agree(error: BaseException | None, rank: int, world: int) -> None:
+def agree(error: BaseException | None, rank: int, world: int, device: torch.device = torch.device("cpu")) -> None:
     """Tell every rank whether this one failed; raise the same :class:`LoadError` in all if any did.
 
-    The messages travel as UTF-8 bytes in tensors (nothing is pickled)."""
+    The messages travel as UTF-8 bytes in tensors on ``device`` (NCCL exchanges GPU tensors only;
+    nothing is pickled)."""
     if world == 1:
         if error is not None:
             raise error
         return
     mine = b"" if error is None else _message(error).encode("utf-8", "replace")
     try:
-        lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-        dist.all_gather(lengths, torch.tensor([len(mine)], dtype=torch.int64))
-        longest = max(int(n) for n in lengths)
+        lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+        dist.all_gather(lengths, torch.tensor([len(mine)], dtype=torch.int64, device=device))
+        sizes = [int(n) for n in lengths]
         answers = []
-        if longest:
-            padded = torch.zeros(longest, dtype=torch.uint8)
-            padded[:len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8) if mine else padded[:0]
-            gathered = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world)]
-            dist.all_gather(gathered, padded)
-            answers = [bytes(g[:int(n)].tolist()).decode("utf-8", "replace") for g, n in zip(gathered, lengths)]
+        if max(sizes):
+            padded = torch.zeros(max(sizes), dtype=torch.uint8)
+            if mine:
+                padded[:len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+            gathered = [torch.zeros(max(sizes), dtype=torch.uint8, device=device) for _ in range(world)]
+            dist.all_gather(gathered, padded.to(device))
+            answers = [bytes(g[:n].tolist()).decode("utf-8", "replace") for g, n in zip(gathered, sizes)]
     except RuntimeError as exc:  # torch.distributed's errors derive from it
         raise LoadError(f"load(tp_plan=...): rank {rank} heard nothing back from the other ranks ({exc}): another "
                         "rank failed before the end of its load or stopped answering") from error
