@@ -45,6 +45,22 @@ SHARDED = {
     "fp8 storage": torch.bfloat16,
 }
 REFUSED = "quantize int4 group_size=64"
+#: A switchable LoRA (written by the fixture) beside fused, quantized layers.
+LORA = 'lora "{path}" merge=false\nfuse qkv\nquantize int8 weight_only=true'
+
+
+def write_llama_lora(path: Path) -> Path:
+    """A PEFT-keyed LoRA of rank 4 on the tiny Llama's attention and MLP projections (random values)."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    state = {}
+    for name, module in models.tiny_llama().named_modules():
+        if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj")):
+            state[f"base_model.model.{name}.lora_A.weight"] = torch.randn(4, module.in_features, generator=g) * 0.1
+            state[f"base_model.model.{name}.lora_B.weight"] = torch.randn(module.out_features, 4, generator=g) * 0.1
+    save_file(state, str(path))
+    return path
 
 
 def tolerance(dtype: torch.dtype, scale: float) -> float:
@@ -71,9 +87,20 @@ def _layers() -> dict[str, nn.Module]:
     }
 
 
-@pytest.mark.parametrize("kind", ["float", "int8", "int4", "fp8"])
+def _with_lora(layer: nn.Module) -> nn.Module:
+    from transformdsl.transforms.lora.layers import ADAPTERS, LoraAdapter, with_lora
+
+    torch.manual_seed(1)
+    layer.__class__ = with_lora(type(layer))
+    layer.add_module(ADAPTERS, nn.ModuleDict({"style": LoraAdapter(torch.randn(4, 128), torch.randn(64, 4), 0.7)}))
+    return layer
+
+
+@pytest.mark.parametrize("kind", ["float", "int8", "int4", "fp8", "int8+lora"])
 def test_row_and_column_shards_compute_the_whole_layer(kind):
-    layer = _layers()[kind].eval()
+    layer = _layers()[kind.partition("+")[0]].eval()
+    if kind.endswith("+lora"):
+        layer = _with_lora(layer)
     x = torch.randn(3, 128)
     with torch.no_grad():
         whole = layer(x)
@@ -83,8 +110,12 @@ def test_row_and_column_shards_compute_the_whole_layer(kind):
         summed = summed + parts[0][1]
     torch.testing.assert_close(out, whole, rtol=0, atol=1e-5)  # the same rows, the same kernels
     atol = 2e-2 if kind == "int4" else 1e-5  # int4 computes in bfloat16: each partial rounded once more
-    torch.testing.assert_close(summed, whole, rtol=0, atol=atol)
+    torch.testing.assert_close(summed, whole, rtol=1e-6, atol=atol)
     assert parts[0][0].bias is None and parts[1][0].bias is None  # the bias is added once, after the sum
+    if kind.endswith("+lora"):  # the adapters are sharded with the layer, and still switch
+        assert type(parts[0][0]) is type(layer) and parts[0][0].lora_adapters["style"].A.shape == (4, 64)
+        transformdsl.set_lora(parts[0][0], "style", enabled=False)
+        assert not parts[0][0].lora_adapters["style"].enabled and layer.lora_adapters["style"].enabled
 
 
 def test_fused_rows_take_each_projections_heads_and_int4_rebuilds_its_packed_layout():
@@ -228,6 +259,10 @@ def two_ranks(tmp_path_factory):
         cases.append({"dir": str(tmp / f"s{i}")})
     transformdsl.save(models.tiny_llama(), tmp / "only0")  # rank 1 finds no save: it fails, rank 0 loads
     cases.append({"dir": str(tmp / "only{rank}")})
+    model = models.tiny_llama()
+    transformdsl.transform(model, LORA.format(path=write_llama_lora(tmp / "style.safetensors")))
+    transformdsl.save(model, tmp / "lora")
+    cases.append({"dir": str(tmp / "lora"), "lora": "style"})
     return run_ranks(cases, tmp)
 
 
@@ -257,6 +292,17 @@ def test_a_failure_in_one_rank_ends_the_other_with_the_same_error(two_ranks):
     messages = [records[len(SHARDED) + 1]["error"] for records in two_ranks]
     assert messages[0] == messages[1]
     assert messages[0].startswith("tensor-parallel load failed on rank 1:") and "only1" in messages[0]
+
+
+@pytest.mark.slow
+def test_switchable_lora_adapters_shard_with_their_layers_and_still_switch(two_ranks):
+    for rank, records in enumerate(two_ranks):
+        record = records[len(SHARDED) + 2]
+        assert "error" not in record, record
+        assert record["max_diff"] <= tolerance(torch.float32, record["scale"])
+        assert record["rescaled_moved"] > 1e-3  # the new scale changed the logits...
+        assert record["rescaled_diff"] <= tolerance(torch.float32, record["scale"])  # ...alike on both sides
+        assert "int8 weight-only + switchable LoRA" in record["plan"]
 
 
 @pytest.mark.gpu

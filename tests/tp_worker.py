@@ -39,6 +39,12 @@ def main(spec_path: str, out: str) -> None:
                 out_tp = sharded(*[_on(a, device) for a in args], **{k: _on(v, device) for k, v in kwargs.items()})
             out_tp, out_one = out_tp.logits.cpu(), models.run(whole)
             record["max_diff"] = (out_tp.float() - out_one.float()).abs().max().item()
+            if case.get("lora"):  # a switchable LoRA's scale set on every rank reaches the shards
+                for model in (sharded, whole):
+                    transformdsl.set_lora(model, case["lora"], 0.3)
+                again_tp, again_one = models.run(sharded), models.run(whole)
+                record["rescaled_diff"] = (again_tp - again_one).abs().max().item()
+                record["rescaled_moved"] = (again_one - out_one).abs().max().item()
             record["scale"] = out_one.float().abs().max().item()
             record["plan"] = sharded.tensor_parallel.describe()
             record["local_bytes"] = sum(t.numel() * t.element_size() for t in sharded.state_dict().values())

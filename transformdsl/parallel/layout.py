@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ..errors import LoadError
-from .shards import EMBEDDING_KINDS, LINEAR_KINDS, Ranges
+from .shards import EMBEDDING_KINDS, LINEAR_KINDS, Ranges, layer_class
 
 #: transformers' styles that transformdsl applies: style -> (axis, gather the output, slice the input).
 STYLES: dict[str, tuple[str, bool, bool]] = {
@@ -177,7 +177,8 @@ def _fused_attention(module: nn.Module) -> bool:
 
 
 def _kind(path: str, module: nn.Module, axis: str, problems: _Problems) -> str | None:
-    cls = type(module)
+    cls = layer_class(module)
+    lora = " + switchable LoRA" if cls is not type(module) else ""
     package = cls.__module__.partition(".")[0]
     opaque = OPAQUE_PACKAGES.get(package) or (
         OPAQUE_CLASSES.get(cls.__name__) if cls.__module__.endswith("transforms.quantize.layers") else None)
@@ -188,15 +189,15 @@ def _kind(path: str, module: nn.Module, axis: str, problems: _Problems) -> str |
         return None
     kinds = EMBEDDING_KINDS if axis == "vocabulary" else LINEAR_KINDS
     if axis == "replicated":
-        return LINEAR_KINDS.get(cls) or EMBEDDING_KINDS.get(cls) or cls.__name__
-    if cls not in kinds:
+        return (LINEAR_KINDS.get(cls) or EMBEDDING_KINDS.get(cls) or cls.__name__) + lora
+    if cls not in kinds or (lora and axis == "vocabulary"):
         shardable = "nn.Embedding, fp8 embeddings" if axis == "vocabulary" else (
             "nn.Linear, weight-only int8, w8a8, int4 and fp8 linear layers")
         problems.add(path, f"{cls.__name__} has no tensor-parallel shard in transformdsl (it shards {shardable}); "
                      "load without tp_plan, or replicate it and the layers it pairs with (tp_plan={...: "
                      "'replicate'})")
         return None
-    return kinds[cls]
+    return kinds[cls] + lora
 
 
 def _even(path: str, size: int, world: int, what: str, problems: _Problems) -> bool:
@@ -286,21 +287,21 @@ def _place_fused(path: str, attention: nn.Module, styles: dict[str, str], rank: 
 
 def _fits_kernels(path: str, module: nn.Module, kind: str, axis: str, local: int, problems: _Problems) -> bool:
     """Whether a shard of ``local`` features along ``axis`` still meets the layer's kernel rules."""
-    if kind == "int4" and axis == "rows" and local % INT4_OUT_MULTIPLE:
+    if kind.startswith("int4") and axis == "rows" and local % INT4_OUT_MULTIPLE:
         problems.add(path, f"int4 shards of {local} output features: the packed int4 kernels take multiples of "
                      f"{INT4_OUT_MULTIPLE}; use fewer ranks, or load without tp_plan")
         return False
-    if kind == "int4" and axis == "columns" and local % module.group_size:
+    if kind.startswith("int4") and axis == "columns" and local % module.group_size:
         fitting = [g for g in INT4_GROUPS if local % g == 0]
         fix = f"'quantize int4 group_size={fitting[-1]}'" if fitting else "fewer ranks"
         problems.add(path, f"int4 group_size={module.group_size} would be split: each rank gets {local} of its "
                      f"{module.in_features} input features; {fix} shards, or load without tp_plan")
         return False
-    if kind == "w8a8" and local % W8A8_MULTIPLE:
+    if kind.startswith("w8a8") and local % W8A8_MULTIPLE:
         problems.add(path, f"w8a8 shards of {local} features: int8 matmul kernels take multiples of "
                      f"{W8A8_MULTIPLE}; use fewer ranks, or load without tp_plan")
         return False
-    if kind == "fp8" and getattr(module, "native", False) and axis == "columns":
+    if kind.startswith("fp8") and getattr(module, "native", False) and axis == "columns":
         problems.add(path, f"fp8 native quantizes each token's activations over the whole row; a row-parallel "
                      "shard sees part of it and would round differently: use 'fp8 storage' for this layer, or load "
                      "without tp_plan")

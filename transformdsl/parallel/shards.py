@@ -16,6 +16,11 @@ it computes exactly what the full layer computes on the same rows or columns:
 - fp8 (:class:`FP8Linear`, :class:`FP8Embedding`): the float8 rows with their per-row scales (a
   tensor-wise scale is kept whole), or columns with every row's scale.
 
+A layer holding switchable LoRA adapters (``lora ... merge=false``) shards its base layer as above and
+each adapter with it: ``B``'s rows beside a row shard, ``A``'s columns beside a column shard (the
+adapter's partial output, linear in the input and without a bias, is summed with the layer's), so
+``set_lora`` keeps working on every rank.
+
 Ranges are ``((start, end), ...)`` in features (several for a fused q|k|v weight: one per projection);
 :mod:`.layout` chooses them and checks that they fit the layer (whole heads, whole groups).
 """
@@ -28,6 +33,7 @@ import torch
 from torch import nn
 
 from ..transforms.fp8.layers import FP8Embedding, FP8Linear
+from ..transforms.lora.layers import ADAPTERS, LoraAdapter, LoraLayerMixin, base_class, with_lora
 from ..transforms.quantize.int4 import Int4WeightOnlyLinear
 from ..transforms.quantize.int8_weight_only import Int8WeightOnlyLinear
 from ..transforms.quantize.w8a8 import Int8DynamicLinear
@@ -75,46 +81,78 @@ def _row_scale(scale: torch.Tensor | None, ranges: Ranges) -> torch.Tensor | Non
     return take(scale, 0, ranges)
 
 
+def layer_class(layer: nn.Module) -> type:
+    """The class that says how ``layer`` shards: its own, or the one switchable LoRAs were mixed into."""
+    return base_class(type(layer))
+
+
+def _with_adapters(new: nn.Module, layer: nn.Module, shard_adapter) -> nn.Module:
+    """``new`` (a shard of ``layer``'s base) with ``layer``'s switchable LoRAs, each sharded likewise."""
+    if not isinstance(layer, LoraLayerMixin):
+        return new
+    new.__class__ = with_lora(type(new))
+    adapters = nn.ModuleDict()
+    for name, adapter in layer._modules[ADAPTERS].items():
+        A, B = shard_adapter(adapter.A.detach(), adapter.B.detach())
+        copy_ = LoraAdapter(A, B, float(adapter.scale))
+        copy_.enabled = adapter.enabled
+        adapters[name] = copy_.train(adapter.training)
+    new.add_module(ADAPTERS, adapters)
+    return new
+
+
 def rows(layer: nn.Module, ranges: Ranges) -> nn.Module:
     """The layer computing only the output features in ``ranges`` (bias rows included)."""
-    bias = None if layer.bias is None else take(layer.bias.detach(), 0, ranges)
-    if type(layer) is nn.Linear:
-        new = _linear(take(layer.weight.detach(), 0, ranges), bias, layer)
-    elif type(layer) in (Int8WeightOnlyLinear, Int8DynamicLinear):
-        new = type(layer)(take(layer.int8_weight, 0, ranges), take(layer.weight_scale, 0, ranges), bias,
-                          layer.weight_dtype)
-    elif type(layer) is Int4WeightOnlyLinear:
-        new = Int4WeightOnlyLinear(take(layer.packed_weight, 0, ranges), take(layer.weight_scale, 0, ranges),
-                                   take(layer.weight_zero, 0, ranges), bias, layer.group_size, layer.compute,
-                                   layer.weight_dtype)
-    elif type(layer) is FP8Linear:
-        weight = take(layer.fp8_weight, 0, ranges)
-        new = _fp8_linear(layer, weight, _row_scale(layer.weight_scale, ranges), _parameter(bias, layer.bias))
-    else:  # pragma: no cover - layout only asks for the classes above
-        raise TypeError(f"no row shard for {type(layer).__name__}")
-    return new.train(layer.training)
+    new = _base_rows(layer, ranges)
+    return _with_adapters(new, layer, lambda A, B: (A.clone(), take(B, 0, ranges))).train(layer.training)
 
 
 def columns(layer: nn.Module, ranges: Ranges) -> tuple[nn.Module, torch.Tensor | None]:
     """``(the layer computing the partial output of the input features in ranges, without a bias;
     the bias, to add once after the partial outputs are summed)``."""
+    new, bias = _base_columns(layer, ranges)
+    new = _with_adapters(new, layer, lambda A, B: (take(A, 1, ranges), B.clone()))
+    return new.train(layer.training), bias
+
+
+def _base_rows(layer: nn.Module, ranges: Ranges) -> nn.Module:
+    bias = None if layer.bias is None else take(layer.bias.detach(), 0, ranges)
+    kind = layer_class(layer)
+    if kind is nn.Linear:
+        new = _linear(take(layer.weight.detach(), 0, ranges), bias, layer)
+    elif kind in (Int8WeightOnlyLinear, Int8DynamicLinear):
+        new = kind(take(layer.int8_weight, 0, ranges), take(layer.weight_scale, 0, ranges), bias, layer.weight_dtype)
+    elif kind is Int4WeightOnlyLinear:
+        new = Int4WeightOnlyLinear(take(layer.packed_weight, 0, ranges), take(layer.weight_scale, 0, ranges),
+                                   take(layer.weight_zero, 0, ranges), bias, layer.group_size, layer.compute,
+                                   layer.weight_dtype)
+    elif kind is FP8Linear:
+        weight = take(layer.fp8_weight, 0, ranges)
+        new = _fp8_linear(layer, weight, _row_scale(layer.weight_scale, ranges), _parameter(bias, layer.bias))
+    else:  # pragma: no cover - layout only asks for the classes above
+        raise TypeError(f"no row shard for {type(layer).__name__}")
+    return new
+
+
+def _base_columns(layer: nn.Module, ranges: Ranges) -> tuple[nn.Module, torch.Tensor | None]:
     bias = None if layer.bias is None else layer.bias.detach()
-    if type(layer) is nn.Linear:
+    kind = layer_class(layer)
+    if kind is nn.Linear:
         new = _linear(take(layer.weight.detach(), 1, ranges), None, layer)
-    elif type(layer) in (Int8WeightOnlyLinear, Int8DynamicLinear):
-        new = type(layer)(take(layer.int8_weight, 1, ranges), layer.weight_scale.clone(), None, layer.weight_dtype)
-    elif type(layer) is Int4WeightOnlyLinear:
+    elif kind in (Int8WeightOnlyLinear, Int8DynamicLinear):
+        new = kind(take(layer.int8_weight, 1, ranges), layer.weight_scale.clone(), None, layer.weight_dtype)
+    elif kind is Int4WeightOnlyLinear:
         group = layer.group_size
         new = Int4WeightOnlyLinear(take(layer.packed_weight, 1, ranges, unit=2),
                                    take(layer.weight_scale, 1, ranges, unit=group),
                                    take(layer.weight_zero, 1, ranges, unit=group), None, group, layer.compute,
                                    layer.weight_dtype)
-    elif type(layer) is FP8Linear:
+    elif kind is FP8Linear:
         scale = None if layer.weight_scale is None else layer.weight_scale.clone()
         new = _fp8_linear(layer, take(layer.fp8_weight, 1, ranges), scale, None)
     else:  # pragma: no cover - layout only asks for the classes above
         raise TypeError(f"no column shard for {type(layer).__name__}")
-    return new.train(layer.training), bias
+    return new, bias
 
 
 def _fp8_linear(layer: FP8Linear, weight: torch.Tensor, scale: torch.Tensor | None,
