@@ -305,6 +305,43 @@ def test_switchable_lora_adapters_shard_with_their_layers_and_still_switch(two_r
         assert "int8 weight-only + switchable LoRA" in record["plan"]
 
 
+STALLED_RANK = """
+import sys, time
+from datetime import timedelta
+import torch.distributed as dist
+rank, port = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                        timeout=timedelta(seconds=4))
+if rank == 1:
+    time.sleep(60)  # joined, then never answers
+else:
+    from transformdsl.errors import LoadError
+    from transformdsl.parallel.runtime import agree
+    started = time.monotonic()
+    try:
+        agree(None, 0, 2)
+    except LoadError as exc:
+        print(f"{time.monotonic() - started:.1f}", exc)
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_that_stops_answering_ends_the_other_at_the_timeout(tmp_path):
+    port = str(_free_port())
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(Path(__file__).parents[1])}
+    stalled = subprocess.Popen([sys.executable, "-c", STALLED_RANK, "1", port], env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        done = subprocess.run([sys.executable, "-c", STALLED_RANK, "0", port], env=env, capture_output=True,
+                              text=True, timeout=120)
+    finally:
+        stalled.kill()
+        stalled.wait()
+    seconds, _, message = done.stdout.strip().partition(" ")
+    assert "heard nothing back from the other ranks" in message, done.stdout + done.stderr[-2000:]
+    assert float(seconds) < 30  # the group's 4 s timeout, not forever
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (NCCL, one per rank)")
 def test_gpu_two_ranks_over_nccl(tmp_path):
