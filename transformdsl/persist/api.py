@@ -47,6 +47,9 @@ def save(model: Any, directory: str | os.PathLike, *, max_shard_size: int = DEFA
     :class:`TransformError` naming the directory and the cause.
     """
     check_format(format)
+    if getattr(model, "tensor_parallel", None) is not None:
+        raise TransformError("save(): this model holds one rank's tensor-parallel shards (loaded with tp_plan=); "
+                             "save the model loaded without tp_plan")
     directory = Path(directory)
     with writing(directory) as (tmp, save_id):
         if is_pipeline(model):
@@ -62,7 +65,8 @@ def save(model: Any, directory: str | os.PathLike, *, max_shard_size: int = DEFA
 
 def load(directory: str | os.PathLike, model: nn.Module | Callable[[], nn.Module] | None = None, *,
          device: str | torch.device | None = None, mmap: bool = True, device_map: str | dict | None = None,
-         max_memory: dict | None = None, offload_folder: str | os.PathLike | None = None) -> Any:
+         max_memory: dict | None = None, offload_folder: str | os.PathLike | None = None,
+         tp_plan: str | dict | None = None, distributed_config: Any = None) -> Any:
     """Load a model saved by :func:`save`; returns a new module (or pipeline).
 
     The architecture is rebuilt from the saved configuration (diffusers and transformers
@@ -87,8 +91,21 @@ def load(directory: str | os.PathLike, model: nn.Module | Callable[[], nn.Module
     dict ``{module path: device | "cpu" | "disk" | "meta"}``; ``"disk"`` modules are kept in
     ``offload_folder`` and read from there at each call.  Quantized layers stay quantized where
     they land.  See :mod:`.placement` and spec.md "Placing a model over devices".
+
+    ``tp_plan="auto"`` (or a dict ``{module pattern: style}``, or transformers'
+    ``distributed_config=DistributedConfig(tp_plan=...)``), in each process of ``torchrun
+    --nproc-per-node N``: the model is sharded tensor-parallel over the ranks as the model's
+    transformers plan shards it, transformed layers included; a layer that cannot be sharded is a
+    LoadError naming it, in every rank.  See :mod:`transformdsl.parallel` and spec.md "Past one device".
     """
     directory = Path(directory)
+    if tp_plan is not None or distributed_config is not None:
+        if device_map is not None or max_memory is not None or offload_folder is not None:
+            raise LoadError("load(tp_plan=..., device_map=...): give one of them (tensor parallelism places "
+                            "each rank's shards on that rank's device)")
+        from ..parallel.runtime import load_tensor_parallel
+
+        return load_tensor_parallel(lambda on: _load(directory, model, on, mmap), tp_plan, distributed_config, device)
     if device_map is None:
         if max_memory is not None or offload_folder is not None:
             raise LoadError("load(max_memory=..., offload_folder=...): these place a model with device_map=; "

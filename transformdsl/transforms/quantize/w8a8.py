@@ -25,6 +25,8 @@ guards on it):
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .int8_weight_only import QMAX, Int8WeightOnlyLinear, int8_linear
@@ -35,15 +37,23 @@ _TINY = 1e-12
 CUDA_MIN_ROWS = 16
 
 
-def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_tokens(x: torch.Tensor, reduce_amax: Callable[[torch.Tensor], None] | None = None,
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(int8 values, float32 scale per row)`` of a 2-D activation, symmetric per token.
+
+    ``reduce_amax`` (a row-parallel shard: :mod:`transformdsl.parallel`) turns, in place, the
+    ``(rows, 1)`` amax of this shard's columns into the amax of the whole rows (the other ranks'
+    maximum), so that every shard rounds with the scale the whole layer would use.
 
     >>> q, s = quantize_tokens(torch.tensor([[0.5, -1.0], [0.0, 0.0]]))
     >>> q.tolist()
     [[64, -127], [0, 0]]
     """
     x32 = x.float()
-    scale = x32.abs().amax(dim=1, keepdim=True).clamp_(min=_TINY).div_(QMAX)
+    amax = x32.abs().amax(dim=1, keepdim=True)
+    if reduce_amax is not None:
+        reduce_amax(amax)
+    scale = amax.clamp_(min=_TINY).div_(QMAX)
     values = torch.div(x32, scale)  # a new tensor: rounded and clamped in place (no more full-size temporaries)
     return values.round_().clamp_(-QMAX, QMAX).to(torch.int8), scale
 
@@ -68,10 +78,13 @@ class Int8DynamicLinear(Int8WeightOnlyLinear):
         super().__init__(weight, scale, bias, weight_dtype)
         #: ``"int_mm"`` (int8 dot products detected) or ``"float"``; chosen on build and load.
         self.cpu_kernel = cpu_kernel()
+        #: ``None``, or (on a row-parallel shard) what makes a token's amax the whole row's
+        #: (:func:`quantize_tokens`'s ``reduce_amax``).
+        self.reduce_amax: Callable[[torch.Tensor], None] | None = None
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002  (nn.Linear.forward's name)
         x = input.reshape(-1, self.in_features)
-        values, x_scale = quantize_tokens(x)
+        values, x_scale = quantize_tokens(x, self.reduce_amax)
         weight = self.int8_weight
         device = x.device.type
         if (device == "cpu" and self.cpu_kernel == "int_mm") or (device == "cuda" and x.shape[0] > CUDA_MIN_ROWS):
