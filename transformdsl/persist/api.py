@@ -19,6 +19,7 @@ from torch import nn
 from ..errors import LoadError, TransformError
 from ..interop import check_format
 from ..interop.export import save_library_module
+from ..interop.gguf_export import save_gguf
 from ..interop.imports import load_library_directory
 from ..planner import is_pipeline
 from .atomic import writing
@@ -37,7 +38,9 @@ def save(model: Any, directory: str | os.PathLike, *, max_shard_size: int = DEFA
     """Save ``model`` (transformed or not; a module or a pipeline) to ``directory``.
 
     ``format="transformers"`` or ``"diffusers"`` writes what the library's stock
-    ``from_pretrained`` loads without transformdsl (see :mod:`transformdsl.interop`); a
+    ``from_pretrained`` loads without transformdsl (see :mod:`transformdsl.interop`);
+    ``format="gguf"`` writes ``directory/model.gguf`` for llama.cpp (and transformers'
+    ``from_pretrained(directory, gguf_file="model.gguf")``, :mod:`transformdsl.interop.gguf_export`); a
     statement the format cannot carry is a :class:`TransformError` before anything is written.
 
     The write is atomic: everything is written to a temporary sibling directory, flushed,
@@ -49,7 +52,9 @@ def save(model: Any, directory: str | os.PathLike, *, max_shard_size: int = DEFA
     check_format(format)
     directory = Path(directory)
     with writing(directory) as (tmp, save_id):
-        if is_pipeline(model):
+        if format == "gguf":
+            save_gguf_model(model, tmp)
+        elif is_pipeline(model):
             save_pipeline(model, tmp, max_shard_size, save_id, format)
         elif isinstance(model, nn.Module) and format != FORMAT:
             save_library_module(model, tmp, format, max_shard_size)
@@ -58,6 +63,13 @@ def save(model: Any, directory: str | os.PathLike, *, max_shard_size: int = DEFA
         else:
             raise TransformError(f"save() takes an nn.Module or a diffusers pipeline, not {type(model).__name__}")
     return directory
+
+
+def save_gguf_model(model: Any, directory: Path) -> None:
+    """``save(..., format="gguf")``: one language model as ``directory/model.gguf``."""
+    if not isinstance(model, nn.Module) or is_pipeline(model):
+        raise TransformError(f"format='gguf' writes one language model (an nn.Module), not {type(model).__name__}")
+    save_gguf(model, directory)
 
 
 def load(directory: str | os.PathLike, model: nn.Module | Callable[[], nn.Module] | None = None, *,
