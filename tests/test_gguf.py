@@ -3,6 +3,9 @@ transformers (``gguf_file=``), and ``load("file.gguf")`` (spec.md "Interchange",
 
 from __future__ import annotations
 
+import re
+import struct
+
 import gguf
 import numpy as np
 import pytest
@@ -89,6 +92,23 @@ def test_gguf_export_loads_in_stock_transformers_with_our_logits(tmp_path, scrip
     assert torch.allclose(logits, ours, atol=1e-5, rtol=0)
 
 
+def test_gguf_export_of_a_qwen2_with_biases_and_tied_embeddings(tmp_path):
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=True)
+    model = transformdsl.transform(Qwen2ForCausalLM(config).eval(), "quantize q4_0")
+    ours = model(TOKENS).logits
+    transformdsl.save(model, tmp_path, format="gguf")
+    names = {t.name for t in gguf.GGUFReader(tmp_path / "model.gguf").tensors}
+    assert "blk.0.attn_q.bias" in names and "output.weight" not in names
+    stock = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="model.gguf", dtype=torch.float32)
+    assert type(stock).__name__ == "Qwen2ForCausalLM"
+    assert kl_per_token(stock(TOKENS).logits, ours).max() <= 1e-4
+
+
 def test_gguf_export_of_the_trained_bf16_llama_in_q8_0(tmp_path, trained):
     """Real trained weights in bfloat16: Q8_0 blocks of the projections, BF16 embeddings and head."""
     from transformers import AutoModelForCausalLM
@@ -130,3 +150,155 @@ def test_block_layers_are_refused_in_a_library_layout(tmp_path):
     model = transformdsl.transform(tiny_llama(), "quantize q8_0")
     with pytest.raises(TransformError, match="GGUF's Q8_0 blocks have no transformers layout.*format='gguf'"):
         transformdsl.save(model, tmp_path / "out", format="transformers")
+
+
+# --------------------------------------------------------------------------- import
+
+
+@pytest.fixture(scope="module")
+def exported_q8(tmp_path_factory):
+    """A tiny Llama with Q8_0 projections, exported: (model, logits, the .gguf file)."""
+    model = transformdsl.transform(tiny_llama(), "quantize q8_0")
+    directory = tmp_path_factory.mktemp("gguf") / "q8"
+    transformdsl.save(model, directory, format="gguf")
+    return model, model(TOKENS).logits, directory / "model.gguf"
+
+
+def test_gguf_import_keeps_q8_0_blocks_and_gives_our_logits(exported_q8, tmp_path):
+    model, logits, path = exported_q8
+    for source in (path, path.parent):  # the file, or the save's directory
+        loaded = transformdsl.load(source)
+        layer = loaded.model.layers[0].self_attn.k_proj
+        original = model.model.layers[0].self_attn.k_proj
+        assert type(layer).__name__ == "Q8_0Linear"
+        assert torch.equal(layer._buffers["weight"], original._buffers["weight"])  # the file's blocks, unpermuted
+        assert torch.equal(layer.weight_scale, original.weight_scale)
+        assert torch.equal(loaded(TOKENS).logits, logits)
+    # In memory about the file's size (the float32 embeddings and head as they were written).
+    held = sum(t.numel() * t.element_size() for t in loaded.state_dict().values())
+    assert 0.95 < held / path.stat().st_size < 1.05
+    # A script applies on top, and a save of it reloads bit-exactly.
+    steps = transformdsl.history.history_of(loaded).steps
+    assert [s.key for s in steps] == ["quantize q8_0"] and len(steps[0].record["layers"]) == 14
+    transformdsl.save(loaded, tmp_path / "ours")
+    again = transformdsl.load(tmp_path / "ours")
+    assert torch.equal(again(TOKENS).logits, logits)
+    assert type(again.model.layers[1].mlp.down_proj).__name__ == "Q8_0Linear"
+
+
+def _rewrite(source, target, convert):
+    """``source``'s GGUF with each tensor's (bytes, type) passed through ``convert(name, array, type)``."""
+    reader = gguf.GGUFReader(source)
+    writer = gguf.GGUFWriter(str(target), "llama")
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name in ("general.architecture", "general.alignment"):
+            continue
+        kind = field.types[0]
+        if kind == gguf.GGUFValueType.ARRAY:
+            continue
+        value = field.contents()
+        writer.add_key_value(field.name, value, kind)
+    for tensor in reader.tensors:
+        floats = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        data, kind = convert(tensor.name, floats, tensor.tensor_type, tensor.data)
+        writer.add_tensor(tensor.name, data, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_import_dequantizes_block_types_it_does_not_keep(exported_q8, tmp_path):
+    """A Q5_0 projection and a Q8_0 embedding (no mode of ours is Q5_0; an embedding is no linear layer)
+    are read as float32 with gguf's reference dequantization."""
+    _, _, path = exported_q8
+    q5, q8 = gguf.GGMLQuantizationType.Q5_0, gguf.GGMLQuantizationType.Q8_0
+
+    def convert(name, floats, kind, raw):
+        if name == "blk.0.ffn_up.weight":
+            return gguf.quants.quantize(floats, q5), q5
+        if name == "token_embd.weight":
+            return gguf.quants.quantize(floats, q8), q8
+        return raw, kind
+
+    _rewrite(path, tmp_path / "mixed.gguf", convert)
+    loaded = transformdsl.load(tmp_path / "mixed.gguf")
+    up = loaded.model.layers[0].mlp.up_proj
+    assert type(up) is nn.Linear and up.weight.dtype == torch.float32
+    embedding = tiny_llama().model.embed_tokens.weight.detach().numpy()
+    reference = gguf.quants.dequantize(gguf.quants.quantize(embedding, q8), q8)
+    assert np.array_equal(loaded.model.embed_tokens.weight.detach().numpy(), reference)
+    assert type(loaded.model.layers[0].mlp.down_proj).__name__ == "Q8_0Linear"
+    from transformers import AutoModelForCausalLM
+
+    stock = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="mixed.gguf", dtype=torch.float32)
+    assert torch.allclose(stock(TOKENS).logits, loaded(TOKENS).logits, atol=1e-5, rtol=0)
+
+
+def test_cli_model_takes_a_gguf_file(exported_q8, tmp_path):
+    from transformdsl.cli import main
+
+    _, logits, path = exported_q8
+    script = tmp_path / "c.tfm"
+    script.write_text("quantize q4_0 in lm_head default_except=false\n")
+    assert main(["apply", str(script), "--model", str(path), "--out", str(tmp_path / "out")]) == 0
+    saved = transformdsl.load(tmp_path / "out")
+    assert type(saved.lm_head).__name__ == "Q4_0Linear"
+    assert type(saved.model.layers[0].mlp.up_proj).__name__ == "Q8_0Linear"
+    assert [s.key for s in transformdsl.history.history_of(saved).steps] == ["quantize q8_0", "quantize q4_0"]
+
+
+# --------------------------------------------------------------------------- hostile files
+
+
+def _string(text: str) -> bytes:
+    data = text.encode()
+    return struct.pack("<Q", len(data)) + data
+
+
+def _header(n_tensors: int, n_keys: int) -> bytes:
+    return b"GGUF" + struct.pack("<IQQ", 3, n_tensors, n_keys)
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("huge tensor count", _header(1 << 40, 0), "1099511627776 tensors stated"),
+    ("huge key count", _header(0, 1 << 40), "1099511627776 metadata keys stated"),
+    ("huge array", _header(0, 1) + _string("a") + struct.pack("<IIQ", 9, 4, 1 << 50), "an array of"),
+    ("array longer than the file", _header(0, 1) + _string("a") + struct.pack("<IIQ", 9, 4, 1000),
+     "needs 4000 bytes"),
+    ("key longer than allowed", _header(0, 1) + struct.pack("<Q", 1 << 60) + bytes(16), "at most 4096"),
+    ("unknown value type", _header(0, 1) + _string("a") + struct.pack("<I", 77) + bytes(8),
+     "unknown value type 77"),
+    ("unknown tensor type", _header(1, 0) + _string("t") + struct.pack("<IQIQ", 1, 32, 99, 0) + bytes(64),
+     "unknown GGML type 99"),
+    ("data past the end", _header(1, 0) + _string("t") + struct.pack("<IQIQ", 1, 32, 0, 0) + bytes(16),
+     "past the end of the file"),
+    ("offset not aligned", _header(1, 0) + _string("t") + struct.pack("<IQIQ", 1, 8, 0, 4) + bytes(128),
+     "not aligned"),
+    ("partial block", _header(1, 0) + _string("t") + struct.pack("<IQIQ", 1, 16, 8, 0) + bytes(128),
+     "not whole Q8_0 blocks"),
+    ("five dimensions", _header(1, 0) + _string("t") + struct.pack("<I", 5) + bytes(80), "5 dimensions"),
+    ("old version", b"GGUF" + struct.pack("<IQQ", 1, 0, 0), "version 1"),
+    ("truncated", _header(0, 2) + _string("a") + struct.pack("<II", 4, 7) + struct.pack("<Q", 100) + b"ab",
+     "needs 100 bytes, 2 left"),
+])
+def test_hostile_gguf_files_are_refused_before_allocation(tmp_path, name, content, message):
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(content)
+    with pytest.raises(transformdsl.LoadError, match=re.escape(message)):
+        transformdsl.load(path)
+
+
+def test_truncated_and_inconsistent_exports_are_refused(exported_q8, tmp_path):
+    _, _, path = exported_q8
+    data = path.read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[: len(data) // 2])
+    with pytest.raises(transformdsl.LoadError, match="past the end of the file"):
+        transformdsl.load(tmp_path / "cut.gguf")
+    # A block count the tensors do not fill builds nothing.
+    key = b"llama.block_count"
+    at = data.index(key) + len(key) + 4
+    bad = data[:at] + struct.pack("<I", 10 ** 6) + data[at + 4:]
+    (tmp_path / "blocks.gguf").write_bytes(bad)
+    with pytest.raises(transformdsl.LoadError, match="1000000 blocks stated, 21 tensors"):
+        transformdsl.load(tmp_path / "blocks.gguf")

@@ -149,8 +149,8 @@ def _file_type(entries) -> int:
 def write_metadata(writer, model: nn.Module, arch: gguf_layout.Architecture, scripts: list[str]) -> None:
     config = model.config
     name = str(getattr(config, "_name_or_path", "") or arch.model_type)
-    if arch.model_type == "mistral" and "mistral" not in name.lower():
-        name = f"mistral {name}"  # transformers' loader reads a llama file as Mistral by its name
+    if "mistral" in name.lower():  # transformers' loader would read a llama file named so as Mistral
+        name = arch.model_type
     writer.add_name(name[:200])
     prefix = arch.gguf
     for key, field in gguf_layout.CONFIG_KEYS.items():

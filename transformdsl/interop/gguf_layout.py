@@ -31,11 +31,11 @@ class Architecture:
     no_bias: tuple[str, ...] = ()
 
 
-#: ``config.model_type`` → its GGUF layout.  Mistral is written as ``llama`` (as llama.cpp does) with
-#: ``general.name`` naming it, which is how transformers' loader tells them apart.
+#: ``config.model_type`` → its GGUF layout.  Not Mistral yet: llama.cpp writes it as ``llama`` named
+#: "mistral", and transformers 5.24's loader then asks gguf 0.19 for a "mistral" tensor table it lacks
+#: (NotImplementedError), so no stock reader would check our file.
 ARCHITECTURES = {
     "llama": Architecture("llama", "llama", "LlamaForCausalLM", True, ("attention_bias", "mlp_bias")),
-    "mistral": Architecture("llama", "mistral", "MistralForCausalLM", True),
     "qwen2": Architecture("qwen2", "qwen2", "Qwen2ForCausalLM", False),
 }
 
