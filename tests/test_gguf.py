@@ -327,3 +327,12 @@ def test_a_real_pretrained_gguf_reads_as_stock_transformers_reads_it():
     tokens = torch.tensor([[1, 504, 3458, 282, 4649, 314, 216, 100, 2000]])
     with torch.no_grad():
         assert torch.equal(ours(tokens).logits, stock(tokens).logits)
+
+
+def test_inspect_reads_a_gguf_header(exported_q8):
+    _, _, path = exported_q8
+    for source in (path, path.parent):
+        info = transformdsl.persist.inspect(source)
+        assert info["model"] == "llama" and info["format_version"] == "GGUF v3"
+        assert {k: v["tensors"] for k, v in info["tensors"].items()} == {"F32": 7, "Q8_0": 14}
+        assert info["scripts"] == ["quantize q8_0"]

@@ -337,7 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, metavar="SPEC", help=model_help)
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"), help=dtype_help)
     p.add_argument("--out", metavar="DIR", help="directory to save the transformed model to")
-    p.add_argument("--format", default="transformdsl", choices=("transformdsl", "transformers", "diffusers", "compressed-tensors", "gguf"),
+    p.add_argument("--format", default="transformdsl",
+                   choices=("transformdsl", "transformers", "diffusers", "compressed-tensors", "gguf"),
                    help="layout of the save: transformdsl's (default), or one the library's stock from_pretrained "
                         "loads without transformdsl (spec.md 'Interchange')")
     p.add_argument("--verify", action="store_true",

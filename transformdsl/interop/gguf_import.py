@@ -211,10 +211,24 @@ def _assemble(model: nn.Module, tensors: dict, layers: dict, path: Path) -> nn.M
 
 
 def is_gguf(path: Path) -> bool:
-    """Whether ``path`` names a GGUF file (by its magic), or a directory whose only checkpoint is one."""
+    """Whether ``path`` is a file that starts with GGUF's magic."""
     try:
         with open(path, "rb") as f:
             return f.read(4) == b"GGUF"
     except OSError:
         return False
 
+
+def gguf_path(path: str | Path) -> Path | None:
+    """The GGUF file ``load(path)`` and ``inspect(path)`` read: ``path`` itself, or the ``model.gguf`` of a
+    ``format="gguf"`` save's directory (one with transformdsl's or a library's metadata is not one)."""
+    from ..persist.format import META_FILE
+    from .gguf_export import GGUF_FILE
+
+    path = Path(path)
+    if path.is_file():
+        return path if is_gguf(path) else None
+    inner = path / GGUF_FILE
+    if inner.is_file() and not (path / META_FILE).exists() and not (path / "config.json").exists():
+        return inner
+    return None

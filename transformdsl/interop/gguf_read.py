@@ -200,3 +200,34 @@ class GGUFFile:
         rows = math.prod(info.shape[:-1]) if len(info.shape) > 1 else 1
         raw = np.frombuffer(self._map, dtype=np.uint8, count=info.nbytes, offset=info.offset).copy()
         return raw.reshape(rows, -1)
+
+
+def contents(path: str | Path) -> dict:
+    """``inspect`` on a GGUF file: its architecture, scripts (``transformdsl.scripts``) and tensors by
+    GGML type, from the header only (no tensor data is read).  The keys of
+    :func:`transformdsl.persist.contents.inspect`'s answer for a module."""
+    from gguf import GGMLQuantizationType
+
+    with GGUFFile(path) as gf:
+        by_type: dict[str, dict[str, int]] = {}
+        for info in gf.tensors.values():
+            entry = by_type.setdefault(GGMLQuantizationType(info.type).name, {"tensors": 0, "elements": 0, "bytes": 0})
+            entry["tensors"] += 1
+            entry["elements"] += math.prod(info.shape)
+            entry["bytes"] += info.nbytes
+        arch = gf.metadata.get("general.architecture")
+        scripts = gf.metadata.get("transformdsl.scripts")
+        return {
+            "kind": "module",
+            "format_version": f"GGUF v{gf.version}",
+            "model": str(arch)[:80],
+            "library": "gguf",
+            "scripts": [scripts] if isinstance(scripts, str) else [],
+            "steps": [],
+            "files": [Path(path).name],
+            "tensors": by_type,
+            "versions": {},
+            "interop": {"format": "gguf", "notes": [
+                f"{len(gf.tensors)} tensors, {len(gf.metadata)} metadata keys; transformdsl.load keeps Q8_0/Q4_0 "
+                "linear layers as 'quantize q8_0'/'q4_0' layers and dequantizes other block types"]},
+        }

@@ -19,8 +19,8 @@ from torch import nn
 from ..errors import LoadError, TransformError
 from ..interop import check_format
 from ..interop.export import save_library_module
-from ..interop.gguf_export import GGUF_FILE, save_gguf
-from ..interop.gguf_import import is_gguf, load_gguf
+from ..interop.gguf_export import save_gguf
+from ..interop.gguf_import import gguf_path, load_gguf
 from ..interop.imports import load_library_directory
 from ..planner import is_pipeline
 from .atomic import writing
@@ -126,7 +126,7 @@ def load(directory: str | os.PathLike, model: nn.Module | Callable[[], nn.Module
 
 def _load(directory: Path, model: Any, device: torch.device, mmap: bool) -> Any:
     """:func:`load` on one device."""
-    gguf_file = _gguf_file(directory)
+    gguf_file = gguf_path(directory)
     if gguf_file is not None:
         if model is not None:
             raise LoadError(f"{gguf_file}: a GGUF checkpoint is rebuilt from its metadata; drop model=")
@@ -149,17 +149,6 @@ def _load(directory: Path, model: Any, device: torch.device, mmap: bool) -> Any:
         except OSError as exc:  # anything the checks above did not name
             raise LoadError(f"{directory}: cannot read the save: {exc.strerror or exc}") from None
     raise AssertionError("unreachable")  # pragma: no cover
-
-
-def _gguf_file(path: Path) -> Path | None:
-    """The GGUF file ``load(path)`` reads: ``path`` itself, or the ``model.gguf`` a GGUF save's
-    directory holds (a directory with transformdsl's or a library's metadata is not one)."""
-    if path.is_file():
-        return path if is_gguf(path) else None
-    inner = path / GGUF_FILE
-    if inner.is_file() and not (path / META_FILE).exists() and not (path / "config.json").exists():
-        return inner
-    return None
 
 
 #: A load restarts when a concurrent save replaces the directory under it; this often.
