@@ -59,6 +59,7 @@ def kl_per_token(reference: torch.Tensor, ours: torch.Tensor) -> torch.Tensor:
     return (p.exp() * (p - q)).sum(-1)
 
 
+@pytest.mark.slow
 def test_w8a8_loads_in_stock_transformers_with_compressed_tensors(tmp_path):
     pytest.importorskip("compressed_tensors")
     from tests.trained import load_model
