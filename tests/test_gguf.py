@@ -336,3 +336,21 @@ def test_inspect_reads_a_gguf_header(exported_q8):
         assert info["model"] == "llama" and info["format_version"] == "GGUF v3"
         assert {k: v["tensors"] for k, v in info["tensors"].items()} == {"F32": 7, "Q8_0": 14}
         assert info["scripts"] == ["quantize q8_0"]
+
+
+def test_gguf_save_follows_saves_directory_rules(tmp_path):
+    model = tiny_llama()
+    transformdsl.save(model, tmp_path / "out", format="gguf")
+    transformdsl.save(transformdsl.transform(tiny_llama(), "quantize q8_0"), tmp_path / "out", format="gguf")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.gguf"]  # replaced, as a save is
+    assert type(transformdsl.load(tmp_path / "out").model.layers[0].mlp.up_proj).__name__ == "Q8_0Linear"
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    with pytest.raises(TransformError, match="holds no transformdsl save"):
+        transformdsl.save(model, tmp_path / "out", format="gguf")
+    other = tmp_path / "theirs"
+    other.mkdir()
+    (other / "model.gguf").write_bytes((tmp_path / "out" / "model.gguf").read_bytes().replace(
+        b"transformdsl.save", b"somebody.elses.x"))
+    with pytest.raises(TransformError, match="holds no transformdsl save"):
+        transformdsl.save(model, other, format="gguf")
+    assert (tmp_path / "out" / "notes.txt").exists() and (other / "model.gguf").exists()

@@ -32,6 +32,8 @@ from . import gguf_layout
 
 #: The file a GGUF save writes in its directory.
 GGUF_FILE = "model.gguf"
+#: Metadata key every GGUF save carries: a later ``save`` to its directory may replace it (:func:`is_our_save`).
+WRITTEN_KEY = "transformdsl.save"
 #: Steps that store nothing a GGUF reader would use: dropped (with a note).
 _NOTHING_STORED = ("compile", "compile regional")
 #: The quantize modes GGUF holds exactly.
@@ -170,6 +172,7 @@ def write_metadata(writer, model: nn.Module, arch: gguf_layout.Architecture, scr
         value = getattr(config, field, None)
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
             add(value)
+    writer.add_string(WRITTEN_KEY, "model.gguf")  # a later save may replace this directory
     if scripts:
         writer.add_string("transformdsl.scripts", "\n".join(scripts))
 
@@ -195,3 +198,17 @@ def save_gguf(model: nn.Module, directory: Path) -> list[str]:
     finally:
         writer.close()
     return notes
+
+
+def is_our_save(directory: Path) -> bool:
+    """Whether ``directory`` holds exactly a GGUF save of ours (``model.gguf`` carrying :data:`WRITTEN_KEY`),
+    which ``save()`` may replace as it replaces its own saves."""
+    from .gguf_read import GGUFFile
+
+    try:
+        if [p.name for p in directory.iterdir()] != [GGUF_FILE] or (directory / GGUF_FILE).is_symlink():
+            return False
+        with GGUFFile(directory / GGUF_FILE) as gf:
+            return gf.metadata.get(WRITTEN_KEY) == GGUF_FILE
+    except Exception:  # unreadable or not GGUF: not ours
+        return False
