@@ -31,6 +31,7 @@ SCRIPTS = [
     "quantize int8 weight_only=true",
     "quantize w8a8",
     "quantize int4 group_size=32",
+    "quantize q8_0",
     "quantize nf4",
     "quantize fp4",
     "quantize hqq",

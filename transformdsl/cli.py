@@ -320,7 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_fmt)
 
     model_help = ("a built-in tiny model (unet, sd3, flux, llama, gpt2, sd-pipeline), a local diffusers or "
-                  "transformers directory, or package.module:factory")
+                  "transformers directory, a .gguf file (llama.cpp), or package.module:factory")
     dtype_help = ("floating dtype to read the model in: auto (default: a directory's checkpoint dtype; the built-ins "
                   "are float32), float32, bfloat16 or float16; the plan's first line says which")
     p = sub.add_parser("explain", help="show what a script will do to a model")
@@ -337,7 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, metavar="SPEC", help=model_help)
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"), help=dtype_help)
     p.add_argument("--out", metavar="DIR", help="directory to save the transformed model to")
-    p.add_argument("--format", default="transformdsl", choices=("transformdsl", "transformers", "diffusers", "compressed-tensors"),
+    p.add_argument("--format", default="transformdsl",
+                   choices=("transformdsl", "transformers", "diffusers", "compressed-tensors", "gguf"),
                    help="layout of the save: transformdsl's (default), or one the library's stock from_pretrained "
                         "loads without transformdsl (spec.md 'Interchange')")
     p.add_argument("--verify", action="store_true",

@@ -61,6 +61,8 @@ BUILTIN: dict[str, str] = {
     "quantize nf4": "transformdsl.transforms.quantize:NF4Quantization",
     "quantize int4": "transformdsl.transforms.quantize:Int4Quantization",
     "quantize w8a8": "transformdsl.transforms.quantize:W8A8Quantization",
+    "quantize q8_0": "transformdsl.transforms.quantize:Q8_0Quantization",
+    "quantize q4_0": "transformdsl.transforms.quantize:Q4_0Quantization",
 }
 
 

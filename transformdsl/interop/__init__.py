@@ -16,7 +16,7 @@
 from __future__ import annotations
 
 #: ``format=`` values :func:`transformdsl.save` takes.
-FORMATS = ("transformdsl", "transformers", "diffusers", "compressed-tensors")
+FORMATS = ("transformdsl", "transformers", "diffusers", "compressed-tensors", "gguf")
 #: What a library checkpoint's configuration file is called.
 CONFIG_FILE = "config.json"
 

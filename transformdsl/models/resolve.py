@@ -62,8 +62,13 @@ def resolve_model(spec: str, *, dtype: torch.dtype | None = None) -> Any:
     if not path.exists() and _FACTORY_SPEC.match(spec):
         return _from_factory(spec) if dtype is None else cast(_from_factory(spec), dtype)
     if path.exists():
+        if not path.is_dir() and path.suffix.lower() == ".gguf":
+            from ..persist.api import load  # a llama.cpp checkpoint: its Q8_0/Q4_0 blocks as our layers
+
+            return load(path) if dtype is None else cast(load(path), dtype)
         if not path.is_dir():
-            raise ValueError(f"--model {spec}: {path} is a file; expected a directory saved with save_pretrained")
+            raise ValueError(f"--model {spec}: {path} is a file; expected a directory saved with save_pretrained "
+                             "(or a .gguf file)")
         return _from_directory(path, dtype)
     if _looks_like_path(spec):
         raise ValueError(f"--model {spec}: no such directory: {path}")

@@ -19,6 +19,8 @@ from torch import nn
 from ..errors import LoadError, TransformError
 from ..interop import check_format
 from ..interop.export import save_library_module
+from ..interop.gguf_export import save_gguf
+from ..interop.gguf_import import gguf_path, load_gguf
 from ..interop.imports import load_library_directory
 from ..planner import is_pipeline
 from .atomic import writing
@@ -37,7 +39,9 @@ def save(model: Any, directory: str | os.PathLike, *, max_shard_size: int = DEFA
     """Save ``model`` (transformed or not; a module or a pipeline) to ``directory``.
 
     ``format="transformers"`` or ``"diffusers"`` writes what the library's stock
-    ``from_pretrained`` loads without transformdsl (see :mod:`transformdsl.interop`); a
+    ``from_pretrained`` loads without transformdsl (see :mod:`transformdsl.interop`);
+    ``format="gguf"`` writes ``directory/model.gguf`` for llama.cpp (and transformers'
+    ``from_pretrained(directory, gguf_file="model.gguf")``, :mod:`transformdsl.interop.gguf_export`); a
     statement the format cannot carry is a :class:`TransformError` before anything is written.
 
     The write is atomic: everything is written to a temporary sibling directory, flushed,
@@ -52,7 +56,9 @@ def save(model: Any, directory: str | os.PathLike, *, max_shard_size: int = DEFA
                              "save the model loaded without tp_plan")
     directory = Path(directory)
     with writing(directory) as (tmp, save_id):
-        if is_pipeline(model):
+        if format == "gguf":
+            save_gguf_model(model, tmp)
+        elif is_pipeline(model):
             save_pipeline(model, tmp, max_shard_size, save_id, format)
         elif isinstance(model, nn.Module) and format != FORMAT:
             save_library_module(model, tmp, format, max_shard_size)
@@ -63,11 +69,22 @@ def save(model: Any, directory: str | os.PathLike, *, max_shard_size: int = DEFA
     return directory
 
 
+def save_gguf_model(model: Any, directory: Path) -> None:
+    """``save(..., format="gguf")``: one language model as ``directory/model.gguf``."""
+    if not isinstance(model, nn.Module) or is_pipeline(model):
+        raise TransformError(f"format='gguf' writes one language model (an nn.Module), not {type(model).__name__}")
+    save_gguf(model, directory)
+
+
 def load(directory: str | os.PathLike, model: nn.Module | Callable[[], nn.Module] | None = None, *,
          device: str | torch.device | None = None, mmap: bool = True, device_map: str | dict | None = None,
          max_memory: dict | None = None, offload_folder: str | os.PathLike | None = None,
          tp_plan: str | dict | None = None, distributed_config: Any = None) -> Any:
     """Load a model saved by :func:`save`; returns a new module (or pipeline).
+
+    ``directory`` may also be a GGUF file (llama.cpp's), or a ``format="gguf"`` save's directory:
+    its Q8_0/Q4_0 linear layers are kept as ``quantize q8_0``/``q4_0`` layers, the rest read as
+    float32 (:mod:`transformdsl.interop.gguf_import`).
 
     The architecture is rebuilt from the saved configuration (diffusers and transformers
     models), or from ``model``: a module used as a template (it is not modified: its
@@ -126,6 +143,12 @@ def load(directory: str | os.PathLike, model: nn.Module | Callable[[], nn.Module
 
 def _load(directory: Path, model: Any, device: torch.device, mmap: bool) -> Any:
     """:func:`load` on one device."""
+    gguf_file = gguf_path(directory)
+    if gguf_file is not None:
+        if model is not None:
+            raise LoadError(f"{gguf_file}: a GGUF checkpoint is rebuilt from its metadata; drop model=")
+        with loading():
+            return load_gguf(gguf_file).to(device)
     for attempt in range(_LOAD_ATTEMPTS):
         try:
             with loading(), SaveDir.open(directory) as folder:

@@ -86,6 +86,10 @@ def _check_target(final: Path) -> None:
 
 def _not_a_complete_save(final: Path) -> str | None:
     """Why ``final`` is not exactly a save's files (``None`` if it is)."""
+    from ..interop.gguf_export import is_our_save
+
+    if is_our_save(final):  # a format="gguf" save: its one file
+        return None
     try:
         with SaveDir.open(final) as folder:
             meta = read_metadata(folder)

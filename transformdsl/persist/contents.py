@@ -36,6 +36,13 @@ def inspect(directory: str | os.PathLike) -> dict:
     Text in the result (scripts, names) comes from the files as it is: escape it before
     printing it to a terminal (the ``inspect`` command does).
     """
+    from ..interop.gguf_import import gguf_path
+
+    gguf_file = gguf_path(directory)
+    if gguf_file is not None:  # llama.cpp's format (a file, or a format="gguf" save's directory)
+        from ..interop.gguf_read import contents
+
+        return contents(gguf_file)
     try:
         with SaveDir.open(directory) as folder:
             return _inspect(folder)

@@ -229,3 +229,27 @@ class Int4Quantization(Quantize):
     #: rms 0.10-0.12 on the tiny Llama, 0.004-0.006 on the tiny Flux (group sizes 32-64).
     error_bound = {"kl": 1.2, "top1": 0.5, "rms": 0.4, "max": 0.4}
     implementation = ".compute:Int4Quantization"
+
+
+class GGUFBlockQuantization(Quantize):
+    """``quantize q8_0|q4_0``: the grid of a GGUF (llama.cpp) block type, so that ``save(...,
+    format="gguf")`` writes these layers as they are (spec.md "Interchange")."""
+
+    #: The GGUF block: inputs per block (a layer's ``in_features`` must be a multiple).
+    block_size = 32
+
+
+class Q8_0Quantization(GGUFBlockQuantization):
+    mode = "q8_0"
+    summary = "GGUF Q8_0: int8 weights in blocks of 32 with a float16 scale (llama.cpp's grid), float activations"
+    #: As weight-only int8's (the same rounding, finer scales: one per 32 inputs, not per row).
+    error_bound = {"kl": 0.2, "top1": 0.15, "rms": 0.05, "max": 0.03}
+    implementation = ".gguf_modes:Q8_0Quantization"
+
+
+class Q4_0Quantization(GGUFBlockQuantization):
+    mode = "q4_0"
+    summary = "GGUF Q4_0: 4-bit symmetric weights in blocks of 32 with a float16 scale (llama.cpp's grid)"
+    #: As int4's (4 bits per weight, symmetric blocks of 32: finer than nf4's 64).
+    error_bound = {"kl": 1.2, "top1": 0.5, "rms": 0.4, "max": 0.4}
+    implementation = ".gguf_modes:Q4_0Quantization"

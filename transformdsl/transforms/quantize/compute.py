@@ -24,7 +24,12 @@ W8A8_MIN_IN = 16
 
 
 def refuse_export(step, out) -> None:
-    """``w8a8`` and ``int4`` in a library's layout: refused, naming the library's torchao format."""
+    """``w8a8`` and ``int4`` in a library's layout: refused, naming the library's torchao format
+    (compressed-tensors' layout: :mod:`.ct_export`)."""
+    if out.fmt == "compressed-tensors":
+        from .ct_export import export_compressed
+
+        return export_compressed(step, out)
     if out.library == "diffusers":
         why = ("diffusers' equivalent is its TorchAoConfig, whose checkpoints are pickled torchao tensor "
                "subclasses (safe_serialization=False), which a safe load never unpickles")

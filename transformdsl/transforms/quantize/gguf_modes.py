@@ -1,0 +1,57 @@
+"""``quantize q8_0`` and ``quantize q4_0`` (implementation): the quantize family's planning, apply
+and reload (:mod:`.quantization`) with the GGUF block layers of :mod:`.gguf_blocks`.
+
+A layer whose ``in_features`` is not a multiple of 32 (GGUF's block) is a near miss.  In a
+transformers/diffusers layout these layers are refused (no stock loader reads GGUF blocks from
+safetensors): ``save(..., format="gguf")`` writes them as they are.
+"""
+
+from __future__ import annotations
+
+from ...tree import ModuleInfo, ModuleTree
+from . import Q4_0Quantization as Q4_0Declaration
+from . import Q8_0Quantization as Q8_0Declaration
+from .quantization import QuantizeBehaviour, linear_dims
+
+
+class GGUFBlockBehaviour(QuantizeBehaviour):
+    float_weight = True  # BlockQuantizedLinear.weight: the dequantized weight
+
+    def candidate(self, info: ModuleInfo, tree: ModuleTree) -> str | None:
+        reason = super().candidate(info, tree)
+        dims = linear_dims(info)
+        if reason is not None or dims is None:
+            return reason
+        if dims[0] % self.block_size:
+            return f"in_features {dims[0]} is not a multiple of GGUF's block of {self.block_size}"
+        return None
+
+    @classmethod
+    def export(cls, step, out) -> None:
+        raise out.refuse(step, f"GGUF's {cls.mode.upper()} blocks have no {out.library} layout",
+                         "save with format='gguf' (llama.cpp) or format='transformdsl'")
+
+    @classmethod
+    def backend(cls, options):
+        from . import gguf_blocks
+
+        return gguf_blocks
+
+    @classmethod
+    def build(cls, backend, options, weight, bias, layer=None):
+        return backend.LAYERS[cls.mode].build(weight, bias)
+
+    @classmethod
+    def estimate_bytes(cls, options, in_features, out_features, bias, dtype):
+        from .gguf_blocks import BLOCK, BLOCK_BYTES
+
+        return (in_features // BLOCK * out_features * BLOCK_BYTES[cls.mode]
+                + (out_features * dtype.itemsize if bias else 0))
+
+
+class Q8_0Quantization(GGUFBlockBehaviour, Q8_0Declaration):
+    pass
+
+
+class Q4_0Quantization(GGUFBlockBehaviour, Q4_0Declaration):
+    pass
