@@ -296,7 +296,7 @@ def test_a_failure_in_one_rank_ends_the_other_with_the_same_error(two_ranks):
 
 @pytest.mark.slow
 def test_switchable_lora_adapters_shard_with_their_layers_and_still_switch(two_ranks):
-    for rank, records in enumerate(two_ranks):
+    for records in two_ranks:
         record = records[len(SHARDED) + 2]
         assert "error" not in record, record
         assert record["max_diff"] <= tolerance(torch.float32, record["scale"])

@@ -302,7 +302,7 @@ def _fits_kernels(path: str, module: nn.Module, kind: str, axis: str, local: int
                      f"{W8A8_MULTIPLE}; use fewer ranks, or load without tp_plan")
         return False
     if kind.startswith("fp8") and getattr(module, "native", False) and axis == "columns":
-        problems.add(path, f"fp8 native quantizes each token's activations over the whole row; a row-parallel "
+        problems.add(path, "fp8 native quantizes each token's activations over the whole row; a row-parallel "
                      "shard sees part of it and would round differently: use 'fp8 storage' for this layer, or load "
                      "without tp_plan")
         return False

@@ -133,11 +133,12 @@ def load_tensor_parallel(load: Callable[[torch.device], Any], tp_plan: Any = Non
     return model
 
 
-def agree(error: BaseException | None, rank: int, world: int, device: torch.device = torch.device("cpu")) -> None:
+def agree(error: BaseException | None, rank: int, world: int, device: torch.device | None = None) -> None:
     """Tell every rank whether this one failed; raise the same :class:`LoadError` in all if any did.
 
     The messages travel as UTF-8 bytes in tensors on ``device`` (NCCL exchanges GPU tensors only;
     nothing is pickled)."""
+    device = torch.device("cpu") if device is None else device
     if world == 1:
         if error is not None:
             raise error
