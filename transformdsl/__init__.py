@@ -7,7 +7,8 @@
 
 Public surface: :func:`parse`, :func:`plan`, :func:`transform`, :func:`save`, :func:`load`,
 :func:`convert` (a checkpoint through a script into a save, one block at a time),
-:func:`set_lora` / :func:`lora_adapters` (switchable LoRAs' scales at run time)
+:func:`set_lora` / :func:`lora_adapters` (switchable LoRAs' scales at run time),
+:func:`tune` (the script that meets a quality budget, smallest or fastest here: spec.md "Finding a script: tune")
 and the errors :class:`TransformError`, :class:`ScriptError`, :class:`LoadError`.
 
 ``import transformdsl`` imports neither torch nor the model libraries: each public name is the
@@ -26,7 +27,7 @@ from .version import __version__
 quiet.install()  # before anything imports bitsandbytes (diffusers and transformers do): see quiet.py
 
 #: The public names defined in other modules (imported on first access).
-_LAZY = ("parse", "plan", "Plan", "transform", "save", "load", "convert", "set_lora", "lora_adapters")
+_LAZY = ("parse", "plan", "Plan", "transform", "save", "load", "convert", "set_lora", "lora_adapters", "tune")
 
 if TYPE_CHECKING:  # pragma: no cover
     from .executor import transform
@@ -34,6 +35,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .persist import convert, load, save
     from .planner import Plan, plan
     from .transforms.lora.runtime import lora_adapters, set_lora
+    from .tune import tune
 
 
 def __getattr__(name: str):
@@ -55,6 +57,8 @@ def __getattr__(name: str):
         from .transforms.lora.runtime import set_lora as value
     elif name == "lora_adapters":
         from .transforms.lora.runtime import lora_adapters as value
+    elif name == "tune":
+        from .tune import tune as value
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     globals()[name] = value  # later lookups are plain attribute reads
@@ -65,5 +69,5 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 
-__all__ = ["parse", "plan", "transform", "save", "load", "convert", "set_lora", "lora_adapters", "Plan",
+__all__ = ["parse", "plan", "transform", "save", "load", "convert", "set_lora", "lora_adapters", "tune", "Plan",
            "TransformError", "ScriptError", "LoadError", "__version__"]
