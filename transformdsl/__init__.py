@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .persist import convert, load, save
     from .planner import Plan, plan
     from .transforms.lora.runtime import lora_adapters, set_lora
-    from .tune import tune
+    from . import tune
 
 
 def __getattr__(name: str):
@@ -57,8 +57,10 @@ def __getattr__(name: str):
         from .transforms.lora.runtime import set_lora as value
     elif name == "lora_adapters":
         from .transforms.lora.runtime import lora_adapters as value
-    elif name == "tune":
-        from .tune import tune as value
+    elif name == "tune":  # the package, callable as its tune() (transformdsl/tune/__init__.py)
+        import importlib
+
+        value = importlib.import_module(".tune", __name__)
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     globals()[name] = value  # later lookups are plain attribute reads

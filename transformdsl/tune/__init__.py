@@ -5,12 +5,14 @@ its measured figures as comments, the whole scripts measured, the Pareto table, 
 re-measures a tuned script against its budget.  The search is in :mod:`.api` (spec.md "Finding a
 script: tune"); optuna is imported when a tune starts, matplotlib when a plot is written.
 
-The package is itself callable, so ``transformdsl.tune(...)`` is the function whether or not this
-package was imported first.
+``transformdsl.tune`` is this package, callable as :func:`tune` (same signature; ``help()`` shows
+the function's docstring below), so that ``transformdsl.tune(model, ...)`` and
+``transformdsl.tune.check(...)`` both work, whichever was imported first.
 """
 
 from __future__ import annotations
 
+import inspect
 import sys
 import types
 
@@ -27,3 +29,5 @@ class CallablePackage(types.ModuleType):
 
 
 sys.modules[__name__].__class__ = CallablePackage
+__signature__ = inspect.signature(tune)
+__doc__ = f"{__doc__}\n``tune(model, ...)``: {tune.__doc__}"
