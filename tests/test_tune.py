@@ -175,6 +175,19 @@ def test_flux_within_an_rms_budget():
     assert measure("rms", before, models.run(fresh)) <= 0.05
 
 
+def test_the_model_is_left_as_it_was():
+    from transformdsl import models
+
+    llama = models.tiny_llama()
+    modules = dict(llama.named_modules())
+    state = {k: v.clone() for k, v in llama.state_dict().items()}
+    transformdsl.tune(llama, max_rms=0.05, modes=["quantize int8 weight_only=true"], rounds=1, evaluations=1)
+    assert dict(llama.named_modules()).keys() == modules.keys()
+    assert all(llama.get_submodule(name) is module for name, module in modules.items())
+    after = llama.state_dict()
+    assert after.keys() == state.keys() and all(torch.equal(after[k], v) for k, v in state.items())
+
+
 def test_bad_input_is_a_clear_error(model):
     with pytest.raises(TransformError, match="exactly one quality budget"):
         transformdsl.tune(model, max_kl=0.1, max_rms=0.1)

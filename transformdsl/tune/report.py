@@ -38,8 +38,9 @@ def plot(result: TuneResult, path: Path) -> Path:
         if line:
             axes.plot([x for x, _ in line], [y for _, y in line], "-", color="tab:blue", alpha=0.6,
                       label="per-layer choice (predicted)")
-        for c in result.uniform:
-            axes.scatter(_figure(result, c), _value(result, c), color="grey", marker="s", s=18)
+        for index, c in enumerate(result.uniform):
+            axes.scatter(_figure(result, c), _value(result, c), color="grey", marker="s", s=18,
+                         label="uniform script (predicted)" if index == 0 else None)
             axes.annotate(c.label.replace("uniform ", ""), (_figure(result, c), _value(result, c)), fontsize=6,
                           color="grey", xytext=(3, 2), textcoords="offset points")
     measured = [(c, _figure(result, c)) for c in result.evaluated if _figure(result, c) is not None]
