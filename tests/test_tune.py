@@ -132,7 +132,7 @@ def test_two_workers_sharing_one_storage_find_what_one_finds(model, rows, tmp_pa
     workers = [subprocess.Popen([sys.executable, "-c", code, storage], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, cwd=ROOT) for _ in range(2)]
     outputs = [w.communicate(timeout=300) for w in workers]
-    for worker, (out, err) in zip(workers, outputs):
+    for worker, (_, err) in zip(workers, outputs):
         assert worker.returncode == 0, err[-3000:]
     found = [next(line for line in out.splitlines() if line.startswith("STATEMENTS")) for out, _ in outputs]
     assert found[0] == found[1] == f"STATEMENTS {statements(alone.script)}"
@@ -193,6 +193,8 @@ def test_bad_input_is_a_clear_error(model):
         transformdsl.tune(model, max_kl=0.1, max_rms=0.1)
     with pytest.raises(TransformError, match="goal='speed'"):
         transformdsl.tune(model, max_kl=0.1, goal="speed")
+    with pytest.raises(TransformError, match="a mode is a statement without selectors"):
+        transformdsl.tune(model, max_kl=0.1, modes=["quantize int8 weight_only=true in model.layers.0"])
     with pytest.raises(TransformError, match="no mode applies to this model"):
         transformdsl.tune(torch.nn.Sequential(torch.nn.Linear(4, 4)), max_rms=0.1, heldout=[torch.randn(2, 4)],
                           modes=["quantize int4 group_size=32"])

@@ -30,12 +30,12 @@ quiet.install()  # before anything imports bitsandbytes (diffusers and transform
 _LAZY = ("parse", "plan", "Plan", "transform", "save", "load", "convert", "set_lora", "lora_adapters", "tune")
 
 if TYPE_CHECKING:  # pragma: no cover
+    from . import tune
     from .executor import transform
     from .parser import parse
     from .persist import convert, load, save
     from .planner import Plan, plan
     from .transforms.lora.runtime import lora_adapters, set_lora
-    from . import tune
 
 
 def __getattr__(name: str):

@@ -35,7 +35,7 @@ from ..errors import ScriptError, TransformError
 from ..explain import human_bytes
 from . import measure, search
 from . import script as script_writer
-from .candidates import Mode, declared_modes, parse_modes
+from .candidates import Mode, calibrated_script, declared_modes, parse_modes
 from .measure import QUALITIES, Latency, Reference
 from .study import Study, study_name
 
@@ -506,7 +506,7 @@ def tune(model: Any, *, max_kl: float | None = None, max_rms: float | None = Non
                                 f"{chosen_candidate.qualities.get(metric, math.inf):.4g}, by {chosen_candidate.summary()}")
         elif nothing_faster:
             chosen_candidate = Candidate("the float model", {}, 0.0, 1.0, qualities={metric: 0.0}, saved_bytes=float_bytes,
-                                         size_ratio=1.0, latency=Latency(1.0, 1.0, 1.0, 0, 0.0), passed=True)
+                                         size_ratio=1.0, passed=True)
             passed = True
             reason = (f"no mode made a layer at least {LAYER_GAIN:.0%} faster than the float layer on this machine: "
                       f"within {metric} <= {bound:g} the fastest model is the float model (no statement)")
@@ -520,7 +520,7 @@ def tune(model: Any, *, max_kl: float | None = None, max_rms: float | None = Non
             if chosen:
                 chosen_candidate = candidate("knapsack (not verified)", chosen)
                 chosen_candidate.text = script_writer.write(model, chosen, universes, [])
-    if goal == "latency" and passed and chosen_candidate.latency.ratio >= 1.0:
+    if goal == "latency" and passed and chosen_candidate.latency is not None and chosen_candidate.latency.ratio >= 1.0:
         reason = (f"no script measured was faster than the float model on this machine (the best: "
                   f"{chosen_candidate.latency.text()}); the float model is the fastest within the budget")
 
@@ -546,9 +546,10 @@ def _annotated(model: Any, result: TuneResult, chosen: Candidate, universes, per
     head = [f"transformdsl tune: goal {result.goal}, {metric} <= {result.bound:g}, on {result.inputs}"]
     if chosen.measured:
         value = chosen.qualities.get(metric, math.inf)
+        latency = f"latency {chosen.latency.text()} against the float model" if chosen.latency else \
+            "no statement: the float model itself"
         head.append(f"measured: {metric} {value:.4g} (bound {result.bound:g}), saved size {chosen.size_ratio:.3f}x "
-                    f"({human_bytes(result.float_bytes)} -> {human_bytes(chosen.saved_bytes)}), latency "
-                    f"{chosen.latency.text()} against the float model")
+                    f"({human_bytes(result.float_bytes)} -> {human_bytes(chosen.saved_bytes)}), {latency}")
     else:
         head.append(f"NOT VERIFIED ({result.reason}): predicted {metric} {chosen.predicted:.4g}, size "
                     f"{chosen.predicted_size:.3f}x")
@@ -561,7 +562,7 @@ def _annotated(model: Any, result: TuneResult, chosen: Candidate, universes, per
         head.append(f"BUDGET NOT MET: {result.reason}")
     figures = [f"metric={metric}", f"bound={result.bound:g}", f"goal={result.goal}"]
     if chosen.measured:
-        figures += [f"size={chosen.size_ratio:.4f}", f"latency={chosen.latency.ratio:.3f}"]
+        figures += [f"size={chosen.size_ratio:.4f}"] + ([f"latency={chosen.latency.ratio:.3f}"] if chosen.latency else [])
     head.append("tune: " + " ".join(figures))
     notes = {}
     for mode in set(chosen.chosen.values()):
@@ -620,7 +621,7 @@ def check(model: Any, script: str | Path, *, max_kl: float | None = None, max_rm
         held = measure.sample_inputs(model, 2)
         where = "the model's own sample inputs (random)"
     reference = Reference.of(model, held)
-    uses_data = "method=" in text and not re.search(r"method=rtn\b", text)
+    uses_data = calibrated_script(text)
     work = _apply(model, text, fit, uses_data)
     value = reference.qualities(work).get(metric, math.inf)
     float_bytes, saved = measure.saved_bytes(model), measure.saved_bytes(work)

@@ -99,6 +99,7 @@ def declared_modes(keys: list[str] | None = None, pruned: list[tuple[str, str]] 
 def parse_modes(texts: list[str]) -> list[Mode]:
     """Modes given as statement texts (``["quantize int8 weight_only=true"]``), checked by the parser and the
     validator (a :class:`~transformdsl.errors.ScriptError` names a wrong one)."""
+    from ..errors import TransformError
     from ..parser import parse
     from ..registry import declarations
     from ..validate import validate
@@ -107,5 +108,16 @@ def parse_modes(texts: list[str]) -> list[Mode]:
     for text in texts:
         validated = validate(parse(text), declarations())
         for step in validated.steps:
-            modes.append(Mode(step.key(), {o.name: o.value for o in step.statement.options}))
+            statement = step.statement
+            if statement.target or statement.scope or statement.exclude:
+                raise TransformError(f"tune: mode {text!r} names modules; a mode is a statement without selectors "
+                                     f"(tune chooses the layers): {step.key()} with its options only")
+            modes.append(Mode(step.key(), {o.name: o.value for o in statement.options}))
     return modes
+
+
+def calibrated_script(text: str) -> bool:
+    """Whether a script has a statement with a ``method`` option other than ``rtn`` (it takes calibration data)."""
+    from ..parser import parse
+
+    return any(o.name == "method" and o.value != "rtn" for statement in parse(text) for o in statement.options)

@@ -43,10 +43,30 @@ class Study:
         if storage is not None and "://" not in str(storage):
             storage = f"sqlite:///{os.path.abspath(storage)}"
         self.storage = storage
-        self.study = optuna.create_study(storage=storage, study_name=name, load_if_exists=True, direction="minimize")
+        self.study = self._open(storage, name)
         #: Units measured by this process, and units read back from the storage.
         self.measured: list[str] = []
         self.reused: list[str] = []
+
+    def _open(self, storage: str | None, name: str, attempts: int = 20):
+        """The study, created or loaded.  Workers starting together race to create the database's
+        tables (``UNIQUE constraint failed: alembic_version``): the loser tries again.  SQLite waits up
+        to a minute for another worker's write lock instead of failing at once."""
+        optuna = self._optuna
+        for attempt in range(attempts):
+            try:
+                backend = storage
+                if storage is not None:
+                    kwargs = {"connect_args": {"timeout": 60}} if storage.startswith("sqlite") else {}
+                    backend = optuna.storages.RDBStorage(storage, engine_kwargs=kwargs)
+                return optuna.create_study(storage=backend, study_name=name, load_if_exists=True,
+                                           direction="minimize")
+            except Exception as exc:  # sqlalchemy's IntegrityError/OperationalError while another creates it
+                if attempt == attempts - 1 or type(exc).__name__ not in ("IntegrityError", "OperationalError",
+                                                                          "DuplicatedStudyError"):
+                    raise
+                time.sleep(0.2 + 0.1 * attempt)
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _trials(self, key: str) -> list:
         return [t for t in self.study.get_trials(deepcopy=False) if t.user_attrs.get("key") == key]
