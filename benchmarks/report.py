@@ -515,6 +515,20 @@ def cache_section() -> str:
             "each table).\n" + body.rstrip("\n") + "\n")
 
 
+def tune_section() -> str:
+    """tune's pick against the best uniform script (``benchmarks/bench_tune.py`` writes ``results/tune.md``):
+    the page's measurement lines and its table of ratios."""
+    heading = "## Finding a script: tune's pick against the best uniform script\n"
+    page = HERE / "results" / "tune.md"
+    if not page.exists():
+        return heading + "\nNot yet measured: `benchmarks/bench_tune.py` writes `benchmarks/results/tune.md`.\n"
+    body = page.read_text().split("\n", 1)[-1].replace("Every figure below is written by the script that "
+                                                      "measured it.\n", "")
+    body = body.split("\n### Every uniform script", 1)[0]
+    return (heading + body.rstrip("\n") + "\n\nEvery uniform script, tune's scripts and its Pareto table: "
+            "[results/tune.md](results/tune.md).\n\n![tune, goal size](results/tune_size.png)\n")
+
+
 QUIET_INTRO = """### Our overhead, 21 rounds
 
 Ours and by hand run the same hooks, so "ours ÷ by hand" measures only what we add; 21 rounds narrow the noise of
@@ -791,6 +805,7 @@ def write_report(rows: list[dict], scaling: list[dict], meta: dict, out: Path, d
         text += f"\n![convert]({figures['convert']})\n"
     text += "\n## Quantized compute (W8A8, packed int8/int4 weight-only)\n" + quantized_compute_section()
     text += "\n" + cache_section()
+    text += "\n" + tune_section()
     text += "\n## GPU\n" + gpu_section()
     text += "\n## Not measured\n\n" + NOT_MEASURED
     text += f"\nComparisons are declared in `benchmarks/comparisons.py` ({len(COMPARISONS)} entries), the by-hand "

@@ -7,7 +7,8 @@
 
 Public surface: :func:`parse`, :func:`plan`, :func:`transform`, :func:`save`, :func:`load`,
 :func:`convert` (a checkpoint through a script into a save, one block at a time),
-:func:`set_lora` / :func:`lora_adapters` (switchable LoRAs' scales at run time)
+:func:`set_lora` / :func:`lora_adapters` (switchable LoRAs' scales at run time),
+:func:`tune` (the script that meets a quality budget, smallest or fastest here: spec.md "Finding a script: tune")
 and the errors :class:`TransformError`, :class:`ScriptError`, :class:`LoadError`.
 
 ``import transformdsl`` imports neither torch nor the model libraries: each public name is the
@@ -26,9 +27,10 @@ from .version import __version__
 quiet.install()  # before anything imports bitsandbytes (diffusers and transformers do): see quiet.py
 
 #: The public names defined in other modules (imported on first access).
-_LAZY = ("parse", "plan", "Plan", "transform", "save", "load", "convert", "set_lora", "lora_adapters")
+_LAZY = ("parse", "plan", "Plan", "transform", "save", "load", "convert", "set_lora", "lora_adapters", "tune")
 
 if TYPE_CHECKING:  # pragma: no cover
+    from . import tune
     from .executor import transform
     from .parser import parse
     from .persist import convert, load, save
@@ -55,6 +57,10 @@ def __getattr__(name: str):
         from .transforms.lora.runtime import set_lora as value
     elif name == "lora_adapters":
         from .transforms.lora.runtime import lora_adapters as value
+    elif name == "tune":  # the package, callable as its tune() (transformdsl/tune/__init__.py)
+        import importlib
+
+        value = importlib.import_module(".tune", __name__)
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     globals()[name] = value  # later lookups are plain attribute reads
@@ -65,5 +71,5 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 
-__all__ = ["parse", "plan", "transform", "save", "load", "convert", "set_lora", "lora_adapters", "Plan",
+__all__ = ["parse", "plan", "transform", "save", "load", "convert", "set_lora", "lora_adapters", "tune", "Plan",
            "TransformError", "ScriptError", "LoadError", "__version__"]

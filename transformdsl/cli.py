@@ -1,4 +1,4 @@
-"""The ``transformdsl`` command: check, fmt, explain, apply, convert, inspect, demo.
+"""The ``transformdsl`` command: check, fmt, explain, apply, convert, inspect, tune, demo.
 
 Exit status: 0 on success, 1 when the input is wrong (a script, a saved model, a model
 spec), 2 for a usage error.  Diagnostics go to stderr as ``FILE:LINE:COL: message``
@@ -295,6 +295,69 @@ def _print_inspect(info: dict, human_bytes, indent: str) -> None:
         print(f"{indent}  {dtype:<8} {entry['tensors']:>6} tensors {human_bytes(entry['bytes']):>12}")
 
 
+def _duration(text: str) -> float:
+    """``--budget``: seconds, or a number with s, m or h (``90s``, ``10m``, ``1.5h``)."""
+    units = {"s": 1, "m": 60, "h": 3600}
+    value = text.strip().lower()
+    factor = units.get(value[-1:], None)
+    try:
+        seconds = float(value[:-1] if factor else value) * (factor or 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: a duration such as 90s, 10m or 1.5h") from None
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a duration above 0")
+    return seconds
+
+
+def _calibration(path: str | None) -> list | None:
+    """``--calibration FILE``: the rows of the ``input_ids`` tensor (N, L) of a safetensors file."""
+    if path is None:
+        return None
+    import torch
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(path)
+    except (OSError, SafetensorError) as exc:
+        raise LoadError(f"--calibration {path}: not a readable safetensors file ({exc})") from None
+    ids = tensors.get("input_ids")
+    if ids is None or ids.dim() != 2 or ids.is_floating_point() or ids.dtype == torch.bool or not ids.numel():
+        found = ", ".join(f"{k} {tuple(v.shape)} {v.dtype}" for k, v in tensors.items()) or "no tensor"
+        raise LoadError(f"--calibration {path}: expected an integer tensor named input_ids of shape (N, L); found {found}")
+    return [row.view(1, -1).long() for row in ids]
+
+
+def cmd_tune(args) -> int:
+    from .tune import check, tune
+
+    budgets = {"max_kl": args.max_kl, "max_rms": args.max_rms, "max_ppl_ratio": args.max_ppl_ratio}
+    model = _model(args.model, args.dtype)
+    calibration = _calibration(args.calibration)
+    if args.check:
+        result = check(model, args.check, calibration=calibration, **budgets)
+        print(result)
+        return 0 if result.passed else 1
+    if args.out is None:
+        raise TransformError("tune: --out FILE is where the script is written (or --check FILE to re-measure one)")
+    storage = args.storage if args.storage is not None else args.out + ".study.db"
+    result = tune(model, goal=args.goal, calibration=calibration, modes=args.mode, budget_s=args.budget,
+                  storage=None if storage == "memory" else storage, evaluations=args.evaluations,
+                  progress=not args.quiet, log=None if args.quiet else _err, **budgets)
+    print(result.table())
+    print(result)
+    if result.script:
+        with open(args.out, "w") as handle:
+            handle.write(result.script)
+        print(f"wrote {args.out}")
+        plot = args.plot if args.plot is not None else os.path.splitext(args.out)[0] + ".png"
+        if plot != "none":
+            print(f"wrote {result.plot(plot)}")
+    if result.partial and "interrupted" in result.reason:
+        return 130
+    return 0 if result.passed else 1
+
+
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
@@ -376,6 +439,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir", metavar="DIR")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("tune", help="find the smallest or fastest script within a quality budget, on this machine")
+    p.add_argument("--model", required=True, metavar="SPEC", help=model_help)
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"), help=dtype_help)
+    p.add_argument("--calibration", metavar="FILE",
+                   help="a safetensors file with an integer tensor input_ids of shape (N, L): its last quarter "
+                        "is held out to measure quality on, the rest calibrates (default: the model's own "
+                        "sample inputs, random)")
+    quality = p.add_mutually_exclusive_group()
+    quality.add_argument("--max-kl", type=float, metavar="X", help="mean per-token KL to the float model's logits")
+    quality.add_argument("--max-ppl-ratio", type=float, metavar="R", help="perplexity / the float model's")
+    quality.add_argument("--max-rms", type=float, metavar="E", help="relative RMS error of the output")
+    p.add_argument("--goal", default="size", choices=("size", "latency"),
+                   help="what to minimise: the saved bytes (default) or the latency measured here")
+    p.add_argument("--budget", type=_duration, metavar="TIME",
+                   help="time limit (90s, 10m, 1h): then the best so far, marked partial")
+    p.add_argument("--out", metavar="FILE", help="where to write the script (best.tfm)")
+    p.add_argument("--plot", metavar="PNG", help="where to write the plot (default: beside --out; none: no plot)")
+    p.add_argument("--storage", metavar="PATH|URL",
+                   help="the optuna study storage: a SQLite file or a database URL shared by several workers "
+                        "(default: FILE.study.db beside --out; memory: none); a tune run again resumes from it")
+    p.add_argument("--mode", action="append", metavar="STATEMENT",
+                   help="a mode to try, e.g. 'quantize int8 weight_only=true' (repeat; default: every mode declared)")
+    p.add_argument("--evaluations", type=int, default=5, metavar="N",
+                   help="most whole scripts measured after the per-layer pass (default 5)")
+    p.add_argument("--check", metavar="FILE",
+                   help="re-measure a tuned script against its budget (its '# tune:' line, or the one given); "
+                        "exit status 1 when it no longer holds")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no warnings from the libraries")
+    p.set_defaults(func=cmd_tune)
 
     p = sub.add_parser("demo", help="the whole job on a built-in tiny model")
     p.add_argument("--model", default=None, help="built-in model name (default: the example's)")
