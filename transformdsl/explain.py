@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .planner import Plan
-
 SAMPLE = 4
 
 
@@ -18,7 +13,9 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} GiB"  # pragma: no cover
 
 
-def render_plan(plan: Plan) -> str:
+def render_plan(plan) -> str:
+    """``plan`` (a :class:`transformdsl.planner.Plan`, whose ``__str__`` calls this: hence no import of it
+    here) as the text ``transformdsl explain`` prints."""
     source = plan.script.source
     lines = []
     what = plan.model_name

@@ -56,8 +56,7 @@ if TYPE_CHECKING:  # pragma: no cover  (the declarations import no torch: `check
 
     from .edit import Edit
     from .history import AppliedStep
-    from .interop.export import Exported
-    from .interop.imports import Headers
+    from .interop.hook_types import Exported, Headers
     from .tree import ModuleInfo, ModuleTree
 
 __all__ = ["ApplyContext", "CommonOptions", "LoadError", "NoOptions", "Transform", "TransformError", "option"]

@@ -9,6 +9,8 @@
   from the saved tensors (nothing is quantized again), as if a ``quantize`` statement had run.
 - :mod:`.layout`: how tensor keys move between the library's layout and ours (fp8 scale names,
   unfused q/k/v projections), written into the metadata and undone on load.
+- :mod:`.hook_types`: :class:`~.hook_types.Exported` and :class:`~.hook_types.Headers`, what a transform's
+  ``export`` and ``import_checkpoint`` hooks receive (low: :mod:`transformdsl.extend` names them);
 - :mod:`.rules`: the libraries' own rules for which layers they quantize, checked against the
   layers the script quantized before anything is written.
 """

@@ -17,16 +17,13 @@ The script and our metadata are written too, with the key mapping in ``tensors.l
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 from torch import nn
 
 from .. import registry
 from ..errors import TransformError
-from ..history import AppliedStep, History, history_of
+from ..history import History, history_of
 from ..persist import plain_tensors
 from ..persist.format import (
     FORMAT,
@@ -39,6 +36,7 @@ from ..persist.format import (
 )
 from ..persist.write import collect_tensors, split_shards
 from . import CONFIG_FILE, rules
+from .hook_types import Exported, QuantizationExport  # noqa: F401  (importable from here, as before)
 
 #: Weight files each library reads (single file, and the sharded index).
 WEIGHTS = {"transformers": ("model.safetensors", "model.safetensors.index.json", "model"),
@@ -46,60 +44,6 @@ WEIGHTS = {"transformers": ("model.safetensors", "model.safetensors.index.json",
                          "diffusion_pytorch_model")}
 #: Tensors the library does not read (non-persistent buffers): in a file of ours.
 EXTRA = "transformdsl.extra.safetensors"
-
-
-@dataclass
-class Exported:
-    """A module in a library's layout: what goes in its files, and how to get ours back.
-
-    Each applied step's transform carries itself into it (``Transform.export``): it renames or splits
-    tensors (recording how in ``layout``), adds ``notes``, names fused layers by their sources
-    (``renames``), or asks for the checkpoint's one ``quantization_config`` (``quantization``)."""
-
-    library: str
-    #: The ``format=`` asked for (``"compressed-tensors"`` is a transformers layout).
-    fmt: str
-    tensors: dict[str, torch.Tensor]
-    extra: dict[str, torch.Tensor]
-    config: dict
-    layout: list[dict] = field(default_factory=list)
-    aliases: dict[str, str] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
-    #: Tensors held as plain module attributes (``plain_tensors.py``): in ``extra``, not buffers.
-    attributes: dict = field(default_factory=dict)
-    #: Fused layer path → the source layers it is written back as.
-    renames: dict[str, list[str]] = field(default_factory=dict)
-    #: What asks for the quantization_config (one group per checkpoint).
-    quantization: list[QuantizationExport] = field(default_factory=list)
-
-    @staticmethod
-    def where(step: AppliedStep) -> str:
-        """How messages name a step: ``line 2: 'quantize nf4'``."""
-        return f"line {step.line}: '{step.statement}'"
-
-    def refuse(self, step: AppliedStep, why: str, fix: str = "save with format='transformdsl'") -> TransformError:
-        """The error for a step this format cannot carry."""
-        return TransformError(f"format={self.fmt!r} cannot carry {self.where(step)}: {why}; {fix}")
-
-
-@dataclass
-class QuantizationExport:
-    """A quantizing step's part of the checkpoint's ``quantization_config``: steps of one ``group``
-    share a config; two groups cannot be written (a checkpoint has one)."""
-
-    #: How the error names it (``"quantize int8"``, ``"fp8"``).
-    kind: str
-    #: Steps of equal groups combine.
-    group: tuple
-    #: The quantized layers, in our layout.
-    paths: set[str]
-    #: Whether the library's loader would convert GPT-2's Conv1D layers for this kind.
-    conv1d: bool
-    #: ``config(out, module, layers, quantized) -> dict``: the ``quantization_config`` (may rename tensors
-    #: in ``out``); ``layers``: the layers the loader converts unless skipped, ``quantized``: those to convert.
-    config: Callable[[Exported, nn.Module, set[str], set[str]], dict]
-    #: What the transform keeps for ``config`` (e.g. several fp8 steps' records).
-    steps: list = field(default_factory=list)
 
 
 def library_of(module: nn.Module) -> str | None:
