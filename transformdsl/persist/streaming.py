@@ -43,7 +43,7 @@ from ..edit import Edit
 from ..errors import LoadError, TransformError
 from ..executor import NothingToDoWarning, apply_step, idle_statements
 from ..extend import ApplyContext
-from ..history import AppliedStep, append_history, set_history
+from ..history import append_history, applied_step, recorded_text, set_history
 from ..planner import DENOISERS, Plan, plan
 from ..tree import WEIGHTS_PENDING, parameter_bytes
 from . import guard
@@ -425,14 +425,11 @@ class _Stream:
         files = self.writer.finish()
         history = saved_history(self.meta)
         applied = []
-        source = self.plan.script.source
+        source, texts = recorded_text(self.plan)
         for i, step in enumerate(steps):
             parts = [record for _, record in sorted(records[i], key=lambda pair: pair[0])]
             record = step.transform.merge_records(parts) if parts else self._empty_record(step)
-            applied.append(AppliedStep(
-                key=step.transform.key(), line=step.statement.line, statement=step.text(source),
-                options=dataclasses.asdict(step.transform.options), common=dataclasses.asdict(step.transform.common),
-                record=record, script_index=0, record_version=step.transform.record_version))
+            applied.append(applied_step(step, texts[id(step)], record))
         set_history(self.root, history)
         append_history(self.root, source, applied)
         write_module_metadata(self.directory, self.root, files, layout, self.save_id)
