@@ -26,15 +26,9 @@ from ..errors import TransformError
 from ..history import History, history_of
 from ..persist import plain_tensors
 from ..persist.format import (
-    FORMAT,
-    FORMAT_VERSION,
-    META_FILE,
-    SCRIPT_FILE,
-    library_versions,
-    model_description,
     write_json,
 )
-from ..persist.write import collect_tensors, split_shards
+from ..persist.write import ShardWriter, collect_tensors, write_module_metadata
 from . import CONFIG_FILE, rules
 from .hook_types import Exported, QuantizationExport  # noqa: F401  (importable from here, as before)
 
@@ -117,45 +111,23 @@ def kept_in_float(module: nn.Module) -> list[str]:
     return keep
 
 
-def save_library_module(module: nn.Module, directory: Path, fmt: str, max_shard_size: int) -> list[str]:
+def save_library_module(module: nn.Module, directory: Path, fmt: str, max_shard_size: int,
+                        save_id: str | None = None) -> list[str]:
     """Write ``module`` into the existing empty ``directory`` in format ``fmt``'s layout, with our
-    metadata beside; returns the notes (how each statement was carried)."""
+    metadata beside (through the writers of :mod:`transformdsl.persist.write`); returns the notes (how
+    each statement was carried)."""
     from safetensors.torch import save_file
 
-
     exported = export(module, fmt)
-    single, index, stem = WEIGHTS[exported.library]
-    shards = split_shards(exported.tensors, max_shard_size)
-    if len(shards) == 1:
-        save_file(shards[0], str(directory / single), metadata={"format": "pt"})
-        files = [single]
-    else:
-        files, weight_map = [], {}
-        for i, shard in enumerate(shards, 1):
-            name = f"{stem}-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(directory / name), metadata={"format": "pt"})
-            files.append(name)
-            weight_map.update({key: name for key in shard})
-        total = sum(t.numel() * t.element_size() for t in exported.tensors.values())
-        write_json(directory / index, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    writer = ShardWriter(directory, max_shard_size, None, names=WEIGHTS[exported.library], aligned=False)
+    writer.add(exported.tensors)
+    files = writer.finish()
     if exported.extra:
         save_file(exported.extra, str(directory / EXTRA), metadata={"format": "pt"})
         files.append(EXTRA)
     write_json(directory / CONFIG_FILE, exported.config)
-    history = history_of(module) or History([], [])
-    meta = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "kind": "module",
-        "model": model_description(module),
-        "scripts": history.scripts,
-        "steps": [s.to_json() for s in history.steps],
-        "tensors": {"files": files, "aliases": exported.aliases, "layout": exported.layout,
-                    "nonpersistent": sorted(set(exported.extra) - set(plain_tensors.saved_names(exported.attributes))),
-                    **({"attributes": exported.attributes} if exported.attributes else {})},
-        "interop": {"format": fmt, "notes": exported.notes},
-        "versions": library_versions(),
-    }
-    write_json(directory / META_FILE, meta)
-    (directory / SCRIPT_FILE).write_text("\n".join(history.scripts) + ("\n" if history.scripts else ""))
+    layout = {"aliases": exported.aliases, "layout": exported.layout,
+              "nonpersistent": sorted(set(exported.extra) - set(plain_tensors.saved_names(exported.attributes))),
+              **({"attributes": exported.attributes} if exported.attributes else {})}
+    write_module_metadata(directory, module, files, layout, save_id, interop={"format": fmt, "notes": exported.notes})
     return exported.notes

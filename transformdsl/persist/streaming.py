@@ -49,10 +49,10 @@ from ..tree import WEIGHTS_PENDING, parameter_bytes
 from . import guard
 from .atomic import writing
 from .checks import read_json, read_metadata
-from .format import DEFAULT_SHARD_BYTES, FORMAT, META_FILE, library_versions, write_json
+from .format import DEFAULT_SHARD_BYTES, META_FILE, write_json
 from .read import OpenedModule, assign_tensors, open_module, saved_history
 from .savedir import SaveDir
-from .write import ShardWriter, collect_tensors, write_module_metadata
+from .write import ShardWriter, collect_tensors, write_module_metadata, write_pipeline_metadata
 
 
 def convert(source: str | os.PathLike, script: Any, out: str | os.PathLike, *, component: str | None = None,
@@ -209,10 +209,7 @@ def _copy_pipeline(folder: SaveDir, located: _Located, tmp: Path, save_id: str) 
         if not (tmp / name).exists():
             (tmp / name).mkdir()
     write_json(tmp / "model_index.json", index)
-    write_json(tmp / META_FILE, {
-        "format": FORMAT, "format_version": 1, "kind": "pipeline", "pipeline_class": pipeline_class,
-        "components": components, "versions": library_versions(), "save_id": save_id,
-    })
+    write_pipeline_metadata(tmp, pipeline_class, components, save_id)
 
 
 def _copy_sparse(fd: int, target: Path) -> None:
