@@ -35,7 +35,8 @@ if TYPE_CHECKING:  # pragma: no cover
 #: The entry-point group third-party transforms are installed under.
 GROUP = "transformdsl.transforms"
 
-#: The built-in transforms: key → ``"module:Class"`` of its (torch-free) declaration.
+#: The built-in transforms: key → ``"module:Class"`` of its (torch-free) declaration; the ``attention``
+#: backends, one key each, are added from the attention family's list on first use (:func:`builtin`).
 BUILTIN: dict[str, str] = {
     "cache faster": "transformdsl.transforms.cache:FasterCache",
     "cache first_block": "transformdsl.transforms.cache:FirstBlockCache",
@@ -70,7 +71,16 @@ def _attention_keys() -> dict[str, str]:
     return {f"attention {mode}": f"transformdsl.transforms.attention:Attention_{mode}" for mode in attention.MODES}
 
 
-BUILTIN.update(_attention_keys())
+def builtin() -> dict[str, str]:
+    """Every built-in key → its reference: :data:`BUILTIN`, and one ``attention BACKEND`` key per backend,
+    listed by the attention family's declarations (read on first use, not when the registry is imported)."""
+    global _BUILTIN_ALL
+    if _BUILTIN_ALL is None:
+        _BUILTIN_ALL = {**BUILTIN, **_attention_keys()}
+    return _BUILTIN_ALL
+
+
+_BUILTIN_ALL: dict[str, str] | None = None
 
 
 class PluginError(TransformError):
@@ -125,9 +135,10 @@ def references() -> dict[str, Reference]:
     """Every known transform's reference, built-ins first; two claims on one key are an error."""
     global _REFERENCES
     if _REFERENCES is None:
-        table = {key: Reference(key, value, "built-in") for key, value in BUILTIN.items()}
+        known = builtin()
+        table = {key: Reference(key, value, "built-in") for key, value in known.items()}
         for ref in _plugin_references():
-            if ref.key in BUILTIN and ref.value == BUILTIN[ref.key]:
+            if ref.key in known and ref.value == known[ref.key]:
                 continue  # transformdsl's own entry point, if the distribution declares one
             if ref.key in table:
                 other = table[ref.key]
