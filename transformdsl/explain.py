@@ -2,15 +2,9 @@
 
 from __future__ import annotations
 
+from .units import human_bytes  # noqa: F401  (importable from here, as before it had its module)
+
 SAMPLE = 4
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"  # pragma: no cover
 
 
 def render_plan(plan) -> str:

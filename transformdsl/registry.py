@@ -107,6 +107,7 @@ class Reference:
                               f"{type(exc).__name__}: {exc}") from exc
         if not (isinstance(cls, type) and issubclass(cls, Transform)):
             raise PluginError(f"transform '{self.key}' ({self.origin}): {self.value} is not a Transform subclass")
+        check_api(cls, f"transform '{self.key}' ({self.origin}: {self.value})")
         if cls.key() != self.key:
             raise PluginError(f"transform '{self.key}' ({self.origin}): {self.value} declares verb/mode "
                               f"'{cls.key()}', not '{self.key}'; make the entry point's name its key")
@@ -154,8 +155,21 @@ def keys() -> list[str]:
     return sorted(set(references()) | set(_TRANSFORMS))
 
 
+def check_api(cls: type[Transform], what: str) -> None:
+    """A :class:`PluginError` when ``cls`` requires a newer :data:`~transformdsl.extend.API_VERSION` than
+    this transformdsl provides (``Transform.requires_api``)."""
+    from .extend import API_VERSION
+
+    needed = getattr(cls, "requires_api", 1)
+    if not isinstance(needed, int) or isinstance(needed, bool) or needed > API_VERSION:
+        raise PluginError(f"{what} requires transformdsl.extend API version {needed!r}, and this transformdsl "
+                          f"provides version {API_VERSION}: upgrade transformdsl (or install a release of the "
+                          "plugin written for this version)")
+
+
 def register(cls: type[Transform]) -> type[Transform]:
     """Add a transform at run time (returns it unchanged); an installed package uses an entry point."""
+    check_api(cls, f"transform {cls.key()!r} ({cls.__module__}.{cls.__qualname__})")
     key = cls.key()
     if (key in _TRANSFORMS and _TRANSFORMS[key] is not cls) or (key in references() and key not in _TRANSFORMS):
         raise PluginError(f"transform {key!r} registered twice")
