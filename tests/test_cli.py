@@ -177,6 +177,22 @@ def test_help(capsys):
         assert command in out
 
 
+def test_explain_options_lists_each_statements_options_with_defaults_without_a_model(capsys, tmp_path):
+    path = tmp_path / "s.tfm"
+    path.write_text("compile mode=max-autotune\nfuse qkv\n")
+    status, out, _ = cli(capsys, "explain", path, "--options")
+    assert status == 0
+    lines = out.splitlines()
+    assert lines[0] == "line 1: compile: torch.compile the denoiser (or the model)"
+    assert "  mode=max-autotune: torch.compile mode (str; default: default; one of default, reduce-overhead, " \
+           "max-autotune, max-autotune-no-cudagraphs)" in lines
+    assert "  fullgraph=false: fail on graph breaks instead of falling back to Python (bool; default: false)" in lines
+    assert any(line.startswith("line 2: fuse qkv") for line in lines)
+    assert "  cross=kv: cross-attention: fuse k/v only ('kv') or leave it alone ('skip') (str; default: kv; " \
+           "one of kv, skip)" in lines
+    assert sum("component=\"\" (common option)" in line for line in lines) == 2
+
+
 def test_usage_error_exits_2(capsys):
     status, _, err = cli(capsys, "explain", EXAMPLES / "demo.tfm")
     assert status == 2

@@ -98,6 +98,32 @@ def test_convert_is_load_transform_save_bit_for_bit(sources, tmp_path, name, scr
     assert_same_save(reference, converted)
 
 
+def test_convert_with_a_lora_records_the_file_name_not_its_path(sources, tmp_path):
+    """The history ``convert`` saves is built as ``transform``'s is: a ``lora`` statement keeps the file's
+    name (spec.md, "lora"), and the save is ``load → transform → save``'s, bit for bit."""
+    from safetensors.torch import save_file
+
+    flux = models.tiny_flux()
+    generator = torch.Generator().manual_seed(0)
+    adapter = {}
+    for name, module in flux.named_modules():
+        if type(module) is torch.nn.Linear and name.startswith("transformer_blocks.0.attn.to_"):
+            adapter[f"transformer.{name}.lora_A.weight"] = torch.randn(4, module.in_features, generator=generator)
+            adapter[f"transformer.{name}.lora_B.weight"] = torch.randn(module.out_features, 4, generator=generator)
+    folder = tmp_path / "adapters"
+    folder.mkdir()
+    save_file(adapter, str(folder / "style.safetensors"))
+    script = f'lora "{folder / "style.safetensors"}" scale=0.5 in transformer_blocks.0\nquantize int8'
+    reference = reference_save(sources["flux"], script, tmp_path / "reference")
+    converted = transformdsl.convert(sources["flux"], script, tmp_path / "converted")
+    assert (converted / "script.tfm").read_text() == 'lora "style.safetensors" scale=0.5 in transformer_blocks.0\n' \
+                                                     "quantize int8\n"
+    steps = json.loads((converted / "transformdsl.json").read_text())["steps"]
+    assert steps[0]["statement"] == 'lora "style.safetensors" scale=0.5 in transformer_blocks.0'
+    assert str(folder) not in (converted / "transformdsl.json").read_text()
+    assert_same_save(reference, converted)
+
+
 def test_converted_model_loads_alone_and_computes_as_transformed(sources, tmp_path):
     script = "fuse qkv; quantize nf4"
     transformed = transformdsl.transform(transformdsl.load(sources["flux"]), script)

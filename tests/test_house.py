@@ -28,6 +28,28 @@ def test_the_checker_finds_a_circle_and_a_private_import(tmp_path, capsys):
     assert "imports _g from pkg.b" in out
 
 
+def test_the_checker_counts_a_package_init_and_annotation_only_imports(tmp_path, capsys):
+    """Importing ``pkg.sub.leaf`` runs ``pkg/sub/__init__.py`` first, and an import under ``TYPE_CHECKING``
+    is a dependency too: both close circles; an import inside the ``__init__``'s functions runs later, if
+    ever, and does not."""
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "sub" / "__init__.py").write_text("from . import top\n")
+    (package / "sub" / "leaf.py").write_text("X = 1\n")
+    (package / "sub" / "top.py").write_text("from .. import user\n")
+    (package / "user.py").write_text("from .sub.leaf import X\n")
+    (package / "typed.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import hinted\n")
+    (package / "hinted.py").write_text("from . import typed\n")
+    assert imports.main([str(package)]) == 1
+    out = capsys.readouterr().out
+    assert "circle of 2 in pkg: pkg.sub.top, pkg.user" in out
+    assert "circle of 2 in pkg: pkg.hinted, pkg.typed" in out
+    (package / "sub" / "__init__.py").write_text("def __getattr__(name):\n    from . import top\n    return top\n")
+    (package / "hinted.py").write_text("")
+    assert imports.main([str(package)]) == 0, capsys.readouterr().out
+
+
 def test_package_data_copies_match_their_sources():
     """An installed package reads its own copies: they must be the files the repository documents."""
     pairs = [("grammar/transformdsl.lark", "transformdsl/transformdsl.lark"), ("examples/demo.tfm", "transformdsl/demo.tfm")]

@@ -177,3 +177,28 @@ def test_spec_shows_the_plugin_the_tests_install():
     spec = (ROOT / "spec.md").read_text(encoding="utf-8")
     for name in ("transformdsl_scale.py", "pyproject.toml"):
         assert (PLUGINS / "scale_weights" / name).read_text(encoding="utf-8") in spec, name
+
+
+def test_a_transform_requiring_a_newer_api_is_refused_naming_both_versions():
+    from transformdsl import extend, registry
+
+    class Future(extend.Transform):
+        verb = "future"
+        requires_api = extend.API_VERSION + 1
+
+    with pytest.raises(registry.PluginError, match=rf"requires transformdsl.extend API version "
+                                                   rf"{extend.API_VERSION + 1}, and this transformdsl provides "
+                                                   rf"version {extend.API_VERSION}: upgrade transformdsl"):
+        registry.register(Future)
+    assert "future" not in registry.keys()
+
+
+def test_extend_exports_the_helpers_the_built_ins_use():
+    """A plugin needs nothing but ``transformdsl.extend``: the helpers are the built-ins' own objects."""
+    from transformdsl import explain, extend
+    from transformdsl.transforms.common import modules
+
+    for name in ("put_module", "recorded_targets", "tied_weights", "is_conv1d"):
+        assert getattr(extend, name) is getattr(modules, name) and name in extend.__all__
+    assert extend.human_bytes is explain.human_bytes and extend.human_bytes(1536) == "1.5 KiB"
+

@@ -252,3 +252,17 @@ def test_import_transformdsl_and_the_cli_import_no_optuna_or_matplotlib():
             "print(callable(transformdsl.tune))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
     assert out.split() == ["[]", "True"]
+
+
+def test_a_method_that_learns_from_data_is_searched_with_the_calibration_inputs(model, rows):
+    result = transformdsl.tune(model, max_kl=0.05, goal="size", calibration=rows,
+                               modes=["quantize int4 group_size=32 method=gptq"], rounds=1, evaluations=1)
+    assert result.passed, result.reason
+    assert "method=gptq" in result.script
+    fresh = trained.load_model()
+    held = rows[-2:]
+    with torch.no_grad():
+        before = [model(r).logits for r in held]
+    transformdsl.transform(fresh, result.script.replace("calibrate", "# calibrate"), calibration=rows[:-2])
+    with torch.no_grad():
+        assert max(measure("kl", b, fresh(r).logits) for b, r in zip(before, held)) <= 0.05

@@ -1,7 +1,12 @@
 """Print the import circles among a package's modules (``python -m tools.imports [PACKAGE_DIR...]``).
 
-Every ``import``/``from ... import`` counts, at the top of a module or inside a function: a deferred
-import that only dodges a circle is still a circle.  Exits 1 when it finds one.  Also lists underscore
+Every ``import``/``from ... import`` counts, at the top of a module, inside a function or under ``if
+TYPE_CHECKING:``: a deferred import that only dodges a circle is still a circle, and an annotation-only one
+is a dependency of the module's meaning (a reader, a type checker and a later refactor follow it).
+Importing ``a.b.c`` counts as importing what ``a/__init__.py`` and ``a/b/__init__.py`` import when they
+run, since they run first: their top-level imports (not those inside their functions, which run later
+if ever, nor those under ``TYPE_CHECKING``); the importer's own enclosing packages are left out (they
+began running before it did).  Exits 1 when it finds one.  Also lists underscore
 names imported from another module (``from .x import _private``), which the house rules forbid.
 """
 
@@ -19,20 +24,42 @@ def module_name(root: Path, path: Path) -> str:
     return ".".join(parts)
 
 
-def imports_of(root: Path, path: Path, modules: set[str]) -> list[tuple[str, list[str], int]]:
+def run_at_import(tree: ast.Module) -> set[int]:
+    """The ids of the import statements a module runs when it is imported: those at its top level
+    (in ``if``/``try`` blocks too), not in a function or under ``if TYPE_CHECKING:``."""
+    out: set[int] = set()
+
+    def visit(body: list[ast.stmt]) -> None:
+        for stmt in body:
+            if isinstance(stmt, (ast.Import, ast.ImportFrom)):
+                out.add(id(stmt))
+            elif isinstance(stmt, ast.If):
+                if getattr(stmt.test, "id", getattr(stmt.test, "attr", None)) != "TYPE_CHECKING":
+                    visit(stmt.body)
+                visit(stmt.orelse)
+            elif isinstance(stmt, ast.Try):
+                for block in (stmt.body, *(h.body for h in stmt.handlers), stmt.orelse, stmt.finalbody):
+                    visit(block)
+            elif isinstance(stmt, (ast.With, ast.ClassDef)):
+                visit(stmt.body)
+
+    visit(tree.body)
+    return out
+
+
+def imports_of(root: Path, path: Path, modules: set[str],
+               eager_only: bool = False) -> list[tuple[str, list[str], int]]:
     """(imported module, names imported from it, line) for each import of ``path`` inside the package
-    (or, for a folder of scripts without ``__init__.py`` such as benchmarks/, of its sibling files)."""
+    (or, for a folder of scripts without ``__init__.py`` such as benchmarks/, of its sibling files);
+    ``eager_only``: only those it runs when it is imported (:func:`run_at_import`)."""
     scripts = not (root / "__init__.py").exists()
     name = module_name(root, path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out = []
     tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
-    # Imports under ``if TYPE_CHECKING:`` never run: they are annotations, not dependencies.
-    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
-                   and getattr(block.test, "id", getattr(block.test, "attr", None)) == "TYPE_CHECKING"
-                   for stmt in block.body for n in ast.walk(stmt)}
+    eager = run_at_import(tree) if eager_only else None
     for node in ast.walk(tree):
-        if id(node) in typing_only:
+        if eager is not None and id(node) not in eager:
             continue
         if isinstance(node, ast.Import):
             for alias in node.names:
@@ -62,20 +89,41 @@ def imports_of(root: Path, path: Path, modules: set[str]) -> list[tuple[str, lis
     return out
 
 
+def known(target: str, modules: set[str]) -> str:
+    """``target``, or the nearest enclosing module of it that exists (``pkg.mod.name`` → ``pkg.mod``)."""
+    while target not in modules and "." in target:
+        target = target.rpartition(".")[0]
+    return target
+
+
+def enclosing_packages(name: str) -> list[str]:
+    """``a`` and ``a.b`` for ``a.b.c``: the packages whose ``__init__`` importing ``name`` runs first."""
+    parts = name.split(".")
+    return [".".join(parts[:n]) for n in range(1, len(parts))]
+
+
 def graph(root: Path) -> tuple[dict[str, set[str]], list[str]]:
     files = sorted(root.rglob("*.py"))
     modules = {module_name(root, f) for f in files}
     edges: dict[str, set[str]] = {m: set() for m in modules}
+    # What importing anything below a package runs first: its __init__'s top-level imports.
+    runs_first: dict[str, set[str]] = {}
+    for f in files:
+        if f.name == "__init__.py":
+            package = module_name(root, f)
+            runs_first[package] = {known(t, modules) for t, _, _ in imports_of(root, f, modules, eager_only=True)}
     private = []
     for f in files:
         me = module_name(root, f)
         for target, names, line in imports_of(root, f, modules):
-            while target not in modules and "." in target:
-                target = target.rpartition(".")[0]
+            target = known(target, modules)
             if target in modules and target != me:
-                # Importing a.b.c runs a/__init__ and a/b/__init__ too, but those run first and are not
-                # a dependency of the importer's own code: only the module itself counts.
                 edges[me].add(target)
+            # Importing a.b.c runs a/__init__ and a/b/__init__ first: what they import then is a dependency
+            # too, unless they enclose the importer (then they began running before it did).
+            for package in enclosing_packages(target):
+                if package in runs_first and not me.startswith(package + "."):
+                    edges[me].update(t for t in runs_first[package] if t in modules and t != me)
             for n in names:
                 if n.startswith("_") and not n.startswith("__") and target != me:
                     private.append(f"{f}:{line}: imports {n} from {target}")

@@ -230,7 +230,12 @@ def source(cpu: dict) -> str:
 
 
 def measured_latency(workload: str, comparison: str) -> Quote | None:
-    """``"0.84× fp32 latency (flux-medium, 'quantize int8' row)"``, measured on this kind of CPU, or None."""
+    """``"0.84× fp32 latency (flux-medium, 'quantize int8' row)"``, measured on this kind of CPU, or None.
+    The row must be one of :data:`CITED`, the one list of them (``benchmarks/report.py`` copies exactly
+    those): a note quoting another is a ``ValueError``, so the list and the notes cannot drift apart."""
+    if (workload, comparison) not in CITED:
+        raise ValueError(f"({workload!r}, {comparison!r}) is not in capabilities.CITED: add it there, so that "
+                         "benchmarks/report.py copies its figure into measured.json")
     found = _figure(workload, comparison, "latency_vs_original")
     if found is None:
         return None

@@ -71,6 +71,15 @@ def cmd_check(args) -> int:
 
 
 def cmd_explain(args) -> int:
+    if args.options:
+        from .explain import render_options
+        from .registry import declarations
+        from .validate import validate
+
+        print(render_options(validate(_read_script(args.file), declarations())))  # the declarations: no torch
+        return 0
+    if args.model is None:
+        args.explain_parser.error("the following arguments are required: --model")
     from .planner import plan
 
     the_plan = plan(_model(args.model, args.dtype), _read_script(args.file))
@@ -388,12 +397,14 @@ def build_parser() -> argparse.ArgumentParser:
                   "are float32), float32, bfloat16 or float16; the plan's first line says which")
     p = sub.add_parser("explain", help="show what a script will do to a model")
     p.add_argument("file", metavar="FILE")
-    p.add_argument("--model", required=True, metavar="SPEC", help=model_help)
+    p.add_argument("--model", metavar="SPEC", help=model_help + " (required, but with --options)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"), help=dtype_help)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--options", action="store_true",
+                   help="list each statement's options (value, default, type, meaning) instead; needs no model")
     p.add_argument("-q", "--quiet", action="store_true",
                    help="no warnings or progress bars from the model libraries")
-    p.set_defaults(func=cmd_explain)
+    p.set_defaults(func=cmd_explain, explain_parser=p)
 
     p = sub.add_parser("apply", help="transform a model and save it")
     p.add_argument("file", metavar="FILE")

@@ -7,7 +7,6 @@ Every change goes through one :class:`~transformdsl.edit.Edit`; if any statement
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import sys
@@ -22,7 +21,7 @@ from .edit import Edit
 from .errors import TransformError
 from .explain import human_bytes
 from .extend import ApplyContext
-from .history import AppliedStep, append_history
+from .history import AppliedStep, append_history, applied_step, recorded_text
 from .ir import Script
 from .planner import Plan, module_components, plan
 from .spill import UndoStore, auto_budget, check_undo_options
@@ -192,16 +191,7 @@ def transform(model: Any, script: str | Path | Script | ValidatedScript | Plan, 
                 after = parameter_bytes(root)
                 log(f"line {step.statement.line}: {texts[id(step)]}: {len(step.targets)} module(s), "
                     f"{human_bytes(before)} -> {human_bytes(after)} ({time.perf_counter() - started:.2f} s)")
-            applied.setdefault(step.component, []).append(AppliedStep(
-                key=step.transform.key(),
-                line=step.statement.line,
-                statement=texts[id(step)],
-                options=dataclasses.asdict(step.transform.options),
-                common=dataclasses.asdict(step.transform.common),
-                record=record,
-                script_index=0,
-                record_version=step.transform.record_version,
-            ))
+            applied.setdefault(step.component, []).append(applied_step(step, texts[id(step)], record))
         if not verified:
             verification.verify(model, reference, samples, statements, checks, log)
     except BaseException:
@@ -215,39 +205,6 @@ def transform(model: Any, script: str | Path | Script | ValidatedScript | Plan, 
     for name, steps in applied.items():
         append_history(components[name], source, steps)
     return model
-
-
-def recorded_text(the_plan: Plan) -> tuple[str, dict[int, str]]:
-    """The script's source and each step's statement text as the model's history records them: each
-    quoted argument replaced by what its transform records of it (``lora`` keeps a file's name, never
-    the directories above it: a save does not carry the path of a file on the machine that made it)."""
-    from .formatter import format_value
-    from .ir import source_lines
-
-    original = the_plan.script.source
-    lines = source_lines(original) if original else []
-    edits: dict[int, list[tuple[int, int, str]]] = {}
-    texts = {}
-    for step in the_plan.steps:
-        text = step.text(original)
-        argument = step.statement.argument
-        if argument is not None and argument.span is not None and 1 <= argument.span.line <= len(lines):
-            span = argument.span
-            written = lines[span.line - 1][span.column - 1 : span.end_column - 1]
-            recorded = format_value(step.transform.recorded_argument())
-            if not recorded.startswith('"'):
-                recorded = f'"{recorded}"'
-            text = text.replace(written, recorded, 1)
-            edits.setdefault(span.line, []).append((span.column, span.end_column, recorded))
-        texts[id(step)] = text
-    if not edits:
-        return original, texts
-    for number, changes in edits.items():
-        line = lines[number - 1]
-        for start, end, recorded in sorted(set(changes), reverse=True):
-            line = line[: start - 1] + recorded + line[end - 1 :]
-        lines[number - 1] = line
-    return "\n".join(lines) + ("\n" if original.endswith("\n") else ""), texts
 
 
 def _undo_store(undo: str, budget: int | None, directory, components: dict) -> UndoStore | None:

@@ -2,23 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .planner import Plan
+from .units import human_bytes  # noqa: F401  (importable from here, as before it had its module)
 
 SAMPLE = 4
 
 
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"  # pragma: no cover
-
-
-def render_plan(plan: Plan) -> str:
+def render_plan(plan) -> str:
+    """``plan`` (a :class:`transformdsl.planner.Plan`, whose ``__str__`` calls this: hence no import of it
+    here) as the text ``transformdsl explain`` prints."""
     source = plan.script.source
     lines = []
     what = plan.model_name
@@ -65,3 +56,34 @@ def render_plan(plan: Plan) -> str:
         if step.device_note:
             lines.append(f"   device: {step.device_note}")
     return "\n".join(lines)
+
+
+def render_options(validated) -> str:
+    """Each statement of ``validated`` (a :class:`transformdsl.validate.ValidatedScript`, in execution
+    order) with every option it takes: the value it runs with, the default, the type and range, and what
+    the option does (``transformdsl explain --options``; the declarations only, no model)."""
+    import dataclasses
+
+    from .formatter import format_value
+    from .options import CommonOptions, describe_fields
+
+    lines = []
+    for transform in sorted(validated.steps, key=lambda t: t.statement.line):
+        statement = transform.statement
+        summary = f": {transform.summary}" if transform.summary else ""
+        lines.append(f"line {statement.line}: {transform.key()}{summary}")
+        if not dataclasses.fields(transform.Options):
+            lines.append("  (no options of its own)")
+        for cls, values, label in ((transform.Options, transform.options, ""),
+                                   (CommonOptions, transform.common, " (common option)")):
+            for row in describe_fields(cls):
+                value = getattr(values, row["name"], row["default"])
+                about = [row["type"], f"default: {format_value(row['default'])}"]
+                if row["choices"]:
+                    about.append("one of " + ", ".join(format_value(c) for c in row["choices"]))
+                if row["min"] is not None:
+                    about.append(f">= {row['min']}")
+                if row["max"] is not None:
+                    about.append(f"<= {row['max']}")
+                lines.append(f"  {row['name']}={format_value(value)}{label}: {row['doc']} ({'; '.join(about)})")
+    return "\n".join(lines) if lines else "no statement"

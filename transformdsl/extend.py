@@ -38,6 +38,12 @@ A declaration states:
   :class:`TransformError` for a failure the user can act on),
   :meth:`~Transform.rebuild` (replay the structure on a skeleton when loading a saved model) and
   :meth:`~Transform.finalize` (after the saved tensors are loaded, e.g. compile again).
+
+The helpers the built-in transforms use are exported here too: :func:`put_module` (a module put on a
+skeleton in ``rebuild``), :func:`recorded_targets` (the modules a record names, read back on load),
+:func:`tied_weights` (weights held by several modules), :func:`is_conv1d` (transformers' ``Conv1D``) and
+:func:`human_bytes` (sizes in messages); and :data:`API_VERSION`, which a transform may require
+(:attr:`Transform.requires_api`).
 """
 
 from __future__ import annotations
@@ -48,6 +54,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from .errors import LoadError, TransformError
 from .ir import Statement
 from .options import CommonOptions, NoOptions, option
+from .transforms.common.modules import is_conv1d, put_module, recorded_targets, tied_weights
+from .units import human_bytes
 
 if TYPE_CHECKING:  # pragma: no cover  (the declarations import no torch: `check` validates without it)
     from pathlib import Path
@@ -56,11 +64,17 @@ if TYPE_CHECKING:  # pragma: no cover  (the declarations import no torch: `check
 
     from .edit import Edit
     from .history import AppliedStep
-    from .interop.export import Exported
-    from .interop.imports import Headers
+    from .interop.hook_types import Exported, Headers
     from .tree import ModuleInfo, ModuleTree
 
-__all__ = ["ApplyContext", "CommonOptions", "LoadError", "NoOptions", "Transform", "TransformError", "option"]
+__all__ = ["API_VERSION", "ApplyContext", "CommonOptions", "LoadError", "NoOptions", "Transform", "TransformError",
+           "human_bytes", "is_conv1d", "option", "put_module", "recorded_targets", "tied_weights"]
+
+#: The version of this API (the :class:`Transform` attributes and hooks, :class:`ApplyContext`, the helpers
+#: exported here, and what they promise).  It increases when a change would break a transform written
+#: against the previous one; a transform declares the lowest it needs (:attr:`Transform.requires_api`) and
+#: the registry refuses one that needs a newer API than this transformdsl has, naming both.
+API_VERSION = 1
 
 
 @dataclass
@@ -130,6 +144,9 @@ class Transform:
     #: ``quant_method`` values of a library checkpoint's ``quantization_config`` whose layers this
     #: transform rebuilds as its own (:meth:`import_checkpoint`): ``load(dir)`` reads such a checkpoint.
     quant_methods: ClassVar[tuple[str, ...]] = ()
+    #: The lowest :data:`API_VERSION` this transform is written against; the registry refuses it (naming
+    #: both versions) where transformdsl's API is older.
+    requires_api: ClassVar[int] = 1
 
     def __init__(self, statement: Statement, options: Any, common: CommonOptions | None = None):
         self.statement = statement

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .errors import ScriptError
 from .ir import Selector, Statement
@@ -27,8 +27,24 @@ from .tree import is_below
 from .validate import ValidatedScript
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .planner import Planner, Step
     from .tree import ModuleTree
+
+
+class Planner(Protocol):
+    """What a hint needs of the planner asking for it (:class:`transformdsl.planner.Planner`, which
+    imports this module): its model, a planner of the same class for an edited script, and a run."""
+
+    model: Any
+
+    def __init__(self, model: Any, validated: ValidatedScript, hints: bool = True) -> None: ...
+
+    def run(self) -> Any: ...
+
+
+class Step(Protocol):
+    """A planned statement (:class:`transformdsl.planner.Step`), as far as a hint reads it."""
+
+    statement: Statement
 
 #: At most this many re-plans per hint (each is one walk of the model's tree).
 MAX_TRIES = 12

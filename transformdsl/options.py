@@ -69,7 +69,7 @@ class NoOptions:
 
 
 def describe_fields(options_cls: type) -> list[dict]:
-    """Name, type, default, choices/range and doc of each option (for spec and explain)."""
+    """Name, type, default, choices/range and doc of each option (``transformdsl explain --options``)."""
     rows = []
     for f in dataclasses.fields(options_cls):
         meta = f.metadata

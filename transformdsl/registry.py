@@ -35,7 +35,8 @@ if TYPE_CHECKING:  # pragma: no cover
 #: The entry-point group third-party transforms are installed under.
 GROUP = "transformdsl.transforms"
 
-#: The built-in transforms: key → ``"module:Class"`` of its (torch-free) declaration.
+#: The built-in transforms: key → ``"module:Class"`` of its (torch-free) declaration; the ``attention``
+#: backends, one key each, are added from the attention family's list on first use (:func:`builtin`).
 BUILTIN: dict[str, str] = {
     "calibrate": "transformdsl.transforms.calibrate:Calibrate",
     "cache faster": "transformdsl.transforms.cache:FasterCache",
@@ -73,7 +74,16 @@ def _attention_keys() -> dict[str, str]:
     return {f"attention {mode}": f"transformdsl.transforms.attention:Attention_{mode}" for mode in attention.MODES}
 
 
-BUILTIN.update(_attention_keys())
+def builtin() -> dict[str, str]:
+    """Every built-in key → its reference: :data:`BUILTIN`, and one ``attention BACKEND`` key per backend,
+    listed by the attention family's declarations (read on first use, not when the registry is imported)."""
+    global _BUILTIN_ALL
+    if _BUILTIN_ALL is None:
+        _BUILTIN_ALL = {**BUILTIN, **_attention_keys()}
+    return _BUILTIN_ALL
+
+
+_BUILTIN_ALL: dict[str, str] | None = None
 
 
 class PluginError(TransformError):
@@ -100,6 +110,7 @@ class Reference:
                               f"{type(exc).__name__}: {exc}") from exc
         if not (isinstance(cls, type) and issubclass(cls, Transform)):
             raise PluginError(f"transform '{self.key}' ({self.origin}): {self.value} is not a Transform subclass")
+        check_api(cls, f"transform '{self.key}' ({self.origin}: {self.value})")
         if cls.key() != self.key:
             raise PluginError(f"transform '{self.key}' ({self.origin}): {self.value} declares verb/mode "
                               f"'{cls.key()}', not '{self.key}'; make the entry point's name its key")
@@ -128,9 +139,10 @@ def references() -> dict[str, Reference]:
     """Every known transform's reference, built-ins first; two claims on one key are an error."""
     global _REFERENCES
     if _REFERENCES is None:
-        table = {key: Reference(key, value, "built-in") for key, value in BUILTIN.items()}
+        known = builtin()
+        table = {key: Reference(key, value, "built-in") for key, value in known.items()}
         for ref in _plugin_references():
-            if ref.key in BUILTIN and ref.value == BUILTIN[ref.key]:
+            if ref.key in known and ref.value == known[ref.key]:
                 continue  # transformdsl's own entry point, if the distribution declares one
             if ref.key in table:
                 other = table[ref.key]
@@ -146,8 +158,21 @@ def keys() -> list[str]:
     return sorted(set(references()) | set(_TRANSFORMS))
 
 
+def check_api(cls: type[Transform], what: str) -> None:
+    """A :class:`PluginError` when ``cls`` requires a newer :data:`~transformdsl.extend.API_VERSION` than
+    this transformdsl provides (``Transform.requires_api``)."""
+    from .extend import API_VERSION
+
+    needed = getattr(cls, "requires_api", 1)
+    if not isinstance(needed, int) or isinstance(needed, bool) or needed > API_VERSION:
+        raise PluginError(f"{what} requires transformdsl.extend API version {needed!r}, and this transformdsl "
+                          f"provides version {API_VERSION}: upgrade transformdsl (or install a release of the "
+                          "plugin written for this version)")
+
+
 def register(cls: type[Transform]) -> type[Transform]:
     """Add a transform at run time (returns it unchanged); an installed package uses an entry point."""
+    check_api(cls, f"transform {cls.key()!r} ({cls.__module__}.{cls.__qualname__})")
     key = cls.key()
     if (key in _TRANSFORMS and _TRANSFORMS[key] is not cls) or (key in references() and key not in _TRANSFORMS):
         raise PluginError(f"transform {key!r} registered twice")

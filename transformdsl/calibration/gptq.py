@@ -116,12 +116,12 @@ def gptq(weight: torch.Tensor, h: torch.Tensor, grid: Grid, *, damp: float = 0.0
             rounded = grid.fake_column(column, index[start + i])
             error = (column - rounded) / inverse[i, i]
             block[:, i] = rounded
-            if i + 1 < end - start:
-                block[:, i + 1:].sub_(error[:, None] * inverse[i, i + 1:][None, :])
+            if i + 1 < end - start:  # a rank-1 update in place: no temporary of the block's size
+                block[:, i + 1:].addr_(error, inverse[i, i + 1:], alpha=-1.0)
             errors[:, i] = error
         w[:, start:end] = block
         if end < columns:
-            w[:, end:].sub_(errors @ upper[start:end, end:])
+            w[:, end:].addmm_(errors, upper[start:end, end:], alpha=-1.0)
     if order is not None:
         w = w[:, torch.argsort(order)]
     return Result(w, used)

@@ -9,6 +9,8 @@
   from the saved tensors (nothing is quantized again), as if a ``quantize`` statement had run.
 - :mod:`.layout`: how tensor keys move between the library's layout and ours (fp8 scale names,
   unfused q/k/v projections), written into the metadata and undone on load.
+- :mod:`.hook_types`: :class:`~.hook_types.Exported` and :class:`~.hook_types.Headers`, what a transform's
+  ``export`` and ``import_checkpoint`` hooks receive (low: :mod:`transformdsl.extend` names them);
 - :mod:`.rules`: the libraries' own rules for which layers they quantize, checked against the
   layers the script quantized before anything is written.
 """
@@ -30,14 +32,22 @@ def check_format(value: object) -> str:
     return value  # type: ignore[return-value]
 
 
-#: Quantize modes a diffusers save carries as a bitsandbytes ``quantization_config``.
-_BNB_KEYS = ("quantize int8", "quantize nf4", "quantize fp4")
+def carried_as_bitsandbytes(key: str) -> bool:
+    """Whether the step ``key`` is carried in a library's layout as a bitsandbytes ``quantization_config``:
+    its declaration reads such checkpoints (``quant_methods``), the one list of them."""
+    from .. import registry
+
+    try:
+        declared = registry.declaration(key)
+    except registry.PluginError:  # a key read from a file, naming a broken plugin: not one of ours
+        return False
+    return declared is not None and "bitsandbytes" in declared.quant_methods
 
 
 def stock_needs(fmt: str | None, step_keys: list[str]) -> str | None:
     """What the library's stock ``from_pretrained`` needs, beyond the library, to load a save in
     layout ``fmt`` made by the steps ``step_keys`` (None: nothing more; ``inspect`` says so)."""
-    if fmt == "diffusers" and any(key in _BNB_KEYS for key in step_keys):
+    if fmt == "diffusers" and any(carried_as_bitsandbytes(key) for key in step_keys):
         return ("a GPU (CUDA, XPU or MPS): diffusers' bitsandbytes loader refuses without one "
                 "(\"No GPU found\"), even for a pre-quantized checkpoint")
     if fmt == "compressed-tensors":

@@ -17,28 +17,20 @@ The script and our metadata are written too, with the key mapping in ``tensors.l
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 from torch import nn
 
 from .. import registry
 from ..errors import TransformError
-from ..history import AppliedStep, History, history_of
+from ..history import History, history_of
 from ..persist import plain_tensors
 from ..persist.format import (
-    FORMAT,
-    FORMAT_VERSION,
-    META_FILE,
-    SCRIPT_FILE,
-    library_versions,
-    model_description,
     write_json,
 )
-from ..persist.write import collect_tensors, split_shards
+from ..persist.write import ShardWriter, collect_tensors, write_module_metadata
 from . import CONFIG_FILE, rules
+from .hook_types import Exported, QuantizationExport  # noqa: F401  (importable from here, as before)
 
 #: Weight files each library reads (single file, and the sharded index).
 WEIGHTS = {"transformers": ("model.safetensors", "model.safetensors.index.json", "model"),
@@ -46,60 +38,6 @@ WEIGHTS = {"transformers": ("model.safetensors", "model.safetensors.index.json",
                          "diffusion_pytorch_model")}
 #: Tensors the library does not read (non-persistent buffers): in a file of ours.
 EXTRA = "transformdsl.extra.safetensors"
-
-
-@dataclass
-class Exported:
-    """A module in a library's layout: what goes in its files, and how to get ours back.
-
-    Each applied step's transform carries itself into it (``Transform.export``): it renames or splits
-    tensors (recording how in ``layout``), adds ``notes``, names fused layers by their sources
-    (``renames``), or asks for the checkpoint's one ``quantization_config`` (``quantization``)."""
-
-    library: str
-    #: The ``format=`` asked for (``"compressed-tensors"`` is a transformers layout).
-    fmt: str
-    tensors: dict[str, torch.Tensor]
-    extra: dict[str, torch.Tensor]
-    config: dict
-    layout: list[dict] = field(default_factory=list)
-    aliases: dict[str, str] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
-    #: Tensors held as plain module attributes (``plain_tensors.py``): in ``extra``, not buffers.
-    attributes: dict = field(default_factory=dict)
-    #: Fused layer path → the source layers it is written back as.
-    renames: dict[str, list[str]] = field(default_factory=dict)
-    #: What asks for the quantization_config (one group per checkpoint).
-    quantization: list[QuantizationExport] = field(default_factory=list)
-
-    @staticmethod
-    def where(step: AppliedStep) -> str:
-        """How messages name a step: ``line 2: 'quantize nf4'``."""
-        return f"line {step.line}: '{step.statement}'"
-
-    def refuse(self, step: AppliedStep, why: str, fix: str = "save with format='transformdsl'") -> TransformError:
-        """The error for a step this format cannot carry."""
-        return TransformError(f"format={self.fmt!r} cannot carry {self.where(step)}: {why}; {fix}")
-
-
-@dataclass
-class QuantizationExport:
-    """A quantizing step's part of the checkpoint's ``quantization_config``: steps of one ``group``
-    share a config; two groups cannot be written (a checkpoint has one)."""
-
-    #: How the error names it (``"quantize int8"``, ``"fp8"``).
-    kind: str
-    #: Steps of equal groups combine.
-    group: tuple
-    #: The quantized layers, in our layout.
-    paths: set[str]
-    #: Whether the library's loader would convert GPT-2's Conv1D layers for this kind.
-    conv1d: bool
-    #: ``config(out, module, layers, quantized) -> dict``: the ``quantization_config`` (may rename tensors
-    #: in ``out``); ``layers``: the layers the loader converts unless skipped, ``quantized``: those to convert.
-    config: Callable[[Exported, nn.Module, set[str], set[str]], dict]
-    #: What the transform keeps for ``config`` (e.g. several fp8 steps' records).
-    steps: list = field(default_factory=list)
 
 
 def library_of(module: nn.Module) -> str | None:
@@ -173,45 +111,23 @@ def kept_in_float(module: nn.Module) -> list[str]:
     return keep
 
 
-def save_library_module(module: nn.Module, directory: Path, fmt: str, max_shard_size: int) -> list[str]:
+def save_library_module(module: nn.Module, directory: Path, fmt: str, max_shard_size: int,
+                        save_id: str | None = None) -> list[str]:
     """Write ``module`` into the existing empty ``directory`` in format ``fmt``'s layout, with our
-    metadata beside; returns the notes (how each statement was carried)."""
+    metadata beside (through the writers of :mod:`transformdsl.persist.write`); returns the notes (how
+    each statement was carried)."""
     from safetensors.torch import save_file
 
-
     exported = export(module, fmt)
-    single, index, stem = WEIGHTS[exported.library]
-    shards = split_shards(exported.tensors, max_shard_size)
-    if len(shards) == 1:
-        save_file(shards[0], str(directory / single), metadata={"format": "pt"})
-        files = [single]
-    else:
-        files, weight_map = [], {}
-        for i, shard in enumerate(shards, 1):
-            name = f"{stem}-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(directory / name), metadata={"format": "pt"})
-            files.append(name)
-            weight_map.update({key: name for key in shard})
-        total = sum(t.numel() * t.element_size() for t in exported.tensors.values())
-        write_json(directory / index, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    writer = ShardWriter(directory, max_shard_size, None, names=WEIGHTS[exported.library], aligned=False)
+    writer.add(exported.tensors)
+    files = writer.finish()
     if exported.extra:
         save_file(exported.extra, str(directory / EXTRA), metadata={"format": "pt"})
         files.append(EXTRA)
     write_json(directory / CONFIG_FILE, exported.config)
-    history = history_of(module) or History([], [])
-    meta = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "kind": "module",
-        "model": model_description(module),
-        "scripts": history.scripts,
-        "steps": [s.to_json() for s in history.steps],
-        "tensors": {"files": files, "aliases": exported.aliases, "layout": exported.layout,
-                    "nonpersistent": sorted(set(exported.extra) - set(plain_tensors.saved_names(exported.attributes))),
-                    **({"attributes": exported.attributes} if exported.attributes else {})},
-        "interop": {"format": fmt, "notes": exported.notes},
-        "versions": library_versions(),
-    }
-    write_json(directory / META_FILE, meta)
-    (directory / SCRIPT_FILE).write_text("\n".join(history.scripts) + ("\n" if history.scripts else ""))
+    layout = {"aliases": exported.aliases, "layout": exported.layout,
+              "nonpersistent": sorted(set(exported.extra) - set(plain_tensors.saved_names(exported.attributes))),
+              **({"attributes": exported.attributes} if exported.attributes else {})}
+    write_module_metadata(directory, module, files, layout, save_id, interop={"format": fmt, "notes": exported.notes})
     return exported.notes

@@ -33,25 +33,11 @@ from ..persist.read import TensorFiles, load_module, lookup_model_class, module_
 from ..persist.safetensors_io import is_padding
 from ..persist.savedir import SaveDir
 from . import CONFIG_FILE
+from .hook_types import Headers, Located
 
 #: The weight files a library directory may hold (single file or index), per library.
 _WEIGHTS = {"transformers": ("model.safetensors", "model.safetensors.index.json"),
             "diffusers": ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.safetensors.index.json")}
-
-
-class Located(type(Path())):
-    """A weights file's path (in messages) that also knows where to read it: ``source``, the
-    descriptor path of the file opened through the save's folder (:mod:`transformdsl.persist.savedir`)."""
-
-    source: str = ""
-
-
-class Headers(dict):
-    """Saved tensor name → its file (:class:`Located`); ``info``: name → (dtype, shape), from
-    the headers, each parsed once (a header lists every tensor: parsing it per layer made an
-    import of 3,000 layers take 77 s)."""
-
-    info: dict[str, tuple[str, list[int]]]
 
 
 def library_metadata(folder: SaveDir) -> tuple[dict, dict[str, Path]]:

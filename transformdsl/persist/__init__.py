@@ -31,9 +31,9 @@ tensors come from safetensors.
 
 from __future__ import annotations
 
-from .api import load, save
+from typing import TYPE_CHECKING
+
 from .checks import read_metadata
-from .contents import inspect
 from .format import (
     DEFAULT_SHARD_BYTES,
     FORMAT,
@@ -47,8 +47,29 @@ from .format import (
     WEIGHTS,
 )
 from .read import load_module, meta_copy
-from .streaming import convert
 from .write import save_module
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .api import load, save
+    from .contents import inspect
+    from .streaming import convert
+
+
+def __getattr__(name: str):
+    """``save``, ``load``, ``inspect`` and ``convert``, imported on first access: they stand above
+    :mod:`transformdsl.interop` (and ``convert`` above the executor), which import this package's
+    foundations; importing those must not run the stages above them."""
+    if name in ("save", "load"):
+        from . import api as module
+    elif name == "inspect":
+        from . import contents as module
+    elif name == "convert":
+        from . import streaming as module
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(module, name)
+    globals()[name] = value  # later lookups are plain attribute reads
+    return value
 
 __all__ = [
     "DEFAULT_SHARD_BYTES", "FORMAT", "FORMAT_VERSION", "INDEX", "MAX_META_BYTES", "MAX_SCHEDULER_NUMBER",

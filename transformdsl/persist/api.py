@@ -61,7 +61,7 @@ def save(model: Any, directory: str | os.PathLike, *, max_shard_size: int = DEFA
         elif is_pipeline(model):
             save_pipeline(model, tmp, max_shard_size, save_id, format)
         elif isinstance(model, nn.Module) and format != FORMAT:
-            save_library_module(model, tmp, format, max_shard_size)
+            save_library_module(model, tmp, format, max_shard_size, save_id)
         elif isinstance(model, nn.Module):
             save_module(model, tmp, max_shard_size, save_id)
         else:

@@ -21,10 +21,10 @@ from ..errors import LoadError, TransformError
 from ..history import history_of
 from . import guard
 from .checks import check_config, read_json, read_metadata
-from .format import FORMAT, META_FILE, clipped, library_versions, write_json
+from .format import FORMAT, META_FILE, clipped
 from .read import TensorFiles, load_module, module_budget, module_limit
 from .savedir import SaveDir
-from .write import save_module
+from .write import save_module, write_pipeline_metadata
 
 
 def save_pipeline(pipe: Any, directory: Path, max_shard_size: int, save_id: str, format: str = FORMAT) -> None:
@@ -44,7 +44,7 @@ def save_pipeline(pipe: Any, directory: Path, max_shard_size: int, save_id: str,
             else:
                 from ..interop.export import library_of, save_library_module
 
-                save_library_module(component, target, library_of(component) or format, max_shard_size)
+                save_library_module(component, target, library_of(component) or format, max_shard_size, save_id)
             components[name] = "transformdsl"
         elif hasattr(component, "save_pretrained"):
             kwargs = {"safe_serialization": True} if isinstance(component, nn.Module) else {}
@@ -52,11 +52,7 @@ def save_pipeline(pipe: Any, directory: Path, max_shard_size: int, save_id: str,
             components[name] = "library"
         else:
             raise TransformError(f"cannot save pipeline component '{name}' ({type(component).__name__})")
-    write_json(directory / META_FILE, {
-        "format": FORMAT, "format_version": 1, "kind": "pipeline",  # its components say what they need
-        "pipeline_class": type(pipe).__name__, "components": components, "versions": library_versions(),
-        "save_id": save_id,
-    })
+    write_pipeline_metadata(directory, type(pipe).__name__, components, save_id)
 
 
 

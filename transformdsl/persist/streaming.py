@@ -43,16 +43,16 @@ from ..edit import Edit
 from ..errors import LoadError, TransformError
 from ..executor import NothingToDoWarning, apply_step, idle_statements
 from ..extend import ApplyContext
-from ..history import AppliedStep, append_history, set_history
+from ..history import append_history, applied_step, recorded_text, set_history
 from ..planner import DENOISERS, Plan, plan
 from ..tree import WEIGHTS_PENDING, parameter_bytes
 from . import guard
 from .atomic import writing
 from .checks import read_json, read_metadata
-from .format import DEFAULT_SHARD_BYTES, FORMAT, META_FILE, library_versions, write_json
+from .format import DEFAULT_SHARD_BYTES, META_FILE, write_json
 from .read import OpenedModule, assign_tensors, open_module, saved_history
 from .savedir import SaveDir
-from .write import ShardWriter, collect_tensors, write_module_metadata
+from .write import ShardWriter, collect_tensors, write_module_metadata, write_pipeline_metadata
 
 
 def convert(source: str | os.PathLike, script: Any, out: str | os.PathLike, *, component: str | None = None,
@@ -209,10 +209,7 @@ def _copy_pipeline(folder: SaveDir, located: _Located, tmp: Path, save_id: str) 
         if not (tmp / name).exists():
             (tmp / name).mkdir()
     write_json(tmp / "model_index.json", index)
-    write_json(tmp / META_FILE, {
-        "format": FORMAT, "format_version": 1, "kind": "pipeline", "pipeline_class": pipeline_class,
-        "components": components, "versions": library_versions(), "save_id": save_id,
-    })
+    write_pipeline_metadata(tmp, pipeline_class, components, save_id)
 
 
 def _copy_sparse(fd: int, target: Path) -> None:
@@ -429,14 +426,11 @@ class _Stream:
         files = self.writer.finish()
         history = saved_history(self.meta)
         applied = []
-        source = self.plan.script.source
+        source, texts = recorded_text(self.plan)
         for i, step in enumerate(steps):
             parts = [record for _, record in sorted(records[i], key=lambda pair: pair[0])]
             record = step.transform.merge_records(parts) if parts else self._empty_record(step)
-            applied.append(AppliedStep(
-                key=step.transform.key(), line=step.statement.line, statement=step.text(source),
-                options=dataclasses.asdict(step.transform.options), common=dataclasses.asdict(step.transform.common),
-                record=record, script_index=0, record_version=step.transform.record_version))
+            applied.append(applied_step(step, texts[id(step)], record))
         set_history(self.root, history)
         append_history(self.root, source, applied)
         write_module_metadata(self.directory, self.root, files, layout, self.save_id)

@@ -41,27 +41,46 @@ def save_module(module: nn.Module, directory: Path, max_shard_size: int = DEFAUL
     write_module_metadata(directory, module, writer.finish(), layout, save_id)
 
 
-def write_module_metadata(directory: Path, module: nn.Module, files: list[str], layout: dict, save_id: str,
-                          history: History | None = None) -> None:
-    """``transformdsl.json`` and ``script.tfm`` of a saved module whose tensor ``files`` are written.
+def write_module_metadata(directory: Path, module: nn.Module, files: list[str], layout: dict, save_id: str | None,
+                          history: History | None = None, interop: dict | None = None) -> None:
+    """``transformdsl.json`` and ``script.tfm`` of a saved module whose tensor ``files`` are written: the one
+    writer of a module's metadata, for every format (``save``, ``convert``, a library's layout).
 
-    ``layout`` is what :func:`collect_tensors` returns beside the tensors; ``history`` is the
-    module's own (:func:`~transformdsl.history.history_of`) unless given.
+    ``layout`` is what :func:`collect_tensors` returns beside the tensors (or a library layout's own
+    ``tensors`` fields); ``history`` is the module's own (:func:`~transformdsl.history.history_of`) unless
+    given; ``interop``: how a library layout carries the steps (``{"format": ..., "notes": [...]}``).
     """
     history = history or history_of(module) or History([], [])
     meta = {
         "format": FORMAT,
-        "format_version": 2 if plain_tensors.saved_names(layout.get("attributes", {})) else 1,
+        "format_version": format_version(layout),
         "kind": "module",
         "model": model_description(module),
         "scripts": history.scripts,
         "steps": [s.to_json() for s in history.steps],
         "tensors": {"files": files, **layout},
+        **({"interop": interop} if interop is not None else {}),
         "versions": library_versions(),
-        "save_id": save_id,
+        **({"save_id": save_id} if save_id is not None else {}),
     }
     (directory / SCRIPT_FILE).write_text("\n".join(history.scripts) + ("\n" if history.scripts else ""))
     write_json(directory / META_FILE, meta)
+
+
+def format_version(layout: dict) -> int:
+    """The lowest format version that reads a save of this tensor ``layout`` (spec.md, "Save format"):
+    2 when it stores tensors held as plain module attributes, else 1."""
+    return 2 if plain_tensors.saved_names(layout.get("attributes", {})) else 1
+
+
+def write_pipeline_metadata(directory: Path, pipeline_class: str, components: dict[str, str], save_id: str) -> None:
+    """The ``transformdsl.json`` of a saved pipeline (``save`` and ``convert``): its class and how each
+    component is saved (``"transformdsl"`` or ``"library"``); its components' own metadata say what
+    format version they need."""
+    write_json(directory / META_FILE, {
+        "format": FORMAT, "format_version": 1, "kind": "pipeline", "pipeline_class": pipeline_class,
+        "components": components, "versions": library_versions(), "save_id": save_id,
+    })
 
 
 class ShardWriter:
@@ -75,13 +94,23 @@ class ShardWriter:
     By default tensors are held until :meth:`finish` writes each shard in one go (``save``:
     the model is in memory anyway).  With ``stream=True`` each tensor's bytes go to disk
     when it is added and nothing is held (``convert``); the files are the same.
+
+    ``names``: the single file, the index and the shards' stem (a library's layout names them its
+    own way: ``diffusion_pytorch_model...``); ``aligned=False`` writes plain safetensors files, as
+    the library's ``save_pretrained`` does (no alignment padding: its loader reads every key),
+    without a ``save_id`` when it is None.
     """
 
-    def __init__(self, directory: Path, max_shard_size: int, save_id: str, stream: bool = False):
+    def __init__(self, directory: Path, max_shard_size: int, save_id: str | None, stream: bool = False, *,
+                 names: tuple[str, str, str] = (WEIGHTS, INDEX, "model"), aligned: bool = True):
         self.directory = directory
         self.max_shard_size = max_shard_size
-        self.metadata = {"format": "pt", "save_id": save_id}
+        self.metadata = {"format": "pt", **({"save_id": save_id} if save_id is not None else {})}
         self.stream = stream
+        self.names = names
+        self.aligned = aligned
+        if stream and not aligned:
+            raise ValueError("a streamed shard is written aligned")
         self.shards: list[dict[str, torch.Tensor]] = []  # held tensors (or, streaming, their names)
         self.writers: list[StreamingWriter] = []
         self.size = 0  # bytes in the last shard
@@ -114,15 +143,20 @@ class ShardWriter:
         if self.stream:
             self.writers[-1].close()
         count = len(self.shards)
-        names = [WEIGHTS] if count == 1 else [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+        single, index, stem = self.names
+        names = [single] if count == 1 else [f"{stem}-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
         for i, (name, shard) in enumerate(zip(names, self.shards)):
             if self.stream:
                 os.rename(self.writers[i].path, self.directory / name)
-            else:
+            elif self.aligned:
                 save_aligned(shard, self.directory / name, metadata=self.metadata)
+            else:
+                from safetensors.torch import save_file
+
+                save_file(shard, str(self.directory / name), metadata=self.metadata)
         if count > 1:
             weight_map = {key: name for name, shard in zip(names, self.shards) for key in shard}
-            write_json(self.directory / INDEX, {"metadata": {"total_size": self.total}, "weight_map": weight_map})
+            write_json(self.directory / index, {"metadata": {"total_size": self.total}, "weight_map": weight_map})
         return names
 
 
@@ -190,16 +224,3 @@ def _unshare(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         for key in keys[1:]:
             tensors[key] = tensors[key].clone()
     return tensors
-
-
-def split_shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for key, tensor in tensors.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > max_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][key] = tensor
-        size += nbytes
-    return shards

@@ -2,7 +2,8 @@
 
 Installed with pip, it is found through the entry point ``transformdsl.transforms`` (pyproject.toml):
 ``transformdsl check`` validates it without importing torch (torch is imported inside the methods),
-and ``transform``/``save``/``load`` run it like a built-in transform.
+and ``transform``/``save``/``load`` run it like a built-in transform.  It imports ``transformdsl.extend``
+only: the API the built-in transforms are written against.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from transformdsl.extend import ApplyContext, LoadError, Transform, TransformError, option
+from transformdsl.extend import ApplyContext, LoadError, Transform, TransformError, option, put_module
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class ScaleWeights(Transform):
     runs_before = ("quantize *", "fp8 *")   # the factor is folded in before weights change format
     exclusive = "weights"                    # two statements of this group may not touch one module
     error_bound = None                       # it changes the output on purpose
+    requires_api = 1                         # the transformdsl.extend API_VERSION it is written against
 
     #: Set by finalize() on load: tests read it to see that the loader called it.
     finalized: list = []
@@ -66,6 +68,15 @@ class ScaleWeights(Transform):
 
     def candidate(self, info, tree):
         return None if info.cls.__name__ == "Linear" else "not a Linear"
+
+    def plan_effect(self, tree, targets):
+        # What apply() will do, on the planning snapshot: each Linear gets a child `linear` (the original),
+        # so a later statement selects it there.  The wrapper keeps the Linear's class in the snapshot:
+        # a later statement of the "weights" group that selects it too is a conflict on that path.
+        for path in targets:
+            info = tree[path]
+            tree.add(f"{path}.linear", info.cls, own_bytes=info.own_bytes, after=path, **info.facts)
+            tree.replace(path, info.cls, own_bytes=0)
 
     def apply(self, ctx: ApplyContext, targets: list[str]) -> dict:
         import torch
@@ -85,12 +96,12 @@ class ScaleWeights(Transform):
 
         layer_class = scaled_linear_class()
         for path in record.get("layers", []):
-            parent_path, _, name = path.rpartition(".")
-            parent = root.get_submodule(parent_path) if parent_path else root
-            old = parent._modules.get(name)
-            if old is None:
-                raise LoadError(f"scale weights: the model has no module {path!r}")
-            parent._modules[name] = layer_class(old, torch.empty((), dtype=old.weight.dtype, device="meta"))
+            try:
+                old = root.get_submodule(path)
+            except AttributeError:
+                raise LoadError(f"scale weights: the model has no module {path!r}") from None
+            factor = torch.empty((), dtype=old.weight.dtype, device="meta")
+            put_module(root, path, layer_class(old, factor), cls.key())  # on a skeleton: nothing to undo
 
     @classmethod
     def finalize(cls, root, record, options) -> None:

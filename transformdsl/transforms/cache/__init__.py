@@ -24,9 +24,6 @@ from dataclasses import dataclass
 
 from ...extend import Transform, option
 
-#: Statements a cache is checked against (spec.md "cache", rule table).  Measured, see spec.md.
-_COMPILE = ("compile", "compile regional")
-
 
 def parse_range(text: str, name: str) -> tuple[int, int]:
     """``"100,800"`` -> ``(100, 800)``; ValueError naming the option otherwise."""
@@ -232,13 +229,12 @@ class Cache(Transform):
                     "(or point them at different components with component=)")
         if other.verb == "compile" and other.options is not None and getattr(other.options, "fullgraph", False) \
                 and other.common.component == self.common.component and self.breaks_fullgraph:
+            from ..common.fullgraph import refusal
+
             if other.mode == "regional":
-                return (f"'cache {self.mode}' hooks run inside the blocks and call functions torch.compile may not "
-                        "trace (torch.compiler.disable: the per-step decision), so 'compile regional "
-                        "fullgraph=true' fails at the first call (measured); write fullgraph=false")
-            return (f"'cache {self.mode}' decides at run time what a step skips, in functions torch.compile may not "
-                    "trace (torch.compiler.disable), so 'compile fullgraph=true' fails at the first call (measured); "
-                    "write 'compile fullgraph=false', or 'compile regional in <blocks>' (fullgraph=false)")
+                return refusal(f"'cache {self.mode}'", "'compile regional fullgraph=true'", "fullgraph=false")
+            return refusal(f"'cache {self.mode}'", "'compile fullgraph=true'",
+                           "'compile fullgraph=false', or 'compile regional in <blocks>' (fullgraph=false)")
         return None
 
     #: Whether compiling the whole denoiser with fullgraph=true fails with this cache (measured).
@@ -304,7 +300,3 @@ class TextKVCache(Cache):
     config_class = "TextKVCacheConfig"
     breaks_fullgraph = False  # measured: NucleusMoEImage compiles with fullgraph=true, whole and regional
     implementation = ".run:TextKVCache"
-
-
-MODES = {cls.mode: cls for cls in (FirstBlockCache, TaylorSeerCache, PyramidBroadcastCache, FasterCache, MagCache,
-                                   SeaCache, TextKVCache)}

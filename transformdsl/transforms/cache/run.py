@@ -32,6 +32,7 @@ from ... import regexes
 from ...extend import ApplyContext, TransformError
 from ...history import history_of
 from ...tree import ModuleInfo, ModuleTree
+from ..common.fullgraph import refusal
 from ..common.modules import recorded_targets
 from . import FasterCache as FasterCacheDeclaration
 from . import FirstBlockCache as FirstBlockCacheDeclaration
@@ -64,9 +65,8 @@ class CacheBehaviour:
         compiled = [s.statement for s in (history_of(model).steps if history_of(model) else [])
                     if s.key.startswith("compile") and s.options.get("fullgraph")]
         if compiled and self.breaks_fullgraph:
-            return (f"the model was compiled with '{compiled[-1]}', and 'cache {self.mode}' decides at run time "
-                    "what a step skips in functions torch.compile may not trace: the first call would fail; "
-                    "compile with fullgraph=false")
+            return refusal(f"'cache {self.mode}'", f"the model (it was compiled with '{compiled[-1]}')",
+                           "fullgraph=false in that compile statement")
         if getattr(model, "is_cache_enabled", False):
             return (f"{type(model).__name__} already has a step cache ({type(model._cache_config).__name__}) "
                     "enabled outside this script: call model.disable_cache() first")

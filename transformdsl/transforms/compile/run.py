@@ -23,6 +23,7 @@ from torch import nn
 
 from ...extend import ApplyContext
 from ...tree import ModuleInfo, ModuleTree
+from ..common.fullgraph import breaks_fullgraph, refusal
 from ..common.modules import recorded_targets
 from . import CompileOptions
 from . import RegionalCompile as RegionalCompileDeclaration
@@ -67,7 +68,7 @@ def _cache_of(tree: ModuleTree) -> str | None:
         if declared is not None:
             return f"'{step.statement}'" if getattr(declared, "breaks_fullgraph", True) else None
     config = type(getattr(root, "_cache_config", None)).__name__
-    return None if config.startswith("TextKV") else config
+    return config if breaks_fullgraph(config) else None
 
 
 class CompileBehaviour:
@@ -87,9 +88,8 @@ class CompileBehaviour:
         if self.options.fullgraph:
             cache = _cache_of(tree)
             if cache:
-                return (f"the model already runs a step cache ({cache}) whose per-step decision torch.compile may "
-                        "not trace (torch.compiler.disable): fullgraph=true fails at the first call; write "
-                        "fullgraph=false")
+                return refusal(f"the model already runs a step cache ({cache}) that", f"'{self.statement.key}'"
+                               " with fullgraph=true", "fullgraph=false")
         return None
 
     def notes(self, tree: ModuleTree, targets: list[str]) -> list[str]:

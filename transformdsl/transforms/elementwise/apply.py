@@ -12,9 +12,10 @@ state_dict is the original's key for key, in both directions, and the unfused pa
 just the original class's ``forward`` (``super().forward``), taken when the global switch
 is off:
 
->>> set_fused(False); fused_enabled()
+>>> from transformdsl.transforms.elementwise import FUSED
+>>> FUSED.set(False); FUSED.enabled
 False
->>> set_fused(None)  # back to the default (TRANSFORMDSL_DISABLE_FUSED unset: on)
+>>> FUSED.set(None)  # back to the default (TRANSFORMDSL_DISABLE_FUSED unset: on)
 
 A chain is matched at a module boundary only: where the residual add sits inside a
 block's ``forward`` (most diffusers and transformers blocks), fusing it would mean
