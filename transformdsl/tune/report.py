@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .api import Candidate, TuneResult
+#: ``tune.api``'s result and candidate types (not imported: the api imports this module).
+TuneResult = Candidate = Any
 
 
 def _value(result: TuneResult, c: Candidate) -> float:
