@@ -329,7 +329,7 @@ def tune(model: Any, *, max_kl: float | None = None, max_rms: float | None = Non
             pruned.append((mode.text, "it calibrates, and no calibration data is left after the held-out part"))
             continue
         try:
-            the_plan = plan(model, mode.text)
+            the_plan = plan(model, mode.text, calibration=mode.calibrated)
         except (ScriptError, TransformError) as exc:
             pruned.append((mode.text, str(exc).splitlines()[0]))
             continue

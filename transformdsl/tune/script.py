@@ -100,7 +100,7 @@ def planned_targets(model: Any, text: str) -> list[set[str]] | None:
     from ..planner import plan
 
     try:
-        return [set(step.targets) for step in plan(model, text).steps]
+        return [set(step.targets) for step in plan(model, text, calibration=True).steps]
     except (ScriptError, TransformError):
         return None
 
