@@ -35,3 +35,123 @@ def test_python_m_imports_nothing_from_the_current_directory(tmp_path):
     assert not sentinel.exists(), sentinel.read_text()
     assert done.returncode == 1, done.stderr
     assert "unknown" in done.stderr and "evil" in done.stderr, done.stderr
+
+
+# --------------------------------------------------------------------------- LoRA files (items 6, 10)
+
+import json  # noqa: E402
+import struct  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+import transformdsl  # noqa: E402
+from transformdsl import LoadError, TransformError, models  # noqa: E402
+
+TO_Q = "transformer_blocks.0.attn.to_q"
+
+
+@pytest.fixture(scope="module")
+def flux():
+    return models.tiny_flux()
+
+
+def _pair(flux, rank=4, dtype=torch.float32):
+    layer = flux.get_submodule(TO_Q)
+    g = torch.Generator().manual_seed(0)
+    return {f"transformer.{TO_Q}.lora_A.weight": (torch.randn(rank, layer.in_features, generator=g) / 8).to(dtype),
+            f"transformer.{TO_Q}.lora_B.weight": (torch.randn(layer.out_features, rank, generator=g) / 8).to(dtype)}
+
+
+def _raw_file(path: Path, header: bytes, data: bytes = b"") -> Path:
+    path.write_bytes(struct.pack("<Q", len(header)) + header + data)
+    return path
+
+
+def _refusal(model, text: str) -> str:
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(TransformError) as caught:
+        transformdsl.transform(model, text)
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    return str(caught.value)
+
+
+def test_a_lora_header_nested_deep_is_a_clear_error(flux, tmp_path):
+    path = _raw_file(tmp_path / "deep.safetensors", b"[" * 100_000 + b"]" * 100_000)
+    assert "nests deeper than" in _refusal(flux, f'lora "{path}"')
+
+
+def test_a_lora_shape_too_large_for_torch_is_a_clear_error(flux, tmp_path):
+    header = {f"transformer.{TO_Q}.lora_A.weight": {"dtype": "F32", "shape": [2 ** 63, 0], "data_offsets": [0, 0]},
+              f"transformer.{TO_Q}.lora_B.weight": {"dtype": "F32", "shape": [0, 2 ** 63], "data_offsets": [0, 0]}}
+    path = _raw_file(tmp_path / "huge.safetensors", json.dumps(header).encode())
+    assert "dimensions are at most" in _refusal(flux, f'lora "{path}"')
+
+
+@pytest.mark.parametrize("shape", [(2,), (2, 2), (0,)], ids=["vector", "matrix", "empty"])
+@pytest.mark.parametrize("merge", ["true", "false"])
+def test_an_alpha_that_is_not_one_number_is_a_clear_error(flux, tmp_path, shape, merge):
+    sd = {**_pair(flux), f"transformer.{TO_Q}.alpha": torch.ones(shape)}
+    path = tmp_path / "alpha.safetensors"
+    save_file(sd, str(path))
+    assert f"has shape {shape}: a LoRA's alpha is one number" in _refusal(flux, f'lora "{path}" merge={merge}')
+
+
+def test_a_lora_path_with_a_nul_byte_is_a_clear_error(flux):
+    assert "cannot hold a NUL character" in _refusal(flux, 'lora "a\x00b.safetensors"')
+
+
+@pytest.mark.parametrize("merge", ["true", "false"])
+def test_a_lora_that_overflows_float32_or_bfloat16_is_refused(tmp_path, merge):
+    flux = models.tiny_flux()
+    sd = _pair(flux, dtype=torch.float64)
+    sd[f"transformer.{TO_Q}.lora_B.weight"][0, 0] = 1e300  # finite in float64, inf in float32
+    path = tmp_path / "big.safetensors"
+    save_file(sd, str(path))
+    assert "overflows float32" in _refusal(flux, f'lora "{path}" merge={merge}')
+    sd = {**_pair(flux), f"transformer.{TO_Q}.alpha": torch.tensor(1e38)}  # alpha / rank * B @ A: inf
+    save_file(sd, str(path))
+    assert "alpha is at most 1e+06" in _refusal(flux, f'lora "{path}" merge={merge}')
+
+
+def test_a_lora_key_with_terminal_escapes_is_shown_escaped(flux, tmp_path):
+    sd = {**_pair(flux), "transformer.\x1b[31mred\x07.lora_A.weight": torch.ones(4, 8),
+          "transformer.\x1b[31mred\x07.lora_B.weight": torch.ones(8, 4)}
+    path = tmp_path / "esc.safetensors"
+    save_file(sd, str(path))
+    message = _refusal(flux, f'lora "{path}"')
+    assert "\x1b" not in message and "\x07" not in message and "\\x1b[31mred\\x07" in message
+
+
+@pytest.mark.parametrize("where", ["norm_out.norm", ""], ids=["a LayerNorm", "the root"])
+def test_a_switchable_lora_recorded_onto_a_module_that_is_not_a_linear_layer_is_refused_on_load(tmp_path, where):
+    from saved_files import read_meta, write_meta
+    from safetensors.torch import load_file
+
+    flux = models.tiny_flux()
+    path = tmp_path / "style.safetensors"
+    save_file(_pair(flux), str(path))
+    transformdsl.transform(flux, f'lora "{path}" merge=false')
+    out = transformdsl.save(flux, tmp_path / "saved")
+    meta = read_meta(out)
+    step = next(s for s in meta["steps"] if s["key"] == "lora")
+    step["record"]["layers"] = {where: step["record"]["layers"][TO_Q]}
+    write_meta(out, meta)
+    for name in meta["tensors"]["files"]:  # the adapter's tensors moved with it
+        tensors = load_file(str(out / name))
+        prefix = f"{where}." if where else ""
+        save_file({k.replace(f"{TO_Q}.lora_adapters", f"{prefix}lora_adapters"): v for k, v in tensors.items()},
+                  str(out / name))
+    with pytest.raises(LoadError, match="a switchable LoRA sits beside a linear layer only"):
+        transformdsl.load(out)
+
+
+def test_an_alpha_option_beyond_the_bound_is_a_script_error():
+    from transformdsl import ScriptError
+    from transformdsl.registry import declarations
+    from transformdsl.validate import validate
+
+    with pytest.raises(ScriptError, match="alpha"):
+        validate(transformdsl.parse('lora "x.safetensors" alpha=1e7'), declarations())
