@@ -155,3 +155,53 @@ def test_an_alpha_option_beyond_the_bound_is_a_script_error():
 
     with pytest.raises(ScriptError, match="alpha"):
         validate(transformdsl.parse('lora "x.safetensors" alpha=1e7'), declarations())
+
+
+# --------------------------------------------------------------------------- plugins (item 7)
+
+
+def _plugin_folder(where: Path, key: str, module: str, code: str) -> Path:
+    """A site folder holding one installed plugin: its ``*.dist-info`` (entry point) and module."""
+    where.mkdir()
+    dist = where / f"{module}-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module}\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(f"[transformdsl.transforms]\n{key} = {module}:Plugin\n")
+    (where / f"{module}.py").write_text(code)
+    return where
+
+
+_NOT_A_DATACLASS = '''
+from transformdsl.extend import Transform
+
+
+class Plain:
+    factor: float = 1.0
+
+
+class Plugin(Transform):
+    verb = "odd"
+    mode = "options"
+    Options = Plain
+'''
+
+
+@pytest.mark.parametrize("key, code, expected", [
+    ("exits now", "raise SystemExit(3)\n", "failed to import: SystemExit: 3"),
+    ("odd options", _NOT_A_DATACLASS, "Plugin.Options is Plain, not a dataclass"),
+], ids=["SystemExit at import", "Options not a dataclass"])
+def test_a_broken_plugin_is_refused_by_name_and_the_rest_works(tmp_path, key, code, expected):
+    site = _plugin_folder(tmp_path / "site", key, "transformdsl_odd", code)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)])}
+    (tmp_path / "uses.tfm").write_text(f"{key}\n")
+    (tmp_path / "other.tfm").write_text("quantize int8 except norm\n")
+    def check(name):
+        return subprocess.run([sys.executable, "-m", "transformdsl", "check", name], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=120)
+
+    done = check("uses.tfm")
+    assert done.returncode == 1, done.stderr
+    assert f"transform '{key}' (entry point of transformdsl_odd 1.0" in done.stderr, done.stderr
+    assert expected in done.stderr and "Traceback" not in done.stderr, done.stderr
+    done = check("other.tfm")  # the rest of the registry works
+    assert done.returncode == 0 and done.stdout == "other.tfm: ok (1 statement(s))\n", done
