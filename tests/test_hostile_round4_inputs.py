@@ -205,3 +205,66 @@ def test_a_broken_plugin_is_refused_by_name_and_the_rest_works(tmp_path, key, co
     assert expected in done.stderr and "Traceback" not in done.stderr, done.stderr
     done = check("other.tfm")  # the rest of the registry works
     assert done.returncode == 0 and done.stdout == "other.tfm: ok (1 statement(s))\n", done
+
+
+# --------------------------------------------------------------------------- tampered records (items 8, 10, 17)
+
+
+def _saved_tensors(directory: Path) -> tuple[str, dict, dict]:
+    """(file name, tensors, header metadata) of a one-file save."""
+    from safetensors import safe_open
+
+    from saved_files import read_meta
+
+    (name,) = read_meta(directory)["tensors"]["files"]
+    with safe_open(str(directory / name), "pt") as f:
+        return name, {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+
+
+def _int4_save(tmp_path: Path):
+    def make():
+        return torch.nn.Sequential(torch.nn.Linear(192, 32))
+
+    model = make()
+    transformdsl.transform(model, "quantize int4 group_size=64")
+    return transformdsl.save(model, tmp_path / "int4"), make
+
+
+def test_an_int4_scale_saved_in_float32_is_refused_on_load(tmp_path):
+    out, make = _int4_save(tmp_path)
+    name, tensors, metadata = _saved_tensors(out)
+    tensors["0.weight_scale"] = tensors["0.weight_scale"].float()  # loaded, then the packed kernel failed
+    save_file(tensors, str(out / name), metadata=metadata)
+    with pytest.raises(LoadError, match="'0.weight_scale' is float32 in the file; int4 layers store"):
+        transformdsl.load(out, model=make)
+
+
+def test_an_int4_record_whose_group_does_not_divide_in_features_is_refused_on_load(tmp_path):
+    from saved_files import edit_meta
+
+    out, make = _int4_save(tmp_path)
+    edit_meta(out, ("steps", 0, "options", "group_size"), 128)  # 192 % 128: a group straddles rows
+    name, tensors, metadata = _saved_tensors(out)
+    for key in ("0.weight_scale", "0.weight_zero"):
+        tensors[key] = tensors[key][:, :1].contiguous()  # the shapes 192 // 128 gives
+    save_file(tensors, str(out / name), metadata=metadata)
+    with pytest.raises(LoadError, match="has in_features 192, which group_size=128 does not divide"):
+        transformdsl.load(out, model=make)
+
+
+def test_an_nf4_double_quantization_offset_that_is_nan_is_refused_on_load(tmp_path):
+    from saved_files import read_meta, write_meta
+
+    def make():
+        return torch.nn.Sequential(torch.nn.Linear(64, 64))
+
+    model = make()
+    transformdsl.transform(model, "quantize nf4 double_quant=true")
+    out = transformdsl.save(model, tmp_path / "nf4")
+    meta = read_meta(out)
+    (layer,) = meta["steps"][0]["record"]["layers"]
+    assert isinstance(layer["offset"], float)
+    layer["offset"] = float("nan")
+    write_meta(out, meta)
+    with pytest.raises(LoadError, match="double-quantization offset"):
+        transformdsl.load(out, model=make)

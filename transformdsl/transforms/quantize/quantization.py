@@ -317,9 +317,10 @@ class FourBitBehaviour(QuantizeBehaviour):
     @classmethod
     def build(cls, backend, options, weight, bias, layer=None):
         offset = (layer or {}).get("offset")
-        if weight.is_meta and options.double_quant and not isinstance(offset, (int, float)):
+        if weight.is_meta and options.double_quant and not (
+                isinstance(offset, (int, float)) and not isinstance(offset, bool) and math.isfinite(offset)):
             raise LoadError(f"'{cls.key()}': the record of '{(layer or {}).get('path')}' lacks its "
-                            "double-quantization offset")
+                            f"double-quantization offset (a finite number; the record has {str(offset)[:40]})")
         return backend.FourBitLinear.build(weight, bias, cls.mode, options.blocksize, options.double_quant,
                                            DTYPES[options.compute], nested_offset=offset)
 
