@@ -268,3 +268,29 @@ def test_an_nf4_double_quantization_offset_that_is_nan_is_refused_on_load(tmp_pa
     write_meta(out, meta)
     with pytest.raises(LoadError, match="double-quantization offset"):
         transformdsl.load(out, model=make)
+
+
+# --------------------------------------------------------------------------- JSON depth (item 9)
+
+
+def test_a_config_nested_900_deep_is_a_load_error_in_convert(tmp_path):
+    source = tmp_path / "gpt2"
+    models.tiny_gpt2().save_pretrained(source)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps(config)[:-1] + ', "task_specific_params": '
+                                        + "[" * 900 + "]" * 900 + "}")
+    with pytest.raises(LoadError, match="config.json: configuration nests deeper than 64 levels"):
+        transformdsl.convert(source, "quantize int8 weight_only=true", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_pipeline_index_nested_1200_deep_is_a_clear_error_on_the_command_line(tmp_path, capsys):
+    from transformdsl.cli import main
+
+    pipe = tmp_path / "pipe"
+    pipe.mkdir()
+    (pipe / "model_index.json").write_text('{"_class_name": "FluxPipeline", "transformer": '
+                                           + "[" * 1200 + "]" * 1200 + "}")
+    (tmp_path / "s.tfm").write_text("quantize int8\n")
+    assert main(["explain", "--model", str(pipe), str(tmp_path / "s.tfm")]) == 1  # a RecursionError before
+    assert "pipeline index is not valid JSON: nested too deeply" in capsys.readouterr().err
