@@ -294,3 +294,103 @@ def test_a_pipeline_index_nested_1200_deep_is_a_clear_error_on_the_command_line(
     (tmp_path / "s.tfm").write_text("quantize int8\n")
     assert main(["explain", "--model", str(pipe), str(tmp_path / "s.tfm")]) == 1  # a RecursionError before
     assert "pipeline index is not valid JSON: nested too deeply" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- convert (items 14, 15, 16)
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory):
+    source = tmp_path_factory.mktemp("gpt2") / "gpt2"
+    models.tiny_gpt2().save_pretrained(source)
+    return source
+
+
+def test_a_shard_rewritten_in_place_during_convert_is_refused(gpt2_dir, tmp_path):
+    import shutil
+
+    source = tmp_path / "source"
+    shutil.copytree(gpt2_dir, source)
+    shard = source / "model.safetensors"
+    original = shard.read_bytes()
+
+    def rewrite(_plan_text):  # called with the plan, before any unit is read
+        with open(shard, "r+b") as f:  # same size, other bytes at the end (tensor data), in place
+            f.seek(len(original) - 4096)
+            f.write(bytes(4096))
+        os.utime(shard, ns=(os.stat(shard).st_atime_ns, os.stat(shard).st_mtime_ns + 10**9))
+
+    with pytest.raises(LoadError, match="rewritten while convert read it"):
+        transformdsl.convert(source, "quantize int8 weight_only=true", tmp_path / "out", log=rewrite)
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_refuses_an_extra_tensor_as_load_does(tmp_path):
+    from safetensors.torch import load_file
+
+    source = tmp_path / "gpt2"
+    models.tiny_gpt2().save_pretrained(source)
+    tensors = load_file(str(source / "model.safetensors"))
+    save_file({**tensors, "not_a_module.weight": torch.ones(3)}, str(source / "model.safetensors"),
+              metadata={"format": "pt"})
+    with pytest.raises(LoadError, match=r"unexpected 1 tensor\(s\): not_a_module.weight") as loading:
+        transformdsl.load(source)
+    with pytest.raises(LoadError, match=r"unexpected 1 tensor\(s\): not_a_module.weight") as converting:
+        transformdsl.convert(source, "quantize int8 weight_only=true", tmp_path / "out")
+    assert str(loading.value).partition(": ")[2] == str(converting.value).partition(": ")[2]
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_writes_the_same_bytes_in_two_processes(tmp_path):
+    import inspect
+
+    source = tmp_path / "flux"
+    flux = models.tiny_flux()
+    flux.save_pretrained(source)
+    config = json.loads((source / "config.json").read_text())
+    defaults = {name: p.default for name, p in inspect.signature(type(flux).__init__).parameters.items()}
+    left = [key for key in config if key in defaults and json.loads(json.dumps(defaults[key])) == config[key]]
+    assert len(left) >= 3, left
+    for key in left:  # left to their defaults: diffusers lists them in _use_default_values, made from a set
+        del config[key]
+    (source / "config.json").write_text(json.dumps(config))
+    code = ("import sys, transformdsl; transformdsl.convert(sys.argv[1], 'quantize int8 weight_only=true', "
+            "sys.argv[2])")
+    outputs = []
+    for seed in ("1", "2"):
+        out = tmp_path / f"out{seed}"
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "PYTHONHASHSEED": seed}
+        subprocess.run([sys.executable, "-c", code, str(source), str(out)], env=env, check=True, timeout=300,
+                       capture_output=True)
+        meta = json.loads((out / "transformdsl.json").read_text())
+        meta.pop("save_id")
+        outputs.append((json.dumps(meta), {p.name: p.read_bytes() for p in out.glob("*.safetensors")}))
+    assert json.loads(outputs[0][0])["model"]["config"]["_use_default_values"]
+    assert outputs[0] == outputs[1]
+
+
+# --------------------------------------------------------------------------- the first hour (items 11, 17)
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["check", "-"], "<stdin>: ok (2 statement(s))\n"),
+    (["fmt", "-"], "fuse qkv\nquantize int8 except norm\n"),
+    (["explain", "-", "--model", "gpt2"], "quantize int8"),
+])
+def test_dash_reads_the_script_from_standard_input(argv, expected, monkeypatch, capsys):
+    import io
+
+    from transformdsl.cli import main
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("fuse   qkv\nquantize int8 except norm\n"))
+    assert main(argv) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert out == expected if argv[0] != "explain" else expected in out, out
+
+
+def test_parse_file_of_a_directory_names_the_path(tmp_path):
+    from transformdsl import ScriptError
+    from transformdsl.parser import parse_file
+
+    with pytest.raises(ScriptError, match=f"a directory \\(a script is read from a file\\): '{tmp_path}'"):
+        parse_file(tmp_path)
