@@ -394,3 +394,10 @@ def test_parse_file_of_a_directory_names_the_path(tmp_path):
 
     with pytest.raises(ScriptError, match=f"a directory \\(a script is read from a file\\): '{tmp_path}'"):
         parse_file(tmp_path)
+
+
+@pytest.mark.parametrize("place", ["cpu:7", "cpu7"])
+def test_a_device_map_naming_a_cpu_that_is_not_there_is_refused(tmp_path, place):
+    out = transformdsl.save(models.tiny_gpt2(), tmp_path / "gpt2")
+    with pytest.raises(LoadError, match="device_map"):
+        transformdsl.load(out, device_map={"": place})
