@@ -401,3 +401,18 @@ def test_a_device_map_naming_a_cpu_that_is_not_there_is_refused(tmp_path, place)
     out = transformdsl.save(models.tiny_gpt2(), tmp_path / "gpt2")
     with pytest.raises(LoadError, match="device_map"):
         transformdsl.load(out, device_map={"": place})
+
+
+def test_an_hqq_group_size_option_that_disagrees_with_the_record_is_refused_on_load(tmp_path):
+    from saved_files import edit_meta, read_meta
+
+    def make():
+        return torch.nn.Sequential(torch.nn.Linear(64, 64))
+
+    model = make()
+    transformdsl.transform(model, "quantize hqq bits=4 group_size=32")
+    out = transformdsl.save(model, tmp_path / "hqq")
+    assert read_meta(out)["steps"][0]["record"]["layers"][0]["group_size"] == 32
+    edit_meta(out, ("steps", 0, "options", "group_size"), 64)  # loaded with the record's 32 before, silently
+    with pytest.raises(LoadError, match="has group size 32, the statement group_size=64"):
+        transformdsl.load(out, model=make)

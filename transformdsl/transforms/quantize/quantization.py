@@ -396,6 +396,9 @@ class HQQQuantization(QuantizeBehaviour, HQQDeclaration):
         elif not (isinstance(size, int) and not isinstance(size, bool) and size >= 8 and size % 8 == 0):
             raise LoadError(f"'{cls.key()}': the record of '{layer.get('path')}' has an invalid group size "
                             f"{str(size)[:40]}")
+        elif options.group_size != "auto" and size != options.group_size:
+            raise LoadError(f"'{cls.key()}': the record of '{layer.get('path')}' has group size {size}, the "
+                            f"statement group_size={options.group_size} (a tampered save?)")
         return backend.HQQLayer.build(weight, bias, options.bits, size, options.axis, DTYPES[options.compute])
 
     def device_note(self, tree: ModuleTree, targets: list[str]) -> str | None:
