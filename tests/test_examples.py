@@ -44,6 +44,13 @@ def spec_blocks(info: str | None) -> list[tuple[int, str]]:
 def test_there_are_examples():
     names = {p.stem for p in FILES}
     assert {"flux_int8", "sd_unet_nf4", "llama_hqq", "fp8_dit", "compile_regional"} <= names
+    # one per family added in round 3 (issue 36), each named in the README's command-line section
+    families = {"cache", "attention", "lora", "w8a8", "int4"}
+    assert families <= names
+    readme = (SPEC.parent / "README.md").read_text()
+    section = readme[readme.index("## Command line"):]
+    section = section[:section.index("\n## ", 1)]
+    assert all(f"examples/{name}.tfm" in section for name in families), section
 
 
 @pytest.mark.parametrize("path", FILES, ids=[p.name for p in FILES])

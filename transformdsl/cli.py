@@ -28,8 +28,11 @@ def _err(message: str) -> None:
 
 
 def _read_script(path: str):
-    from .parser import parse_file
+    """The script in file ``path``; ``-``: standard input (at most the script size limit is read)."""
+    from .parser import MAX_SCRIPT_CHARS, parse, parse_file
 
+    if path == "-":
+        return parse(sys.stdin.read(MAX_SCRIPT_CHARS + 1), filename="<stdin>")  # parse refuses longer
     return parse_file(path)
 
 
@@ -66,7 +69,7 @@ def cmd_check(args) -> int:
             status = 1
             continue
         if not args.quiet:
-            print(f"{name}: ok ({len(validated.steps)} statement(s))")
+            print(f"{'<stdin>' if name == '-' else name}: ok ({len(validated.steps)} statement(s))")
     return status
 
 
@@ -381,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("check", help="parse and validate scripts (no model needed)")
-    p.add_argument("files", nargs="+", metavar="FILE")
+    p.add_argument("files", nargs="+", metavar="FILE", help="scripts to check; '-': standard input")
     p.add_argument("-q", "--quiet", action="store_true", help="print nothing for valid scripts")
     p.set_defaults(func=cmd_check)
 
@@ -396,7 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
     dtype_help = ("floating dtype to read the model in: auto (default: a directory's checkpoint dtype; the built-ins "
                   "are float32), float32, bfloat16 or float16; the plan's first line says which")
     p = sub.add_parser("explain", help="show what a script will do to a model")
-    p.add_argument("file", metavar="FILE")
+    p.add_argument("file", metavar="FILE", help="the script; '-': standard input")
     p.add_argument("--model", metavar="SPEC", help=model_help + " (required, but with --options)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"), help=dtype_help)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")

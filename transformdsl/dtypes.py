@@ -69,7 +69,7 @@ def _header_counts(path: Path) -> Counter:
             if size > _MAX_HEADER:
                 return counts
             header = json.loads(f.read(size))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: a header `[[[[...` thousands deep
         return counts
     if not isinstance(header, dict):
         return counts

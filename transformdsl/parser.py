@@ -176,10 +176,12 @@ def read_script_file(path: str | Path, newline: str | None = None) -> str:
     """
     limit = 4 * MAX_SCRIPT_CHARS
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):  # checked before fdopen, which names a directory by its descriptor
+        os.close(fd)
+        what = "a directory" if stat.S_ISDIR(info.st_mode) else "not a regular file"
+        raise OSError(errno.EINVAL, f"{what} (a script is read from a file)", str(path))
     with os.fdopen(fd, "rb") as f:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise OSError(errno.EINVAL, "not a regular file (a script is read from a file)", str(path))
         if info.st_size > limit:
             raise OSError(errno.EFBIG, f"{info.st_size} bytes; the limit is {limit}", str(path))
         data = f.read(limit + 1)

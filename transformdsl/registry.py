@@ -19,6 +19,7 @@ plugin fails only where it is used, naming itself.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import sys
@@ -105,12 +106,17 @@ class Reference:
         try:
             module = importlib.import_module(module_name)
             cls = getattr(module, attribute) if attribute else None
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:  # a plugin calling exit() at import must not end the caller
             raise PluginError(f"transform '{self.key}' ({self.origin}: {self.value}) failed to import: "
                               f"{type(exc).__name__}: {exc}") from exc
         if not (isinstance(cls, type) and issubclass(cls, Transform)):
             raise PluginError(f"transform '{self.key}' ({self.origin}): {self.value} is not a Transform subclass")
         check_api(cls, f"transform '{self.key}' ({self.origin}: {self.value})")
+        options = getattr(cls, "Options", None)
+        if not (isinstance(options, type) and dataclasses.is_dataclass(options)):
+            raise PluginError(f"transform '{self.key}' ({self.origin}): {self.value}.Options is "
+                              f"{type(options).__name__ if not isinstance(options, type) else options.__qualname__}, "
+                              "not a dataclass (declare it with @dataclass(frozen=True) and option(...) fields)")
         if cls.key() != self.key:
             raise PluginError(f"transform '{self.key}' ({self.origin}): {self.value} declares verb/mode "
                               f"'{cls.key()}', not '{self.key}'; make the entry point's name its key")

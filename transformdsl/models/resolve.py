@@ -140,6 +140,8 @@ def _from_directory(path: Path, dtype: torch.dtype | None = None) -> Any:
         config = json.loads(config_file.read_text())
     except (OSError, ValueError) as error:
         raise ValueError(f"--model {path}: cannot read {config_file}: {error}") from error
+    except RecursionError:  # `[[[[...` thousands deep
+        raise ValueError(f"--model {path}: cannot read {config_file}: nested too deeply") from None
     if not isinstance(config, dict):
         raise ValueError(f"--model {path}: {config_file} is not a JSON object")
     if (path / "transformdsl.json").is_file() or isinstance(config.get("quantization_config"), dict):
@@ -201,7 +203,7 @@ def _pipeline_dtypes(path: Path, dtype: torch.dtype | None) -> dict[str, torch.d
     try:
         with open(path / "model_index.json", "rb") as f:
             index = json.loads(f.read(_MAX_INDEX_BYTES))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None  # the pipeline loader says what is wrong with it
     if not isinstance(index, dict):
         return None

@@ -56,17 +56,40 @@ def read_metadata(folder: SaveDir) -> dict:
     return meta
 
 
+#: How deep a JSON file of a save or a library directory may nest (theirs nest a few levels; a value
+#: 900 deep parses, then breaks every recursive reader after it: ours, the libraries', ``copy``).
+MAX_JSON_DEPTH = 64
+
+
 def read_json(folder: SaveDir, name: str, what: str) -> Any:
     """A JSON file's content, read through the open folder; a file over
-    :data:`MAX_META_BYTES`, or not a regular file, is refused before reading."""
+    :data:`MAX_META_BYTES`, or not a regular file, is refused before reading, and one nested
+    deeper than :data:`MAX_JSON_DEPTH` after."""
     path = folder.path / name
     data = folder.read_bytes(name, MAX_META_BYTES, what)
     try:
-        return json.loads(data.decode("utf-8"))
+        value = json.loads(data.decode("utf-8"))
     except (ValueError, UnicodeDecodeError) as exc:
         raise LoadError(f"{path}: {what} is not valid JSON: {exc}") from None
     except RecursionError:  # `[[[[...` thousands deep
         raise LoadError(f"{path}: {what} is not valid JSON: nested too deeply") from None
+    if json_depth(value) > MAX_JSON_DEPTH:
+        raise LoadError(f"{path}: {what} nests deeper than {MAX_JSON_DEPTH} levels; refusing")
+    return value
+
+
+def json_depth(value: Any) -> int:
+    """How deep ``value`` (parsed JSON) nests: 0 for a number or string, 1 for a flat list or
+    object (iterative: any depth the parser allowed)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return deepest
 
 
 def _short(meta: Any, key: str) -> str:

@@ -48,15 +48,19 @@ def model_description(module: nn.Module) -> dict:
     library = cls.__module__.split(".", 1)[0]
     config = getattr(module, "config", None)
     if library == "diffusers" and config is not None:
-        return {"library": "diffusers", "class": cls.__name__,
-                "config": json.loads(json.dumps(dict(config), default=_json_default))}
+        described = json.loads(json.dumps(dict(config), default=_json_default))
+        if isinstance(described.get("_use_default_values"), list):  # diffusers makes it from a set: sorted
+            described["_use_default_values"] = sorted(described["_use_default_values"], key=str)
+        return {"library": "diffusers", "class": cls.__name__, "config": described}
     if library == "transformers" and config is not None and hasattr(config, "to_json_string"):
         return {"library": "transformers", "class": cls.__name__, "config": json.loads(config.to_json_string())}
     return {"library": None, "class": cls.__name__, "config": None}
 
 
 def _json_default(value):
-    if isinstance(value, (tuple, set)):
+    if isinstance(value, set):  # a set's order changes from process to process: the save's bytes must not
+        return sorted(value, key=str)
+    if isinstance(value, tuple):
         return list(value)
     if isinstance(value, torch.dtype):
         return str(value).removeprefix("torch.")

@@ -153,6 +153,9 @@ def _check_place(value: Any, key: str, where: str) -> Any:
         raise LoadError(f"{where}(device_map=...): {key!r} -> {value!r} is not a device ({exc}); "
                         f"expected {_available()} or 'disk'") from None
     if device.type == "cpu":
+        if device.index:  # torch takes 'cpu:7' for the CPU: a map meaning another device would be misread
+            raise LoadError(f"{where}(device_map=...): {key!r} -> {value!r}: the CPU is one device, 'cpu' "
+                            f"(there are {_available()}, and 'disk')")
         return "cpu"
     backend = getattr(torch, device.type, None)
     count = getattr(backend, "device_count", None)

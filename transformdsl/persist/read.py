@@ -327,6 +327,16 @@ class TensorFiles:
             os.close(fd)
         self.opened = []
 
+    def stamps(self) -> list[tuple[int, int, int]]:
+        """Per file, ``(inode, size, modification time in ns)`` of the open descriptor: a file
+        rewritten in place while it is read changes its stamp (a file replaced by a rename does not,
+        and is not read: the descriptor still holds the old one)."""
+        stamps = []
+        for _, fd, _ in self.opened:
+            info = os.fstat(fd)
+            stamps.append((info.st_ino, info.st_size, info.st_mtime_ns))
+        return stamps
+
     def count_tensors(self) -> list[int]:
         """Per file, how many non-empty tensors its header lists (safetensors checks the
         header's size, JSON, dtypes, shapes and offsets against the file before mapping

@@ -87,6 +87,7 @@ def convert(source: str | os.PathLike, script: Any, out: str | os.PathLike, *, c
     with guard.loading(), SaveDir.open(source) as folder:
         located = _locate(folder, component)
         opened = located.open()
+        stamps = opened.files.stamps()
         try:
             checkpoint = checkpoint_dtype(located.folder.path)
             if checkpoint is not None:  # the plan counts the bytes the checkpoint holds (its tensors load as they are)
@@ -112,6 +113,11 @@ def convert(source: str | os.PathLike, script: Any, out: str | os.PathLike, *, c
                     target.mkdir()
                 stream = _Stream(opened, the_plan, target, max_shard_size, save_id, progress)
                 stream.run()
+                changed = [name for (name, _, _), before, after in zip(opened.files.opened, stamps,
+                                                                        opened.files.stamps()) if before != after]
+                if changed:  # what was read may mix the old bytes and the new
+                    raise LoadError(f"{located.folder.path / changed[0]}: rewritten while convert read it (its "
+                                    "size or modification time changed); nothing was written: convert again")
                 if log is not None:
                     stream.summary(log)
                 if located.pipeline is not None:
@@ -400,6 +406,13 @@ class _Stream:
     def run(self) -> None:
         self.root.eval()
         units, deferred = plan_units(self.root, self.plan, self.aliases)
+        modules = {path for path, _ in self.root.named_modules(remove_duplicate=False)}
+        stray = sorted(key for key in self.sizes if key.rpartition(".")[0] not in modules)
+        if stray:  # a tensor of no module of the architecture, which no unit reads: load() refuses it, and so
+            # does convert (one of a module is read with its unit, and refused there as load() does)
+            raise LoadError(f"{self.opened.folder.path}: the saved tensors do not match the architecture "
+                            f"(unexpected {len(stray)} tensor(s): {', '.join(stray[:5])}); was it saved from "
+                            "another model?")
         steps = self.plan.steps
         records: list[list[tuple[int, dict]]] = [[] for _ in steps]
         layout: dict[str, Any] = {"nonpersistent": [], "aliases": {}}

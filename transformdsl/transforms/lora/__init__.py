@@ -24,6 +24,10 @@ from ...extend import Transform, option
 WEIGHT_FORMAT = ("fuse *", "quantize *", "fp8 *")
 
 
+#: The largest alpha a LoRA may have, in its file or as ``alpha=`` (an alpha is of its rank's order, 1 to a few
+#: hundred; ``alpha=1e38`` gives finite weights that overflow at the first matmul).
+MAX_ALPHA = 1e6
+
 #: Why ``quantize``/``fp8`` leave a layer that holds switchable adapters alone (they would drop them).
 HOLDS_ADAPTERS = ("holds switchable LoRA adapters (lora ... merge=false); change its weight format in the script "
                   "that adds them, which puts them beside the new layer")
@@ -43,7 +47,8 @@ class LoraOptions:
     merge: bool = option(True, "fold the delta into the float weights (true), or keep the adapter beside each "
                          "layer, switchable at run time (false)")
     alpha: float = option(0.0, "LoRA alpha for a file that stores none (PEFT keeps it in adapter_config.json's "
-                          "lora_alpha); 0: the file's own, else each module's rank (alpha / rank = 1)", min=0.0)
+                          "lora_alpha); 0: the file's own, else each module's rank (alpha / rank = 1)", min=0.0,
+                          max=MAX_ALPHA)
     unmatched: str = option("error", "LoRA keys that name no module of the model: an error (listing the nearest "
                             "module names), or ignore them (listed in the plan)", choices=("error", "ignore"))
 

@@ -87,6 +87,7 @@ class Lora(LoraDeclaration):
         for named, pair in converted.pairs.items():
             if within is not None and not below_any(named, frozenset(within)):
                 continue
+            label = files.printable(named)
             target = layers.resolve(root, named)
             if isinstance(target, str):
                 unmatched.append((named, target))
@@ -94,16 +95,16 @@ class Lora(LoraDeclaration):
             rows = target.stop - target.start
             a_in = pair.A.shape[1] if pair.A.dim() >= 2 else -1
             if pair.A.dim() not in (2, 4) or pair.B.dim() != pair.A.dim() or pair.B.shape[1] != pair.A.shape[0]:
-                problems.append(f"{display}: '{named}': A {tuple(pair.A.shape)} and B {tuple(pair.B.shape)} are "
+                problems.append(f"{display}: '{label}': A {tuple(pair.A.shape)} and B {tuple(pair.B.shape)} are "
                                 "not a LoRA pair (B's columns must equal A's rows, the rank)")
             elif a_in != target.in_features or pair.B.shape[0] != rows:
-                problems.append(f"{display}: '{named}': the LoRA maps {a_in} -> {pair.B.shape[0]} features (rank "
+                problems.append(f"{display}: '{label}': the LoRA maps {a_in} -> {pair.B.shape[0]} features (rank "
                                 f"{pair.A.shape[0]}), the module {target.in_features} -> {rows}: made for another "
                                 "model or size")
             else:
                 problem = self._layer_problem(root, target, pair)
                 if problem:
-                    problems.append(f"{display}: '{named}': {problem}")
+                    problems.append(f"{display}: '{label}': {problem}")
                 else:
                     targets.append((target, pair))
         if unmatched and self.options.unmatched == "error":
@@ -111,7 +112,8 @@ class Lora(LoraDeclaration):
             shown = []
             for named, reason in unmatched[:3]:
                 close = keys.nearest(named, names)
-                shown.append(f"'{named}' ({reason}" + (f"; nearest: {', '.join(close)}" if close else "") + ")")
+                nearest = f"; nearest: {', '.join(close)}" if close else ""
+                shown.append(f"'{files.printable(named)}' ({reason}{nearest})")
             more = f" and {len(unmatched) - 3} more" if len(unmatched) > 3 else ""
             problems.insert(0, f"{display}: {len(unmatched)} LoRA module(s) match no module of the "
                             f"{type(root).__name__}: {'; '.join(shown)}{more}")
@@ -119,7 +121,7 @@ class Lora(LoraDeclaration):
         elif unmatched and notes is not None:
             notes.append(
                 f"{display}: {len(unmatched)} LoRA module(s) ignored (unmatched=ignore): "
-                + ", ".join(n for n, _ in unmatched[:3]) + (" ..." if len(unmatched) > 3 else ""))
+                + ", ".join(files.printable(n) for n, _ in unmatched[:3]) + (" ..." if len(unmatched) > 3 else ""))
         return targets, problems
 
     def _layer_problem(self, root: nn.Module, target: layers.Target, pair: keys.Pair) -> str | None:
@@ -184,13 +186,22 @@ class Lora(LoraDeclaration):
             rows = merged[target.start:target.stop]
             rows += layers.delta(pair.A.to(merged.device), pair.B.to(merged.device),
                                  self.options.scale * self._factor(pair), rows.shape)
-        ctx.edit.setattr(module, "weight", nn.Parameter(merged.to(weight.dtype), requires_grad=weight.requires_grad))
+        merged = merged.to(weight.dtype)
+        if not bool(torch.isfinite(merged if merged.element_size() > 1 else merged.float()).all()):
+            raise TransformError(f"{_display(self.statement.argument.text)}: '{parts[0][0].layer}': the merged weight "
+                                 f"overflows {str(weight.dtype).removeprefix('torch.')} (infinite or NaN values; its "
+                                 "values, alpha or scale are too large): the model would compute inf/NaN")
+        ctx.edit.setattr(module, "weight", nn.Parameter(merged, requires_grad=weight.requires_grad))
 
     def _attach(self, ctx: ApplyContext, path: str, module: nn.Module, parts, name: str) -> dict:
         sizes = layers.features(module)
         dtype, device = _adapter_placement(module)
         A, B = layers.stacked([(t.start, t.stop, p.A.to(device, dtype), p.B.to(device, dtype), self._factor(p))
                                for t, p in parts], sizes[1])
+        if not all(bool(torch.isfinite(t if t.element_size() > 1 else t.float()).all()) for t in (A, B)):
+            raise TransformError(f"{_display(self.statement.argument.text)}: '{path}': the adapter overflows "
+                                 f"{str(dtype).removeprefix('torch.')} (infinite or NaN values once cast; its values "
+                                 "or alpha are too large): the model would compute inf/NaN")
         adapter = layers.LoraAdapter(A.contiguous(), B.contiguous(), self.options.scale)
         existing = module._modules.get(layers.ADAPTERS)
         if existing is None:
@@ -230,10 +241,25 @@ class Lora(LoraDeclaration):
             return  # the merged weights are the saved weights
         name = record["adapter"]
         for path, layer in record["layers"].items():
-            module = root.get_submodule(path)
+            shown = files.printable(str(path))
+            if not isinstance(layer, dict) or not all(
+                    type(layer.get(k)) is int and 0 < layer[k] <= files.MAX_DIMENSION for k in ("rank", "in", "out")):
+                raise LoadError(f"lora: adapter '{name}' at '{shown}': its rank, in and out must be positive integers")
+            try:
+                module = root.get_submodule(path)
+            except AttributeError:
+                raise LoadError(f"lora: adapter '{name}' recorded at '{shown}', which the model does not "
+                                "have") from None
+            sizes = layers.features(module)
+            if sizes is None or isinstance(module, nn.Conv2d):
+                raise LoadError(f"lora: adapter '{name}' recorded at '{shown or '(the root module)'}', a "
+                                f"{type(module).__name__}: a switchable LoRA sits beside a linear layer only")
+            if sizes != (layer["in"], layer["out"]):
+                raise LoadError(f"lora: adapter '{name}' at '{shown}' maps {layer['in']} -> {layer['out']} features, "
+                                f"the layer {sizes[0]} -> {sizes[1]}")
             dtype = _DTYPES.get(layer["dtype"])
             if dtype is None:
-                raise LoadError(f"lora: adapter dtype {layer['dtype']!r} at '{path}'")
+                raise LoadError(f"lora: adapter dtype {layer['dtype']!r} at '{shown}'")
             A = torch.empty((layer["rank"], layer["in"]), dtype=dtype, device="meta")
             B = torch.empty((layer["out"], layer["rank"]), dtype=dtype, device="meta")
             adapter = layers.LoraAdapter(A, B, record.get("scale", 1.0))

@@ -28,6 +28,9 @@ MAX_FILE_BYTES = 16 << 30
 MAX_HEADER_BYTES = 64 << 20
 #: Tensors a LoRA file may hold.
 MAX_TENSORS = 200_000
+#: The largest dimension a LoRA tensor may have (ranks and feature counts are far below it; torch
+#: cannot even describe a dimension of 2**63).
+MAX_DIMENSION = 1 << 31
 #: Pickle-based checkpoint suffixes: never loaded.
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 #: Bytes per element of the safetensors dtypes a LoRA may use.
@@ -55,11 +58,13 @@ def read_header(path: str | os.PathLike) -> Header:
     if path.suffix.lower() in PICKLE_SUFFIXES:
         raise LoraFileError(f"{path}: a {path.suffix} file is a pickle, which can run code when loaded; a LoRA "
                             "is read from .safetensors only (convert it once with a tool you trust)")
+    if "\0" in str(path):
+        raise LoraFileError(f"{printable(str(path))}: a path cannot hold a NUL character")
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         reason = "no such file" if exc.errno == errno.ENOENT else exc.strerror or str(exc)
-        raise LoraFileError(f"{path}: cannot open the LoRA file: {reason}") from None
+        raise LoraFileError(f"{printable(str(path))}: cannot open the LoRA file: {reason}") from None
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode):
         os.close(fd)
@@ -80,6 +85,9 @@ def read_header(path: str | os.PathLike) -> Header:
         entries = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise LoraFileError(f"{path}: not a safetensors file (its header is not JSON: {exc})") from None
+    except RecursionError:  # a safetensors header is one level of entries (and their short lists)
+        raise LoraFileError(f"{path}: not a safetensors file (its header nests deeper than Python's JSON reader "
+                            "goes)") from None
     if not isinstance(entries, dict):
         raise LoraFileError(f"{path}: not a safetensors file (its header is not a JSON object)")
     metadata = entries.pop("__metadata__", None) or {}
@@ -113,9 +121,19 @@ def _entry(path: Path, name: str, entry: object) -> tuple[str, tuple[int, ...], 
                       for n in [*entry["shape"], *entry["data_offsets"]])
     if not ints or len(entry["shape"]) > 8 or entry["data_offsets"][0] > entry["data_offsets"][1]:
         raise LoraFileError(f"{path}: tensor {name!r}: malformed header entry")
+    if any(n > MAX_DIMENSION for n in entry["shape"]):
+        raise LoraFileError(f"{path}: tensor {name!r} has shape {entry['shape']}: a LoRA tensor's "
+                            f"dimensions are at most {MAX_DIMENSION}")
     if entry["dtype"] not in DTYPE_BYTES:
-        raise LoraFileError(f"{path}: tensor {name!r} has dtype {entry['dtype']}, which a LoRA does not use")
+        raise LoraFileError(f"{path}: tensor {name!r} has dtype {printable(entry['dtype'])}, which a "
+                            "LoRA does not use")
     return entry["dtype"], tuple(entry["shape"]), (entry["data_offsets"][0], entry["data_offsets"][1])
+
+
+def printable(text: str) -> str:
+    """``text`` with its control characters escaped (``\\x1b``): a key name from a file reaches the terminal
+    as text, never as a terminal command."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def sha256(path: str | os.PathLike) -> str:

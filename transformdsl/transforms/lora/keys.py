@@ -26,6 +26,8 @@ import torch
 from torch import nn
 
 from ...errors import TransformError
+from . import MAX_ALPHA
+from .files import printable
 
 #: Pipeline components a key may be prefixed with (diffusers writes ``unet.``, ``transformer.``...).
 COMPONENTS = ("unet", "transformer", "text_encoder", "text_encoder_2", "text_encoder_3", "prior", "decoder")
@@ -88,7 +90,7 @@ def placeholders(tensors: dict[str, tuple[str, tuple[int, ...]]]) -> dict[str, t
               "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
     out = {}
     for name, (dtype, shape) in tensors.items():
-        if len(shape) == 0 or (len(shape) == 1 and shape[0] == 1):
+        if math.prod(shape) == 1 and len(shape) <= 2:
             out[name] = torch.ones(shape, dtype=torch.float32)  # alpha: a value some converters .item()
         else:
             out[name] = torch.empty(shape, dtype=dtypes[dtype], device="meta")
@@ -100,8 +102,12 @@ def convert(state: dict[str, torch.Tensor], root: nn.Module, component: str, fil
     plain model) that ``state`` (a LoRA file's tensors, or their :func:`placeholders`) names."""
     bad = sorted(k for k in state if _NOT_LORA.search(k))
     if bad:
-        raise TransformError(f"{file}: '{bad[0]}' ({len(bad)} such keys) belongs to an adapter that is not a plain "
-                             "LoRA (DoRA, LoKr, LoHa, IA3...): only LoRA (A and B matrices) is supported")
+        raise TransformError(f"{file}: '{printable(bad[0])}' ({len(bad)} such keys) belongs to an adapter that is "
+                             "not a plain LoRA (DoRA, LoKr, LoHa, IA3...): only LoRA (A and B matrices) is supported")
+    for key, tensor in state.items():
+        if key.endswith("alpha") and isinstance(tensor, torch.Tensor) and tensor.numel() != 1:
+            raise TransformError(f"{file}: '{printable(key)}' has shape {tuple(tensor.shape)}: a LoRA's alpha is "
+                                 "one number (it scales its module's delta)")
     state, alphas, via = _library_conversion(dict(state), root, file)
     pairs: dict[str, dict[str, Any]] = {}
     others: dict[str, set[str]] = {}
@@ -119,29 +125,36 @@ def convert(state: dict[str, torch.Tensor], root: nn.Module, component: str, fil
             leftovers.append(key)
             continue
         if match["tensor"] == "bias":
-            raise TransformError(f"{file}: '{key}': a LoRA with a bias on B is not supported (merge it with the "
-                                 "library that made it, or train without lora_bias)")
+            raise TransformError(f"{file}: '{printable(key)}': a LoRA with a bias on B is not supported (merge it "
+                                 "with the library that made it, or train without lora_bias)")
         pairs.setdefault(match["module"], {})[match["part"]] = tensor
     if leftovers:
-        shown = ", ".join(leftovers[:3]) + (f" (and {len(leftovers) - 3} more)" if len(leftovers) > 3 else "")
+        more = f" (and {len(leftovers) - 3} more)" if len(leftovers) > 3 else ""
         raise TransformError(f"{file}: keys in no LoRA format diffusers or PEFT reads for a "
-                             f"{type(root).__name__}: {shown}")
+                             f"{type(root).__name__}: {', '.join(map(printable, leftovers[:3]))}{more}")
     out: dict[str, Pair] = {}
     for module, parts in pairs.items():
+        shown = printable(module)
         if set(parts) != {"lora_A", "lora_B"}:
             missing = "lora_B" if "lora_A" in parts else "lora_A"
-            raise TransformError(f"{file}: module '{module}' has no {missing} (a LoRA needs both A and B)")
+            raise TransformError(f"{file}: module '{shown}' has no {missing} (a LoRA needs both A and B)")
         alpha = alphas.get(module, alphas.get(id(parts["lora_A"])))
+        if isinstance(alpha, torch.Tensor) and alpha.numel() != 1:
+            raise TransformError(f"{file}: module '{shown}' has an alpha of shape {tuple(alpha.shape)}: a LoRA's "
+                                 "alpha is one number")
         alpha = None if alpha is None else _number(alpha)
         if alpha is not None and not math.isfinite(alpha):
-            raise TransformError(f"{file}: module '{module}' has alpha {alpha}: a LoRA's alpha must be a finite "
+            raise TransformError(f"{file}: module '{shown}' has alpha {alpha}: a LoRA's alpha must be a finite "
                                  "number (it scales the delta added to the weight)")
+        if alpha is not None and abs(alpha) > MAX_ALPHA:
+            raise TransformError(f"{file}: module '{shown}' has alpha {alpha:g}: a LoRA's alpha is at most "
+                                 f"{MAX_ALPHA:g} (of its rank's order; this one would make the model compute inf/NaN)")
         for part in ("lora_A", "lora_B"):
             tensor = parts[part]
             if isinstance(tensor, torch.Tensor) and not tensor.is_meta and tensor.is_floating_point() \
                     and not bool(torch.isfinite(tensor if tensor.element_size() > 1 else tensor.float()).all()):
                 # (isfinite has no float8 kernel: those, a byte each, are widened first)
-                raise TransformError(f"{file}: module '{module}': its {part} holds NaN or infinite values "
+                raise TransformError(f"{file}: module '{shown}': its {part} holds NaN or infinite values "
                                      "(the model would compute NaN)")
         out[module] = Pair(parts["lora_A"], parts["lora_B"], alpha)
     return Converted(out, {k: len(v) for k, v in others.items()}, via)

@@ -13,6 +13,7 @@ the layer (:mod:`.w8a8`, :mod:`.int4`), which layers they refuse, and the device
 
 from __future__ import annotations
 
+from ...errors import LoadError
 from ...options import DTYPES
 from ...tree import ModuleInfo, ModuleTree
 from . import Int4Quantization as Int4Declaration
@@ -137,6 +138,10 @@ class Int4Quantization(QuantizeBehaviour, Int4Declaration):
 
     @classmethod
     def build(cls, backend, options, weight, bias, layer=None):
+        if weight.is_meta and weight.shape[1] % options.group_size:  # loading: a record from a file
+            raise LoadError(f"'{cls.key()}': the record's layer '{(layer or {}).get('path')}' has in_features "
+                            f"{weight.shape[1]}, which group_size={options.group_size} does not divide (int4 groups "
+                            "never straddle rows: a tampered record?)")
         return backend.Int4WeightOnlyLinear.build(weight, bias, options.group_size, DTYPES[options.compute])
 
     @classmethod
@@ -149,6 +154,21 @@ class Int4Quantization(QuantizeBehaviour, Int4Declaration):
     def build_on_grid(cls, backend, options, grid, weight, bias, weight_dtype):
         return backend.Int4WeightOnlyLinear(backend.pack_nibbles(grid.codes(weight)), grid.scale, grid.zero, bias,
                                             options.group_size, DTYPES[options.compute], weight_dtype)
+
+    @classmethod
+    def finalize(cls, root, record, options) -> None:
+        """The loaded scales and zeros are bfloat16, as saved (a save's float precision may differ
+        elsewhere; the packed kernel takes these in bfloat16 only)."""
+        import torch
+
+        for layer in record["layers"]:
+            module = root.get_submodule(layer["path"])
+            for name in ("weight_scale", "weight_zero"):
+                tensor = module._buffers.get(name)
+                if tensor is not None and tensor.dtype != torch.bfloat16:
+                    raise LoadError(f"'{cls.key()}': '{layer['path']}.{name}' is "
+                                    f"{str(tensor.dtype).removeprefix('torch.')} in the file; int4 layers store "
+                                    "their scales and zeros in bfloat16 (a tampered save?)")
 
     @classmethod
     def estimate_bytes(cls, options, in_features, out_features, bias, dtype):

@@ -331,9 +331,10 @@ class FourBitBehaviour(QuantizeBehaviour):
     @classmethod
     def build(cls, backend, options, weight, bias, layer=None):
         offset = (layer or {}).get("offset")
-        if weight.is_meta and options.double_quant and not isinstance(offset, (int, float)):
+        if weight.is_meta and options.double_quant and not (
+                isinstance(offset, (int, float)) and not isinstance(offset, bool) and math.isfinite(offset)):
             raise LoadError(f"'{cls.key()}': the record of '{(layer or {}).get('path')}' lacks its "
-                            "double-quantization offset")
+                            f"double-quantization offset (a finite number; the record has {str(offset)[:40]})")
         return backend.FourBitLinear.build(weight, bias, cls.mode, options.blocksize, options.double_quant,
                                            DTYPES[options.compute], nested_offset=offset)
 
@@ -409,6 +410,9 @@ class HQQQuantization(QuantizeBehaviour, HQQDeclaration):
         elif not (isinstance(size, int) and not isinstance(size, bool) and size >= 8 and size % 8 == 0):
             raise LoadError(f"'{cls.key()}': the record of '{layer.get('path')}' has an invalid group size "
                             f"{str(size)[:40]}")
+        elif options.group_size != "auto" and size != options.group_size:
+            raise LoadError(f"'{cls.key()}': the record of '{layer.get('path')}' has group size {size}, the "
+                            f"statement group_size={options.group_size} (a tampered save?)")
         return backend.HQQLayer.build(weight, bias, options.bits, size, options.axis, DTYPES[options.compute])
 
     def device_note(self, tree: ModuleTree, targets: list[str]) -> str | None:
