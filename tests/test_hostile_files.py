@@ -374,7 +374,7 @@ def test_file_names_leading_outside_refused(saved, name):
 @pytest.mark.parametrize("text, match", [
     ("{", "not valid JSON"),
     ("", "not valid JSON"),
-    ("[" * 100_000 + "]" * 100_000, "not valid JSON|nested too deeply"),
+    ("[" * 100_000 + "]" * 100_000, "not valid JSON|nested too deeply|nests deeper"),
     ('{"a": 1e999999, "format": NaN}', "not transformdsl metadata"),
     ('{"format": "transformdsl", "format_version": ' + "9" * 5000 + "}", "not valid JSON"),
     ("[]", "not transformdsl metadata"),

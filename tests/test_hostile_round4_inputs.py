@@ -292,7 +292,7 @@ def test_a_pipeline_index_nested_1200_deep_is_a_clear_error_on_the_command_line(
                                            + "[" * 1200 + "]" * 1200 + "}")
     (tmp_path / "s.tfm").write_text("quantize int8\n")
     assert main(["explain", "--model", str(pipe), str(tmp_path / "s.tfm")]) == 1  # a RecursionError before
-    assert "pipeline index is not valid JSON: nested too deeply" in capsys.readouterr().err
+    assert "pipeline index nests deeper than 64 levels" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------- convert (items 14, 15, 16)

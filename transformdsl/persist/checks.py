@@ -71,8 +71,8 @@ def read_json(folder: SaveDir, name: str, what: str) -> Any:
         value = json.loads(data.decode("utf-8"))
     except (ValueError, UnicodeDecodeError) as exc:
         raise LoadError(f"{path}: {what} is not valid JSON: {exc}") from None
-    except RecursionError:  # `[[[[...` thousands deep
-        raise LoadError(f"{path}: {what} is not valid JSON: nested too deeply") from None
+    except RecursionError:  # `[[[[...` thousands deep: past the reader's own limit (the same refusal)
+        raise LoadError(f"{path}: {what} nests deeper than {MAX_JSON_DEPTH} levels; refusing") from None
     if json_depth(value) > MAX_JSON_DEPTH:
         raise LoadError(f"{path}: {what} nests deeper than {MAX_JSON_DEPTH} levels; refusing")
     return value

@@ -10,9 +10,8 @@ output is noise).  So a new mode, or a new value of ``method``, joins the search
 here.
 
 >>> texts = [c.text for c in declared_modes(keys=["quantize int4"])]
->>> texts
-['quantize int4 group_size=32', 'quantize int4 group_size=64', 'quantize int4 group_size=128', \
-'quantize int4 group_size=256']
+>>> len(texts), texts[:2], texts[-1]
+(12, ['quantize int4 group_size=32', 'quantize int4 group_size=64'], 'quantize int4 method=awq group_size=256')
 """
 
 from __future__ import annotations
