@@ -83,6 +83,20 @@ def test_gptq_keeps_the_modes_format_and_reloads_bit_exactly_without_the_data(te
         assert torch.equal(model(text[1][:1]).logits, reloaded(text[1][:1]).logits)
 
 
+def test_int4_compute_float32_keeps_float32_scales_and_reloads_them(text, tmp_path):
+    """compute=float32 keeps the groups' scales and zeros in float32 (the model's precision), as
+    torchao and llm-compressor do for a float32 model, and its matmul in float32."""
+    model = quantized("quantize int4 group_size=64 compute=float32 method=gptq", text)
+    layer = model.model.layers[0].self_attn.q_proj
+    assert layer.weight_scale.dtype == layer.weight_zero.dtype == torch.float32 and not layer.packed_kernel
+    assert not torch.equal(layer.weight_scale, layer.weight_scale.bfloat16().float())  # not bfloat16 ones widened
+    transformdsl.save(model, tmp_path / "out")
+    reloaded = transformdsl.load(tmp_path / "out")
+    assert reloaded.model.layers[0].self_attn.q_proj.weight_scale.dtype == torch.float32
+    with torch.no_grad():
+        assert torch.equal(model(text[1][:1]).logits, reloaded(text[1][:1]).logits)
+
+
 def test_smoothquant_folds_its_scales_into_the_norms_and_the_save_reloads_them(text, tmp_path):
     model = quantized("quantize w8a8 smooth=0.5", text)
     before = load_model()

@@ -199,8 +199,9 @@ class Int4Options(CalibratedOptions):
     awq_grid: int = option(20, "AWQ: points of its scale search and of its clipping search", min=2, max=100)
     group_size: int = option(128, "weights per (scale, zero) group along a row's inputs", choices=INT4_GROUP_SIZES)
     weight_only: bool = option(True, "int4 weights, bfloat16 activations (W4A16); false is not supported")
-    compute: str = option("bfloat16", "dtype the matmul runs in (the packed CPU kernel takes bfloat16 only)",
-                          kind="dtype")
+    compute: str = option("bfloat16", "dtype the matmul runs in, and of the groups' scales and zeros (bfloat16: "
+                          "the packed CPU kernel; float32: exact scales, the model's precision, a dequantized "
+                          "matmul)", kind="dtype")
 
     def __post_init__(self):
         super().__post_init__()

@@ -118,9 +118,10 @@ class Int4Quantization(QuantizeBehaviour, Int4Declaration):
         if device is None:
             return None
         if device == "cpu" and self.options.compute != "bfloat16":
-            return (f"compute={self.options.compute}: the packed int4 CPU kernel takes bfloat16 activations only, "
-                    "so these layers dequantize their weight at every call (about the float layer's cost); "
-                    "compute=bfloat16 (the default) uses it")
+            return (f"compute={self.options.compute}: scales and zeros in {self.options.compute} (the model's "
+                    "precision); the packed int4 CPU kernel is fast in bfloat16 only, so these layers dequantize "
+                    "their weight at every call (about the float layer's cost); compute=bfloat16 (the default) "
+                    "uses it")
         if device == "cuda":
             return ("on CUDA these layers dequantize their weight at every call (the tinygemm int4 kernel, "
                     "aten._weight_int4pack_mm, is not wired here yet)")
@@ -148,7 +149,7 @@ class Int4Quantization(QuantizeBehaviour, Int4Declaration):
     def calibration_grid(cls, options, weight, low=None, high=None):
         from .int4 import GroupGrid
 
-        return GroupGrid(weight, options.group_size, low, high)
+        return GroupGrid(weight, options.group_size, low, high, DTYPES[options.compute])
 
     @classmethod
     def build_on_grid(cls, backend, options, grid, weight, bias, weight_dtype):
@@ -157,21 +158,21 @@ class Int4Quantization(QuantizeBehaviour, Int4Declaration):
 
     @classmethod
     def finalize(cls, root, record, options) -> None:
-        """The loaded scales and zeros are bfloat16, as saved (a save's float precision may differ
-        elsewhere; the packed kernel takes these in bfloat16 only)."""
-        import torch
-
+        """The loaded scales and zeros are in the layer's compute dtype, as saved (a save's float
+        precision may differ elsewhere; the packed kernel takes its activations' dtype)."""
+        compute = DTYPES[options.compute]
         for layer in record["layers"]:
             module = root.get_submodule(layer["path"])
             for name in ("weight_scale", "weight_zero"):
                 tensor = module._buffers.get(name)
-                if tensor is not None and tensor.dtype != torch.bfloat16:
+                if tensor is not None and tensor.dtype != compute:
                     raise LoadError(f"'{cls.key()}': '{layer['path']}.{name}' is "
                                     f"{str(tensor.dtype).removeprefix('torch.')} in the file; int4 layers store "
-                                    "their scales and zeros in bfloat16 (a tampered save?)")
+                                    f"their scales and zeros in their compute dtype, {options.compute} here "
+                                    "(a tampered save?)")
 
     @classmethod
     def estimate_bytes(cls, options, in_features, out_features, bias, dtype):
         groups = in_features // options.group_size
-        return (in_features * out_features // 2 + 2 * 2 * groups * out_features
+        return (in_features * out_features // 2 + 2 * DTYPES[options.compute].itemsize * groups * out_features
                 + (out_features * dtype.itemsize if bias else 0))

@@ -3,13 +3,13 @@
 The scheme of torchao's ``Int4WeightOnlyConfig`` (its "tinygemm" layout: a float zero point per
 group), as a plain ``nn.Module``.  For each group of ``group_size`` inputs of a row::
 
-    scale = (max - min) / 15,   zero = min + 8 * scale          (both rounded to bfloat16)
+    scale = (max - min) / 15,   zero = min + 8 * scale          (both rounded to the compute dtype)
     q     = clamp(round((w - min) / scale), 0, 15)               (min = zero - 8 * scale)
     w    ~= (q - 8) * scale + zero
 
 Saved as plain tensors, the same on every device: ``weight`` (uint8, out x in/2: two values per
-byte, the even input in the low nibble), ``weight_scale`` and ``weight_zero`` (bfloat16,
-out x in/group_size) and ``bias``.  The device's packed layout is made from them when the layer
+byte, the even input in the low nibble), ``weight_scale`` and ``weight_zero`` (in the compute
+dtype: bfloat16 by default, float32 with ``compute=float32``; out x in/group_size) and ``bias``.  The device's packed layout is made from them when the layer
 is built, loaded or moved (never saved): on a CPU ``aten._convert_weight_to_int4pack_for_cpu``
 for ``aten._weight_int4pack_mm_for_cpu``, which takes bfloat16 activations.  Elsewhere (and on a
 torch without the kernel) the layer dequantizes its weight into the compute dtype at each call.
@@ -36,10 +36,12 @@ _EPS = 1e-6
 _CHUNK_ELEMENTS = 1 << 22
 
 
-def group_parameters(low: torch.Tensor, high: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(scale, zero)`` in bfloat16 of groups whose values span ``[low, high]`` (float32)."""
-    s = ((high - low) / QMAX).clamp(min=_EPS).to(torch.bfloat16)
-    return s, (low + s.float() * MID).to(torch.bfloat16)
+def group_parameters(low: torch.Tensor, high: torch.Tensor,
+                     dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, zero)`` in ``dtype`` (the layer's compute dtype) of groups whose values span
+    ``[low, high]`` (float32)."""
+    s = ((high - low) / QMAX).clamp(min=_EPS).to(dtype)
+    return s, (low + s.float() * MID).to(dtype)
 
 
 def group_codes(chunk: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
@@ -48,19 +50,21 @@ def group_codes(chunk: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) ->
     return torch.round((chunk - minimum[..., None]) / scale.float()[..., None]).clamp_(0, QMAX)
 
 
-def quantize_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(values uint8 (out, in) in 0..15, scale bf16 (out, groups), zero bf16 (out, groups))``."""
+def quantize_groups(weight: torch.Tensor, group_size: int,
+                    dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(values uint8 (out, in) in 0..15, scale (out, groups), zero (out, groups))``, scales and
+    zeros in ``dtype``."""
     rows, cols = weight.shape
     groups = cols // group_size
     values = torch.empty(rows, cols, dtype=torch.uint8, device=weight.device)
-    scale = torch.empty(rows, groups, dtype=torch.bfloat16, device=weight.device)
-    zero = torch.empty(rows, groups, dtype=torch.bfloat16, device=weight.device)
+    scale = torch.empty(rows, groups, dtype=dtype, device=weight.device)
+    zero = torch.empty(rows, groups, dtype=dtype, device=weight.device)
     if weight.is_meta:
         return values, scale, zero
     step = max(1, _CHUNK_ELEMENTS // max(cols, 1))
     for start in range(0, rows, step):
         chunk = weight[start:start + step].detach().float().reshape(-1, groups, group_size)
-        s, z = group_parameters(chunk.amin(dim=2), chunk.amax(dim=2))
+        s, z = group_parameters(chunk.amin(dim=2), chunk.amax(dim=2), dtype)
         values[start:start + step] = group_codes(chunk, s, z).reshape(-1, cols).to(torch.uint8)
         scale[start:start + step] = s
         zero[start:start + step] = z
@@ -73,13 +77,13 @@ class GroupGrid:
     update).  ``low``/``high`` (rows x groups) narrow the groups' ranges (AWQ's clipping)."""
 
     def __init__(self, weight: torch.Tensor, group_size: int, low: torch.Tensor | None = None,
-                 high: torch.Tensor | None = None):
+                 high: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16):
         rows, cols = weight.shape
         self.group_size = group_size
         if low is None or high is None:
             grouped = weight.float().reshape(rows, cols // group_size, group_size)
             low, high = grouped.amin(dim=2), grouped.amax(dim=2)
-        self.scale, self.zero = group_parameters(low, high)
+        self.scale, self.zero = group_parameters(low, high, dtype)
         self._s, self._z = self.scale.float(), self.zero.float()
         self._minimum = self._z - self._s * MID
 
@@ -149,6 +153,7 @@ class Int4WeightOnlyLinear(StoredWeight):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self._layout = _DeviceLayout()
         #: Whether this layer multiplies with the packed CPU kernel (detected when built or loaded).
+        #: (it takes float32 too, but runs slower than dequantizing into a dense float32 matmul)
         self.packed_kernel = cpu_kernel_available() and compute == torch.bfloat16
         self.register_load_state_dict_post_hook(lambda module, _: module.repack())
         self.repack()
@@ -156,7 +161,7 @@ class Int4WeightOnlyLinear(StoredWeight):
     @classmethod
     def build(cls, weight: torch.Tensor, bias: torch.Tensor | None, group_size: int,
               compute: torch.dtype = torch.bfloat16) -> Int4WeightOnlyLinear:
-        values, scale, zero = quantize_groups(weight, group_size)
+        values, scale, zero = quantize_groups(weight, group_size, compute)
         return cls(pack_nibbles(values), scale, zero, bias, group_size, compute, weight.dtype)
 
     @property
