@@ -58,11 +58,7 @@ def __getattr__(name: str):
     elif name == "lora_adapters":
         from .transforms.lora.runtime import lora_adapters as value
     elif name == "tune":  # the package, callable as its tune() (transformdsl/tune/__init__.py)
-        import sys
-
-        from .tune import tune as _  # noqa: F401 - imports the package (``from . import tune`` would come back here)
-
-        value = sys.modules[f"{__name__}.tune"]
+        import transformdsl.tune as value  # not ``from . import tune``: its hasattr() would come back here
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     globals()[name] = value  # later lookups are plain attribute reads

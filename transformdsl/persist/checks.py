@@ -69,11 +69,12 @@ def read_json(folder: SaveDir, name: str, what: str) -> Any:
     data = folder.read_bytes(name, MAX_META_BYTES, what)
     try:
         value = json.loads(data.decode("utf-8"))
+        too_deep = json_depth(value) > MAX_JSON_DEPTH
     except (ValueError, UnicodeDecodeError) as exc:
         raise LoadError(f"{path}: {what} is not valid JSON: {exc}") from None
-    except RecursionError:  # `[[[[...` thousands deep: past the reader's own limit (the same refusal)
-        raise LoadError(f"{path}: {what} nests deeper than {MAX_JSON_DEPTH} levels; refusing") from None
-    if json_depth(value) > MAX_JSON_DEPTH:
+    except RecursionError:  # `[[[[...` thousands deep: past the reader's own limit, so past ours
+        too_deep = True
+    if too_deep:
         raise LoadError(f"{path}: {what} nests deeper than {MAX_JSON_DEPTH} levels; refusing")
     return value
 

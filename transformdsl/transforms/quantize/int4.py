@@ -9,9 +9,10 @@ group), as a plain ``nn.Module``.  For each group of ``group_size`` inputs of a 
 
 Saved as plain tensors, the same on every device: ``weight`` (uint8, out x in/2: two values per
 byte, the even input in the low nibble), ``weight_scale`` and ``weight_zero`` (in the compute
-dtype: bfloat16 by default, float32 with ``compute=float32``; out x in/group_size) and ``bias``.  The device's packed layout is made from them when the layer
-is built, loaded or moved (never saved): on a CPU ``aten._convert_weight_to_int4pack_for_cpu``
-for ``aten._weight_int4pack_mm_for_cpu``, which takes bfloat16 activations.  Elsewhere (and on a
+dtype: bfloat16 by default, float32 with ``compute=float32``; out x in/group_size) and ``bias``.
+The device's packed layout is made from them when the layer is built, loaded or moved (never
+saved): on a CPU ``aten._convert_weight_to_int4pack_for_cpu`` for
+``aten._weight_int4pack_mm_for_cpu``, used with bfloat16 activations.  Elsewhere (and on a
 torch without the kernel) the layer dequantizes its weight into the compute dtype at each call.
 
 >>> layer = Int4WeightOnlyLinear.build(torch.linspace(-1, 1, 32 * 16).reshape(16, 32), None, 32)
