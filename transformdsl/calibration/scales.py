@@ -54,16 +54,33 @@ def _is_linear(module: nn.Module) -> bool:
 
 
 def _relative(a, b) -> float:
-    a, b = _first_tensor(a), _first_tensor(b)
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
+    a, b = _floats(a), _floats(b)
+    if b.numel() == 0:  # a unit that returns no tensor (it writes its result elsewhere): nothing moved
+        return 0.0
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
 
 
-def _first_tensor(output):
-    if isinstance(output, torch.Tensor):
-        return output
-    if hasattr(output, "to_tuple"):
-        output = output.to_tuple()
-    return torch.cat([o.reshape(-1).float() for o in output if isinstance(o, torch.Tensor)])
+def _floats(output) -> torch.Tensor:
+    """Every floating-point tensor of a unit's output (nested tuples, lists, dicts, model outputs), flat."""
+    found: list[torch.Tensor] = []
+
+    def walk(value, depth=0):
+        if depth > 8:
+            return
+        if isinstance(value, torch.Tensor):
+            if value.is_floating_point():
+                found.append(value.reshape(-1).float())
+        elif hasattr(value, "to_tuple"):
+            walk(value.to_tuple(), depth + 1)
+        elif isinstance(value, dict):
+            for item in value.values():
+                walk(item, depth + 1)
+        elif isinstance(value, (tuple, list)):
+            for item in value:
+                walk(item, depth + 1)
+
+    walk(output)
+    return torch.cat(found) if found else torch.zeros(0)
 
 
 class _Stats:

@@ -257,6 +257,16 @@ def capture_inputs(root: nn.Module, block: str, samples: list[Sample]) -> list[S
     return captured
 
 
+def first_input(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """A layer's input tensor, passed by position or by name (diffusers' ``proj_in(input=x)``)."""
+    if args:
+        return args[0] if isinstance(args[0], torch.Tensor) else None
+    value = kwargs.get("input", kwargs.get("hidden_states"))
+    if value is None:
+        value = next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
+    return value if isinstance(value, torch.Tensor) else None
+
+
 def _detached(value: Any) -> Any:
     return value.detach() if isinstance(value, torch.Tensor) else value
 
@@ -277,16 +287,17 @@ def input_groups(unit_module: nn.Module, prefix: str, paths: list[str], root: nn
             made_by.setdefault(id(output), names[id(module)])
             keep.append(output)
 
-    def pre(module, args):
-        if args and isinstance(args[0], torch.Tensor):
-            read_by.setdefault(id(args[0]), []).append(names[id(module)])
-            keep.append(args[0])
+    def pre(module, args, kwargs):
+        x = first_input(args, kwargs)
+        if x is not None:
+            read_by.setdefault(id(x), []).append(names[id(module)])
+            keep.append(x)
 
     for module in unit_module.modules():
         if module is unit_module:
             continue
         handles.append(module.register_forward_hook(post))
-        handles.append(module.register_forward_pre_hook(pre))
+        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
     with _hooks(handles):
         _call(unit_module, sample)
     groups: dict[int, InputGroup] = {}
@@ -320,11 +331,13 @@ def _run_unit(unit: Unit, method: Method) -> None:
     for index, group in enumerate(unit.groups):
         module = unit.root.get_submodule(group.paths[0])
 
-        def hook(module, args, index=index):
-            method.observe(index, args[0])
+        def hook(module, args, kwargs, index=index):
+            x = first_input(args, kwargs)
+            if x is not None:
+                method.observe(index, x)
 
         leaders[index] = module
-        handles.append(module.register_forward_pre_hook(hook))
+        handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
     with _hooks(handles):
         for index, sample in enumerate(unit.inputs):
             _check_finite(unit.run(sample), unit.name, index)
