@@ -11,7 +11,7 @@ export TRANSFORMERS_OFFLINE := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test test-quick bench zoo install lint clean
+.PHONY: demo test test-quick bench zoo install lint clean stock-env
 
 $(STAMP): pyproject.toml requirements/constraints.txt
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "transformdsl needs Python 3.11 or newer (the pinned stack does not install on " + sys.version.split()[0] + "); run make with PYTHON=python3.11")'
@@ -38,6 +38,12 @@ bench: $(STAMP)
 # Every transform on every corpus model (tests/zoo/); writes docs/SUPPORT.md and docs/SUPPORT.json.
 zoo: $(STAMP)
 	$(PY) -m tests.zoo.matrix --json docs/SUPPORT.json --markdown docs/SUPPORT.md
+
+# Stock llm-compressor in its own environment (it pins transformers <= 5.17), for benchmarks/bench_calibration.py.
+stock-env:
+	$(PYTHON) -m venv .venv-stock
+	.venv-stock/bin/python -m pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+	.venv-stock/bin/python -m pip install -q -r requirements/stock-llmcompressor.txt
 
 lint: $(STAMP)
 	@test -x $(VENV)/bin/ruff || $(PY) -m pip install -q -c requirements/constraints.txt ruff
