@@ -121,6 +121,7 @@ def main() -> None:
     model = transformdsl.load(gguf).float()
     model.save_pretrained(checkpoint)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer.save_pretrained(checkpoint)  # llm-compressor's oneshot wants a processor beside the model
     ids = torch.tensor(tokenizer(stdlib_text())["input_ids"])
     (n_cal, l_cal), (n_out, l_out) = CALIBRATION, HELDOUT
     need = n_cal * l_cal + n_out * l_out
@@ -137,6 +138,8 @@ def main() -> None:
         "RTN compute=float32": f"quantize int4 except lm_head group_size={GROUP} compute=float32",
         "GPTQ": f"quantize int4 except lm_head group_size={GROUP} method=gptq",
         "GPTQ compute=float32": f"quantize int4 except lm_head group_size={GROUP} method=gptq compute=float32",
+        "GPTQ act_order compute=float32":
+            f"quantize int4 except lm_head group_size={GROUP} method=gptq act_order=true compute=float32",
         "AWQ compute=float32": f"quantize int4 except lm_head group_size={GROUP} method=awq compute=float32",
     }
     samples = [row[None] for row in calibration]
