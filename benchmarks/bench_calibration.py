@@ -87,9 +87,7 @@ print(json.dumps({"ppl": math.exp(sum(losses) / len(losses)), "seconds": seconds
 def stock(checkpoint: Path, ids_path: Path, method: str) -> dict | None:
     if not STOCK_PYTHON.exists():
         return None
-    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as script:
-        script.write(STOCK)
-    run = subprocess.run([str(STOCK_PYTHON), script.name, str(checkpoint), str(ids_path), method, str(GROUP)],
+    run = subprocess.run([str(STOCK_PYTHON), "-c", STOCK, str(checkpoint), str(ids_path), method, str(GROUP)],
                          capture_output=True, text=True, timeout=3600)
     if run.returncode != 0:
         return {"error": run.stderr.strip().splitlines()[-1] if run.stderr.strip() else "failed"}

@@ -59,8 +59,8 @@ def _is_linear(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) or is_conv1d(type(module), module)
 
 
-def _relative(a, b) -> float:
-    a, b = _floats(a), _floats(b)
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``‖a - b‖ / ‖b‖`` of two :func:`_floats`."""
     if b.numel() == 0:  # a unit that returns no tensor (it writes its result elsewhere): nothing moved
         return 0.0
     return float((a - b).norm() / b.norm().clamp(min=1e-30))
@@ -193,13 +193,13 @@ class _Folds:
         Each check runs the unit, so groups are tried together in their likeliest places and split
         in halves only where a check fails (a few runs per block, not one per group and candidate)."""
         sample = self.unit.inputs[0]
-        reference = self.unit.run(sample)
+        reference = _floats(self.unit.run(sample))  # flattened once: every check compares to it
         tolerance = self.tolerance()
         options = {id(group): self.candidates(group) for group, _ in plans}
         where: dict[int, str] = {}
 
         def exact() -> bool:
-            return _relative(self.unit.run(sample), reference) <= tolerance
+            return _relative(_floats(self.unit.run(sample)), reference) <= tolerance
 
         def attempt(batch: list[tuple[object, torch.Tensor, tuple[str, str]]]) -> bool:
             saved = [item for group, _, (path, _) in batch for item in self._save(group, path)]
