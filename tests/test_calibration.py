@@ -60,7 +60,7 @@ def quantized(script, text, **kwargs):
 
 @pytest.mark.parametrize("rtn, learnt", [
     ("quantize int4 group_size=32 compute=float32", "quantize int4 group_size=32 compute=float32 method=gptq"),
-    ("quantize int4 group_size=64", "quantize int4 group_size=64 method=gptq act_order=true"),
+    ("quantize int4 group_size=64", "quantize int4 group_size=64 method=gptq act_order=false"),
     ("quantize int8 weight_only=true", "quantize int8 weight_only=true method=gptq"),
     ("quantize int4 group_size=32 compute=float32", "quantize int4 group_size=32 compute=float32 method=awq"),
     ("quantize w8a8", "quantize w8a8 smooth=0.5"),
@@ -293,3 +293,85 @@ def test_corpus_models_that_once_failed_to_calibrate_calibrate(model_id, script)
     after = corpus.run(model, inputs)
     assert torch.isfinite(after).all()
     assert float((after.float() - before.float()).norm() / before.float().norm()) < 0.2
+
+
+# ---------------------------------------------------------------------------------- streamed: convert
+
+CONVERTED = [
+    ("llama", "quantize int4 group_size=32 method=gptq except lm_head"),
+    ("llama", "fuse qkv\nquantize int4 group_size=32 method=awq except lm_head"),
+    ("llama", "quantize w8a8 smooth=0.5 except lm_head\nquantize int8 weight_only=true in lm_head default_except=false"),
+    ("gpt2", "quantize int8 weight_only=true method=gptq except lm_head"),
+    ("flux", "quantize int8 weight_only=true method=gptq in single_transformer_blocks.*"),
+    ("unet", "quantize int8 weight_only=true method=gptq in down_blocks.*"),
+]
+
+
+def _samples(name: str, count: int = 4) -> list:
+    from transformdsl import models
+
+    if name in ("llama", "gpt2"):
+        generator = torch.Generator().manual_seed(0)
+        return [torch.randint(0, 100, (1, 16), generator=generator) for _ in range(count)]
+    return [models.sample_inputs(name, seed=seed) for seed in range(count)]
+
+
+@pytest.mark.parametrize("name, script", CONVERTED)
+def test_convert_calibrates_block_by_block_and_writes_what_transform_then_save_writes(tmp_path, name, script):
+    """convert reads one block at a time; the samples' activations are carried from block to block,
+    so the fitted layers are those of load -> transform -> save, bit for bit."""
+    from tests.test_convert import assert_same_save
+    from transformdsl import models
+
+    models.BUILTIN[name]().save_pretrained(tmp_path / "source", safe_serialization=True)
+    data = _samples(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # few samples: said by a warning
+        model = transformdsl.load(tmp_path / "source")
+        the_plan = transformdsl.plan(model, script, calibration=True)
+        assert all(step.targets for step in the_plan.steps)
+        transformdsl.transform(model, the_plan, calibration=data)
+        reference = transformdsl.save(model, tmp_path / "reference")
+        converted = transformdsl.convert(tmp_path / "source", script, tmp_path / "converted", calibration=data)
+    assert_same_save(reference, converted)
+
+
+def test_convert_reads_the_scripts_calibrate_statement(tmp_path):
+    from tests.test_convert import assert_same_save
+    from transformdsl import models
+
+    models.tiny_llama().save_pretrained(tmp_path / "source", safe_serialization=True)
+    save_file({"input_ids": torch.cat(_samples("llama", 8))}, str(tmp_path / "ids.safetensors"))
+    script = (f'calibrate "{tmp_path / "ids.safetensors"}" samples=8 seqlen=16\n'
+              "quantize int4 group_size=32 method=gptq except lm_head")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = transformdsl.load(tmp_path / "source")
+        transformdsl.transform(model, script)
+        reference = transformdsl.save(model, tmp_path / "reference")
+        converted = transformdsl.convert(tmp_path / "source", script, tmp_path / "converted")
+    assert_same_save(reference, converted)
+    saved = (converted / "script.tfm").read_text()
+    assert 'calibrate "ids.safetensors"' in saved and str(tmp_path) not in saved
+
+
+@pytest.mark.parametrize("name, script, message", [
+    ("llama", "quantize int4 group_size=32 method=gptq default_except=false",
+     "fits lm_head on the whole model's pass .* add 'except lm_head'"),
+    ("flux", "quantize int8 weight_only=true method=gptq", "fits layers in 2 lists of blocks .*transformer_blocks, "
+                                                        "single_transformer_blocks"),
+    ("flux", "quantize int4 group_size=32 method=gptq in transformer_blocks.*\n"
+             "quantize int8 weight_only=true method=gptq in single_transformer_blocks.*",
+     "line 1: .* in transformer_blocks, and line 2: .* in single_transformer_blocks"),
+    ("llama", "quantize int4 group_size=32 method=gptq except lm_head", "learns from calibration data, and none is "
+                                                                        "given"),
+])
+def test_convert_refuses_calibration_it_cannot_stream_before_writing(tmp_path, name, script, message):
+    from transformdsl import models
+
+    models.BUILTIN[name]().save_pretrained(tmp_path / "source", safe_serialization=True)
+    data = None if "none is given" in message else _samples(name)
+    with warnings.catch_warnings(), pytest.raises(TransformError, match=message):
+        warnings.simplefilter("ignore")
+        transformdsl.convert(tmp_path / "source", script, tmp_path / "out", calibration=data)
+    assert not (tmp_path / "out").exists()

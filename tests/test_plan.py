@@ -79,7 +79,7 @@ def test_plan_json_fields():
         "line": 1,
         "statement": "quantize int8 threshold=6 except ln_f",
         "key": "quantize int8",
-        "options": {"method": "rtn", "damp": 0.01, "block_size": 128, "act_order": False, "threshold": 6.0,
+        "options": {"method": "rtn", "damp": 0.01, "block_size": 128, "act_order": True, "threshold": 6.0,
                     "weight_only": False},
         "component": "",
         "targets": conv1d,

@@ -59,7 +59,7 @@ def test_valid(text):
 @pytest.mark.parametrize("text, options", [
     ("quantize nf4 compute=bf16", {"compute": "bfloat16", "double_quant": False, "blocksize": 64}),
     ("quantize nf4 compute=HALF blocksize=128", {"compute": "float16", "double_quant": False, "blocksize": 128}),
-    ("quantize int8 threshold=6", {"method": "rtn", "damp": 0.01, "block_size": 128, "act_order": False,
+    ("quantize int8 threshold=6", {"method": "rtn", "damp": 0.01, "block_size": 128, "act_order": True,
                                    "threshold": 6.0, "weight_only": False}),
     ("quantize hqq bits=8 group_size=32 axis=0", {"bits": 8, "group_size": 32, "axis": 0, "compute": "float32"}),
     ("compile mode=max-autotune fullgraph=true",

@@ -109,6 +109,9 @@ class Transform:
     overrides: ClassVar[tuple[str, ...]] = ()
     #: Whether ``apply`` changes tensors (so the result must be saved) or only structure/runtime.
     changes_weights: ClassVar[bool] = True
+    #: Whether :meth:`apply` reads or changes modules at all (``False``: a declaration such as
+    #: ``calibrate``, which ``convert`` runs once, outside the units, whatever it targets).
+    changes_modules: ClassVar[bool] = True
     #: Whether a plan with this transform needs a statement ``in`` clause.
     requires_scope: ClassVar[bool] = False
     #: The most the transform may change the model's output (spec.md "Numerical guard", checked by
@@ -205,6 +208,16 @@ class Transform:
         :meth:`rebuild` needs to recreate the structure when loading (no tensors).
         """
         raise NotImplementedError(f"'{self.key()}' is declared but cannot be executed yet")
+
+    def apply_blocks(self, ctx: ApplyContext, targets: list[str], stream: Any, blocks: list[str]) -> dict:
+        """:meth:`apply` of a transform that learns from calibration data, when ``convert`` streams
+        the model one unit at a time: ``targets`` are the statement's targets inside ``blocks``
+        (loaded, in the order the model calls them), and ``stream`` (a
+        :class:`transformdsl.calibration.sequential.BlockStream`) carries the samples' inputs from
+        block to block: call ``stream.advance(block, method)`` for each block, in order.  The records
+        of the units are joined by :meth:`merge_records`.  Default: not streamed (``convert`` refuses
+        the statement, naming it)."""
+        raise NotImplementedError
 
     @classmethod
     def merge_records(cls, records: list[dict]) -> dict:

@@ -273,10 +273,13 @@ def _encode(tokenizer: Any, text: str) -> torch.Tensor:
 def find_tokenizer(model: torch.nn.Module) -> Any:
     """The tokenizer saved beside ``model`` (its ``name_or_path`` directory), or None."""
     directory = getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", None)
-    if not directory or not Path(directory).is_dir():
-        return None
-    if not any((Path(directory) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json",
-                                                                "tokenizer.model", "vocab.json")):
+    return tokenizer_in(directory) if directory else None
+
+
+def tokenizer_in(directory: str | Path) -> Any:
+    """The tokenizer saved in ``directory`` (a model's, or ``convert``'s source), or None."""
+    if not Path(directory).is_dir() or not any((Path(directory) / name).is_file() for name in (
+            "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")):
         return None
     try:
         from transformers import AutoTokenizer

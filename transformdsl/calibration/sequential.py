@@ -406,3 +406,96 @@ def _to_device(sample: Sample, device: torch.device) -> Sample:
         return value.to(device) if isinstance(value, torch.Tensor) and value.device != device else value
 
     return tuple(move(a) for a in args), {k: move(v) for k, v in kwargs.items()}
+
+
+# --------------------------------------------------------------------------- blocks one at a time (convert)
+
+
+def trace_link(root: nn.Module, first: str, second: str, sample: Sample) -> Link:
+    """How ``second``'s arguments come from ``first``'s inputs and output, read on ``sample`` with
+    only the modules before ``second`` loaded (the model stops at ``second``)."""
+    seen: list[tuple[str, Sample, Any]] = []
+
+    def pre_first(module, args, kwargs):
+        seen.append(("first", (args, kwargs), None))
+
+    def post_first(module, args, kwargs, output):
+        seen[-1] = ("first", seen[-1][1], output)
+
+    def pre_second(module, args, kwargs):
+        seen.append(("second", (args, kwargs), None))
+        raise _Stop
+
+    a, b = root.get_submodule(first), root.get_submodule(second)
+    with _hooks([a.register_forward_pre_hook(pre_first, with_kwargs=True),
+                 a.register_forward_hook(post_first, with_kwargs=True),
+                 b.register_forward_pre_hook(pre_second, with_kwargs=True)]), evaluating(root):
+        try:
+            _call(root, sample)
+        except _Stop:
+            pass
+    link = None
+    if [kind for kind, _, _ in seen] == ["first", "second"] and seen[0][2] is not None:
+        link = _link(seen[0][1], seen[0][2], seen[1][1])
+    if link is None:
+        raise TransformError(f"calibration: {second} is not called on what {first} returns (the blocks are not run "
+                             "one after the other in their list's order), which convert needs to calibrate one "
+                             "block at a time: load the model and transform it")
+    return link
+
+
+class BlockStream:
+    """One calibrated statement's pass when the blocks arrive one at a time (``convert``): the
+    samples' inputs to the next block, carried from block to block as :func:`calibrate` carries
+    them over a whole model, so that the layers fitted are the same, bit for bit.
+
+    The blocks are those of one list, called in the list's order, each on what the one before
+    it returns (checked on the first two, by :func:`trace_link`); every target is in a block."""
+
+    def __init__(self, root: nn.Module, targets: list[str], samples: list[Sample]):
+        self.root = root
+        self.blocks, self.by_block, self.rest = split_into_blocks(root, targets)
+        self.samples = samples
+        todo = [b for b in self.blocks if self.by_block.get(b)]
+        self.last = self.blocks.index(todo[-1]) if todo else -1
+        self.inputs: list[Sample] | None = None
+        self.link: Link | None = None
+        self.report = Report()
+
+    @property
+    def lists(self) -> list[str]:
+        """The lists the blocks are children of, in order."""
+        return list(dict.fromkeys(block.rpartition(".")[0] for block in self.blocks))
+
+    def start(self) -> None:
+        """Capture the first block's inputs: the modules that run before it must be loaded."""
+        started = time.perf_counter()
+        if self.last >= 0:
+            with evaluating(self.root):
+                self.inputs = capture_inputs(self.root, self.blocks[0], self.samples)
+            self.report.captures += 1
+        self.report.seconds += time.perf_counter() - started
+
+    def advance(self, block: str, method: Callable[[], Method]) -> None:
+        """Block ``block`` (loaded, the statements before this one applied to it): its targets fitted
+        by ``method()``, then the block run on the samples for the next block's inputs."""
+        position = self.blocks.index(block)
+        if position > self.last:
+            return
+        started = time.perf_counter()
+        module = self.root.get_submodule(block)
+        with evaluating(self.root):
+            if self.by_block.get(block):
+                groups = input_groups(module, block, self.by_block[block], self.root, self.inputs[0])
+                _run_unit(Unit(self.root, block, module, groups, self.inputs), method())
+                self.report.blocks += 1
+            if position == self.last:
+                self.inputs = None
+            else:
+                outputs = []
+                for index, sample in enumerate(self.inputs):
+                    output = _call(module, sample)
+                    _check_finite(output, block, index)
+                    outputs.append(output)
+                self.inputs = [self.link(s, o) for s, o in zip(self.inputs, outputs)]
+        self.report.seconds += time.perf_counter() - started

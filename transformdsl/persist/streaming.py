@@ -57,7 +57,7 @@ from .write import ShardWriter, collect_tensors, write_module_metadata, write_pi
 
 def convert(source: str | os.PathLike, script: Any, out: str | os.PathLike, *, component: str | None = None,
             progress: bool = False, max_shard_size: int = DEFAULT_SHARD_BYTES, strict: bool = False,
-            log: Callable[[str], None] | None = None) -> Path:
+            log: Callable[[str], None] | None = None, calibration: Any = None, tokenizer: Any = None) -> Path:
     """Apply ``script`` to the model saved at ``source`` and save the result at ``out``, reading
     and writing one unit (a block) of the model at a time; returns ``out``.
 
@@ -80,6 +80,14 @@ def convert(source: str | os.PathLike, script: Any, out: str | os.PathLike, *, c
     the time it took over all units.  A pipeline's ``component=`` statements that name the converted
     component apply to it; those that name another are a :class:`ScriptError`.
 
+    ``calibration``/``tokenizer``: the data of the statements that learn from it (``quantize int4
+    method=gptq``...), as :func:`~transformdsl.transform` takes them (or the script's ``calibrate``
+    statement; text is tokenized with the tokenizer in ``source``).  Those statements are fitted
+    block by block as the blocks are read, the samples' activations carried from one block to the
+    next, so the output is still ``transform``'s, bit for bit; their targets must be inside the
+    model's blocks (one list of them, called in order): ``lm_head``, fitted on the whole model's
+    pass, is refused (add ``except lm_head``).
+
     Not supported: a save in a library's layout (``save(..., format="transformers")``): load
     and save it first.
     """
@@ -94,7 +102,7 @@ def convert(source: str | os.PathLike, script: Any, out: str | os.PathLike, *, c
                 meta_parameters_to(opened.skeleton, checkpoint)
             opened.skeleton.__dict__[WEIGHTS_PENDING] = True
             try:
-                the_plan = plan(opened.skeleton, script, calibration=True,  # refused below, by statement
+                the_plan = plan(opened.skeleton, script, calibration=calibration is not None,
                                 component=located.name if located.pipeline is not None else None)
             finally:
                 del opened.skeleton.__dict__[WEIGHTS_PENDING]
@@ -103,6 +111,7 @@ def convert(source: str | os.PathLike, script: Any, out: str | os.PathLike, *, c
                 raise TransformError("; ".join(idle) + " (strict: nothing was written)")
             for line in idle:
                 warnings.warn(line, NothingToDoWarning, stacklevel=2)
+            data = _calibration_data(the_plan, opened.skeleton, located.folder.path, calibration, tokenizer, log)
             if log is not None:
                 log(str(the_plan))
                 log("")
@@ -111,7 +120,7 @@ def convert(source: str | os.PathLike, script: Any, out: str | os.PathLike, *, c
                 if located.pipeline is not None:
                     target = tmp / located.name
                     target.mkdir()
-                stream = _Stream(opened, the_plan, target, max_shard_size, save_id, progress)
+                stream = _Stream(opened, the_plan, target, max_shard_size, save_id, progress, data)
                 stream.run()
                 changed = [name for (name, _, _), before, after in zip(opened.files.opened, stamps,
                                                                         opened.files.stamps()) if before != after]
@@ -125,6 +134,22 @@ def convert(source: str | os.PathLike, script: Any, out: str | os.PathLike, *, c
         finally:
             opened.close()
     return out
+
+
+def _calibration_data(the_plan: Plan, skeleton: nn.Module, folder: Path, calibration: Any, tokenizer: Any, log):
+    """The run's calibration data (read and checked against the model before anything is written), or None."""
+    from ..calibration import for_run
+    from ..calibration.data import tokenizer_in
+
+    if tokenizer is None and any(step.transform.verb == "calibrate" for step in the_plan.steps):
+        tokenizer = tokenizer_in(folder)
+    data = for_run(the_plan, {step.component: skeleton for step in the_plan.steps}, calibration, tokenizer)
+    if data is not None:
+        for line in data.warnings():
+            warnings.warn(line, UserWarning, stacklevel=3)
+            if log is not None:
+                log(line)
+    return data
 
 
 # --------------------------------------------------------------------------- sources
@@ -331,16 +356,22 @@ def plan_units(root: nn.Module, the_plan: Plan, aliases: dict[str, str]) -> tupl
         units = _merge(units, chosen)
     steps = the_plan.steps
     source = the_plan.script.source
+    calibrated_lists: dict[str, Any] = {}
     for step in steps:
         if step.transform.needs_calibration:
-            raise TransformError(f"line {step.statement.line}: '{step.text(source)}' learns from calibration data, "
-                                 "which convert does not stream yet: load the model, then transform(model, script, "
-                                 "calibration=...) and save it (nothing was written)")
+            for name in _check_calibrated(root, step, source):
+                calibrated_lists.setdefault(name, step)
         if not step.transform.streams:
             raise TransformError(f"line {step.statement.line}: '{step.text(source)}' cannot be applied block by "
                                  "block: convert without it, then load the result and transform it (nothing was "
                                  "written)")
-    deferred: set[int] = set()
+    if len(calibrated_lists) > 1:
+        (a, first), (b, second) = list(calibrated_lists.items())[:2]
+        raise TransformError(f"line {first.statement.line}: '{first.text(source)}' fits layers in {a}, and line "
+                             f"{second.statement.line}: '{second.text(source)}' in {b}; convert carries calibration "
+                             "samples through one list of blocks: convert with one, then transform the result with "
+                             "the other (nothing was written)")
+    deferred: set[int] = {i for i, step in enumerate(steps) if not step.transform.changes_modules}
     for i in range(len(steps) - 1, -1, -1):  # the trailing statements that change no weight
         step = steps[i]
         if step.transform.changes_weights or not any(_spans(units, t) for t in step.targets):
@@ -362,6 +393,31 @@ def plan_units(root: nn.Module, the_plan: Plan, aliases: dict[str, str]) -> tupl
     return units, deferred
 
 
+def _check_calibrated(root: nn.Module, step, source: str) -> list[str]:
+    """Refuse, naming the statement, a calibrated statement convert cannot fit one block at a time;
+    the list of blocks it fits in (none, or one)."""
+    from ..calibration.sequential import split_into_blocks
+    from ..extend import Transform
+
+    where = f"line {step.statement.line}: '{step.text(source)}'"
+    if type(step.transform).apply_blocks is Transform.apply_blocks:
+        raise TransformError(f"{where} learns from calibration data and cannot be fitted one block at a time: "
+                             "load the model, then transform(model, script, calibration=...) and save it (nothing "
+                             "was written)")
+    blocks, _, rest = split_into_blocks(root, list(step.targets))
+    if rest:
+        shown = ", ".join(rest[:3]) + (f" and {len(rest) - 3} more" if len(rest) > 3 else "")
+        raise TransformError(f"{where} fits {shown} on the whole model's pass (outside the model's blocks), which "
+                             f"convert never holds at once: add 'except {rest[0]}' (or load the model and transform "
+                             "it; nothing was written)")
+    lists = list(dict.fromkeys(block.rpartition(".")[0] for block in blocks))
+    if len(lists) > 1:
+        raise TransformError(f"{where} fits layers in {len(lists)} lists of blocks ({', '.join(lists)}); convert "
+                             "carries the calibration samples through one list, block by block: select one list "
+                             "('in " + lists[0] + ".*'), or load the model and transform it (nothing was written)")
+    return lists
+
+
 def _spans(units: list[Unit], target: str) -> bool:
     """Whether the module at ``target`` is not inside one unit."""
     return not any(unit.covers(target) for unit in units)
@@ -374,8 +430,9 @@ class _Stream:
     """One run of :func:`convert` over an opened module."""
 
     def __init__(self, opened: OpenedModule, the_plan: Plan, directory: Path, max_shard_size: int, save_id: str,
-                 progress: bool):
+                 progress: bool, data: Any = None):
         self.opened = opened
+        self.data = data
         self.root = opened.skeleton
         self.plan = the_plan
         self.directory = directory
@@ -420,8 +477,15 @@ class _Stream:
         notes: dict = {}
         bar = self._bar()
         try:
-            for unit in units:
-                done = self._unit(unit, steps, deferred, records, layout, attributes, notes)
+            streams: dict[int, Any] = {}
+            written: set[int] = set()
+            if any(step.transform.needs_calibration for step in steps):
+                streams, written = self._start_calibration(units, steps, deferred, records, layout, attributes,
+                                                           notes, bar)
+            for index, unit in enumerate(units):
+                if index in written:
+                    continue
+                done = self._unit(unit, steps, deferred, records, layout, attributes, notes, streams)
                 if bar is not None:
                     bar.update(done)
         finally:
@@ -429,7 +493,7 @@ class _Stream:
                 bar.close()
         edit = Edit()
         for i in sorted(deferred):
-            ctx = ApplyContext(self.root, edit, _no_progress, notes)
+            ctx = ApplyContext(self.root, edit, _no_progress, notes, self.data)
             # on the skeleton, whose converted units are gone: no bytes to count
             records[i].append((0, self._apply(steps[i], ctx, list(steps[i].targets), weights=False)))
         edit.commit()
@@ -450,15 +514,20 @@ class _Stream:
 
     def _empty_record(self, step) -> dict:
         """The record of a statement with no target: ``apply`` on an empty list."""
-        ctx = ApplyContext(self.root, Edit(), _no_progress, {})
+        ctx = ApplyContext(self.root, Edit(), _no_progress, {}, self.data)
         return self._apply(step, ctx, [])
 
-    def _apply(self, step, ctx: ApplyContext, targets: list[str], weights: bool = True) -> dict:
-        """Apply ``step`` to ``targets`` (``weights``: they are read, so their bytes count)."""
+    def _apply(self, step, ctx: ApplyContext, targets: list[str], weights: bool = True, stream: Any = None,
+               blocks: list[str] | None = None) -> dict:
+        """Apply ``step`` to ``targets`` (``weights``: they are read, so their bytes count); a calibrated
+        statement on the unit's ``blocks``, its samples carried by ``stream``."""
         stats = self.stats[id(step)]
         before = sum(_bytes_at(ctx.root, t) for t in targets) if weights else 0
         started = time.perf_counter()
-        record = apply_step(step, ctx, targets, "nothing was written")
+        if stream is not None:
+            record = apply_step(_BlockStep(step, stream, blocks), ctx, targets, "nothing was written")
+        else:
+            record = apply_step(step, ctx, targets, "nothing was written")
         stats[3] += time.perf_counter() - started
         stats[0] += len(targets)
         if weights:
@@ -476,8 +545,27 @@ class _Stream:
                     leave=False)
 
     def _unit(self, unit: Unit, steps, deferred: set[int], records, layout: dict, attributes: dict,
-              notes: dict) -> int:
-        """Read, transform, write and drop one unit; the source bytes it read."""
+              notes: dict, streams: dict[int, Any], read: tuple | None = None, only: set[int] | None = None) -> int:
+        """Read, transform, write and drop one unit; the source bytes it read.  ``read``: the unit was
+        read already (:meth:`_read`'s result); ``only``: the statements to apply (default: all)."""
+        restore, done = read if read is not None else self._read(unit)
+        edit = Edit()
+        for i, step in enumerate(steps):
+            if i in deferred or (only is not None and i not in only):
+                continue
+            targets = [t for t in step.targets if unit.covers(t)]
+            stream = streams.get(i)
+            blocks = [b for b in stream.blocks if unit.covers(b)] if stream is not None else []
+            if targets or blocks:
+                ctx = ApplyContext(self.root, edit, _no_progress, notes, self.data)
+                order = list(step.targets).index(targets[0]) if targets else len(step.targets)
+                records[i].append((order, self._apply(step, ctx, targets, stream=stream, blocks=blocks)))
+        edit.commit()
+        self._write(unit, restore, layout, attributes)
+        return done
+
+    def _read(self, unit: Unit) -> tuple[list, int]:
+        """Read the unit's tensors into the skeleton: what :meth:`_write` needs to drop it, and the bytes read."""
         from . import plain_tensors
 
         root = self.root
@@ -488,17 +576,10 @@ class _Stream:
         attribute_tensors = plain_tensors.take(tensors, attribute_layout, self.opened.folder.path)
         assign_tensors(root, tensors, self.meta, self.opened.folder.path, only=unit.has_key)
         plain_tensors.restore(root, attribute_layout, attribute_tensors, self.opened.folder.path)
-        del tensors, attribute_tensors
-        edit = Edit()
-        for i, step in enumerate(steps):
-            if i in deferred:
-                continue
-            targets = [t for t in step.targets if unit.covers(t)]
-            if targets:
-                ctx = ApplyContext(root, edit, _no_progress, notes)
-                records[i].append((list(step.targets).index(targets[0]), self._apply(step, ctx, targets)))
-        edit.commit()
-        out, part = collect_tensors(root, only=unit.has_key)
+        return restore, sum(self.sizes[key][1] for key in keys)
+
+    def _write(self, unit: Unit, restore: list, layout: dict, attributes: dict) -> None:
+        out, part = collect_tensors(self.root, only=unit.has_key)
         self.writer.add(out)
         del out
         layout["nonpersistent"].extend(part["nonpersistent"])
@@ -506,7 +587,52 @@ class _Stream:
         attributes.update(part.get("attributes", {}))
         self._drop(unit, restore)
         _give_back_freed_memory()
-        return sum(self.sizes[key][1] for key in keys)
+
+    def _start_calibration(self, units: list[Unit], steps, deferred: set[int], records, layout: dict,
+                           attributes: dict, notes: dict, bar) -> tuple[dict[int, Any], set[int]]:
+        """Before the blocks: every unit outside them is read, the statements run on it in order and,
+        at each calibrated statement, its samples' inputs to the first block are captured (the model
+        as ``transform`` would run it at that statement); the link from block to block is traced on
+        the first two blocks; then those units are written.  Returns the calibrated statements'
+        streams, and the units written."""
+        from ..calibration.sequential import BlockStream, trace_link
+
+        streams = {i: BlockStream(self.root, list(step.targets), self.data.samples)
+                   for i, step in enumerate(steps) if step.transform.needs_calibration and i not in deferred}
+        blocks = next((s.blocks for s in streams.values() if s.blocks), [])
+        outside = [i for i, unit in enumerate(units) if not any(unit.covers(b) for b in blocks)]
+        first = next((i for i, unit in enumerate(units) if blocks and unit.covers(blocks[0])), None)
+        read = {i: self._read(units[i]) for i in outside}
+        edit = Edit()
+        for i, step in enumerate(steps):
+            if i in deferred:
+                continue
+            if i in streams:
+                streams[i].start()
+                continue
+            for j in outside:
+                targets = [t for t in step.targets if units[j].covers(t)]
+                if targets:
+                    ctx = ApplyContext(self.root, edit, _no_progress, notes, self.data)
+                    records[i].append((list(step.targets).index(targets[0]), self._apply(step, ctx, targets)))
+        edit.commit()
+        if first is not None and len(blocks) > 1:
+            read[first] = self._read(units[first])
+            link = trace_link(self.root, blocks[0], blocks[1], self.data.samples[0])
+            for stream in streams.values():
+                stream.link = link
+        for j in outside:
+            restore, done = read.pop(j)
+            self._write(units[j], restore, layout, attributes)
+            if bar is not None:
+                bar.update(done)
+        if first is not None and first in read:  # read for the trace: transformed now, in its turn
+            done = self._unit(units[first], steps, deferred, records, layout, attributes, notes, streams,
+                              read=read.pop(first))
+            if bar is not None:
+                bar.update(done)
+            return streams, set(outside) | {first}
+        return streams, set(outside)
 
     def _slots(self, unit: Unit) -> list[tuple[nn.Module, dict, dict]]:
         """The (meta) tensors of the unit's modules as they are before it is read, to put back."""
@@ -561,6 +687,23 @@ def _give_back_freed_memory() -> None:
 
 
 _malloc_trim: Any = None
+
+
+class _BlockStep:
+    """A plan step whose ``apply`` is its transform's :meth:`~transformdsl.extend.Transform.apply_blocks`
+    on a unit's blocks (so that :func:`~transformdsl.executor.apply_step` reports a failure as for any step)."""
+
+    def __init__(self, step, stream, blocks: list[str]):
+        self.statement = step.statement
+        self.transform = _BlockApply(step.transform, stream, blocks)
+
+
+class _BlockApply:
+    def __init__(self, transform, stream, blocks: list[str]):
+        self._transform, self._stream, self._blocks = transform, stream, blocks
+
+    def apply(self, ctx: ApplyContext, targets: list[str]) -> dict:
+        return self._transform.apply_blocks(ctx, targets, self._stream, self._blocks)
 
 
 class _Converted(nn.Module):

@@ -31,6 +31,7 @@ class Calibrate(Transform):
     #: The whole model (the data are its inputs); nothing is changed.
     default_target = None
     changes_weights = False
+    changes_modules = False
     exclusive = "calibration data"
     error_bound = 0.0
     record_version = 1

@@ -33,8 +33,9 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)
 
 #: How a calibrated mode may round its weights (``method=``): to nearest, or learnt from data.
 METHODS = ("rtn", "gptq", "awq")
-#: GPTQ's options and their defaults: the reference implementation's (and llm-compressor's).
-GPTQ_DEFAULTS = {"damp": 0.01, "block_size": 128, "act_order": False}
+#: GPTQ's options and their defaults: llm-compressor's (its ``actorder`` defaults to "static": columns
+#: in decreasing ``diag H``, groups fixed from the weight first).
+GPTQ_DEFAULTS = {"damp": 0.01, "block_size": 128, "act_order": True}
 
 
 @dataclass(frozen=True)
@@ -48,8 +49,8 @@ class CalibratedOptions:
                          min=0.0, max=1.0)
     block_size: int = option(128, "GPTQ: columns rounded before their error is spread over the rest at once",
                              min=1, max=8192)
-    act_order: bool = option(False, "GPTQ: round columns by decreasing input energy (diag of the Hessian), "
-                             "groups fixed beforehand")
+    act_order: bool = option(True, "GPTQ: round columns by decreasing input energy (diag of the Hessian), "
+                             "groups fixed beforehand (llm-compressor's actorder=static)")
 
     def __post_init__(self):
         if self.method != "gptq":

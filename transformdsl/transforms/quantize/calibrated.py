@@ -76,6 +76,23 @@ def apply_calibrated(transform, ctx: ApplyContext, targets: list[str]) -> dict:
             "bytes_after": layers.after}
 
 
+def apply_calibrated_blocks(transform, ctx: ApplyContext, targets: list[str], stream, blocks: list[str]) -> dict:
+    """``apply`` of a calibrated quantize statement on the ``targets`` of ``blocks`` (loaded, in
+    order), the samples' inputs carried by ``stream`` (a
+    :class:`~transformdsl.calibration.sequential.BlockStream`): what ``convert`` runs per unit,
+    whose records :meth:`~transformdsl.extend.Transform.merge_records` joins into ``apply``'s."""
+    layers = _Layers(transform, ctx)
+    for block in blocks:
+        stream.advance(block, lambda: _method(transform, layers))
+    for path in targets:
+        if path not in layers.entries:
+            layers.rounded(path)
+            layers.notes.append(f"{path} read no calibration input; rounded to nearest")
+    ctx.notes.setdefault("calibration", []).extend(layers.notes)
+    return {"layers": [layers.entries[p] for p in targets], "bytes_before": layers.before,
+            "bytes_after": layers.after}
+
+
 def _method(transform, layers: _Layers):
     options = transform.options
     smooth = getattr(options, "smooth", 0.0)

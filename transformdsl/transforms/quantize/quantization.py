@@ -167,6 +167,11 @@ class QuantizeBehaviour:
         """The module holding the layer classes :meth:`build` uses (imported on first use)."""
         return _backend()
 
+    def apply_blocks(self, ctx: ApplyContext, targets: list[str], stream, blocks: list[str]) -> dict:
+        from .calibrated import apply_calibrated_blocks
+
+        return apply_calibrated_blocks(self, ctx, targets, stream, blocks)
+
     def apply(self, ctx: ApplyContext, targets: list[str]) -> dict:
         if self.needs_calibration:  # GPTQ, AWQ, SmoothQuant: fitted block by block on ctx.calibration
             from .calibrated import apply_calibrated
