@@ -289,16 +289,18 @@ def _load_and_run(out: str, writer) -> None:
                  "finite": bool(torch.isfinite(output).all()), "peak": _status()["VmHWM"]})
 
 
-def convert_and_run(args, directory: Path, made: dict, source: str, run, forward: str, forward_text) -> list[dict]:
-    """Convert ``directory/source`` with ``quantize nf4`` and ``fp8 storage`` (each in a fresh process
-    under the watchdog), load each result and run it in another (``run(out, writer)``): the table rows,
-    the forward's column ``forward`` written by ``forward_text(result)``."""
+def convert_and_run(args, directory: Path, made: dict, source: str, run, forward: str, forward_text,
+                    scripts: tuple[str, ...] = ("quantize nf4", "fp8 storage")) -> list[dict]:
+    """Convert ``directory/source`` with each of ``scripts`` (each in a fresh process under the
+    watchdog), load each result and run it in another (``run(out, writer)``): the table rows, the
+    forward's column ``forward`` written by ``forward_text(result)``."""
     rows = []
-    for script in ("quantize nf4", "fp8 storage"):
-        out = directory / script.replace(" ", "-")
+    for script in scripts:
+        out = directory / script.splitlines()[-1].replace(" ", "-").replace("=", "")
         result = run_way("convert", directory / "source", script, out, int(args.max_rss_gb * 2**30), args.timeout)
         print(script, result, flush=True)
-        row = {"script": script, "source": source}
+        row = {"script": script.replace("\n", "; ").replace(str(directory) + "/", ""), "source": source,
+               "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
         if result["status"] != "ok":
             rows.append({**row, "peak RSS GiB": result["status"]})
             continue
@@ -355,7 +357,7 @@ def _report_big(args, key: str, rows: list[dict], text: str, forward: str) -> No
     """A larger-than-memory run's section (``text``, then its table): printed with ``--smoke``,
     else written to the page."""
     text += table(rows, ["script", "source", "output GB", "peak RSS GiB", "÷ source", "peak RssAnon / RssFile GiB",
-                         "convert s", forward]) + "\n"
+                         "convert s", forward, "measured"]) + "\n"
     if args.smoke:
         print(text)
         return
@@ -427,31 +429,50 @@ def _llama_forward_text(ran: dict) -> str:
             f"peak RSS {ran['peak'] / 2**30:.1f} GiB")
 
 
+#: ``--scripts gptq``: GPTQ int4 through convert, on calibration token ids written beside the checkpoint
+#: (random weights: the figures are memory and time, not quality; 8 samples of 128 tokens).
+GPTQ_SCRIPT = 'calibrate "{directory}/calibration.safetensors" samples=8\nquantize int4 group_size=128 method=gptq'
+
+
 def llama_13b(args) -> None:
     directory = Path(args.llama_13b)
-    started = time.time()
     memory = _memory_total()
+    scripts = tuple(GPTQ_SCRIPT.format(directory=directory) if name == "gptq" else name
+                    for name in args.scripts.split(","))
     try:
         begin = time.perf_counter()
         made = write_llama(directory / "source", **({"num_hidden_layers": 2} if args.smoke else {}))
         print(f"wrote Llama-2-13B shape: {made['params'] / 1e9:.2f} B parameters, {made['bytes'] / 1e9:.1f} GB "
               f"({made['bytes'] / memory:.2f}x this machine's memory) in {time.perf_counter() - begin:.0f} s",
               flush=True)
+        if any("calibrate" in script for script in scripts):
+            import torch
+            from safetensors.torch import save_file
+
+            ids = torch.randint(0, LLAMA_13B["vocab_size"], (8, 128), generator=torch.Generator().manual_seed(0))
+            save_file({"input_ids": ids}, str(directory / "calibration.safetensors"))
         rows = convert_and_run(args, directory, made, f"{made['params'] / 1e9:.2f} B params, "
                                f"{made['bytes'] / 1e9:.1f} GB bf16 ({made['bytes'] / memory:.2f}× memory)",
-                               _load_and_run_llama, "load + forward (8 tokens)", _llama_forward_text)
+                               _load_and_run_llama, "load + forward (8 tokens)", _llama_forward_text, scripts)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+    if not args.smoke:  # rows of scripts not run this time are kept from the last run
+        previous = json.loads((RESULTS / "convert.json").read_text()).get("llama_13b", []) \
+            if (RESULTS / "convert.json").exists() else []
+        ran = {row["script"] for row in rows}
+        rows = [{"measured": "2026-12-01 20:31 UTC", **row} for row in previous if row["script"] not in ran] + rows
     text = ("\n## Larger than memory: a Llama-2-13B-shaped model\n\n"
-            f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(started))} on this machine "
-            f"({memory / 2**30:.1f} GiB of memory, 2 cores).  Command: `nice -n 10 .venv/bin/python "
-            "benchmarks/bench_convert.py --llama-13b /work/bigllama` (a transformers checkpoint with Llama-2-13B's "
+            f"Measured on this machine ({memory / 2**30:.1f} GiB of memory, 2 cores, one torch thread), at the time "
+            "of each row.  Command: `nice -n 10 .venv/bin/python benchmarks/bench_convert.py --llama-13b "
+            "/work/bigllama [--scripts gptq]` (a transformers checkpoint with Llama-2-13B's "
             "configuration, random bf16 weights, written tensor by tensor, then deleted): larger than the machine's "
             "memory, so it is never all resident at once, and `load → transform → save` would need more still "
             "(not tried).  Peak RSS is the process's, above its "
             "memory before the convert (imports done); RssAnon / RssFile: the watchdog's highest samples, above the "
             "same moment's.  Target: peak RSS < 1/3 of the source.  The forward loads the result memory-mapped "
-            "(its peak RSS counts the mapped pages it touched).\n\n")
+            "(its peak RSS counts the mapped pages it touched).  The GPTQ row calibrates on 8 samples of 128 random "
+            "token ids (`calibrate` statement; the weights are random, so it measures memory and time, not "
+            "quality): every block is fitted and run quantized as it is read.\n\n")
     _report_big(args, "llama_13b", rows, text, "load + forward (8 tokens)")
 
 
@@ -465,6 +486,8 @@ def main(argv=None) -> None:
     parser.add_argument("--flux-dev", metavar="DIR", help="the larger-than-memory run, in DIR (deleted after)")
     parser.add_argument("--llama-13b", metavar="DIR",
                         help="the larger-than-memory run with Llama-2-13B's shape (26 GB bf16), in DIR (deleted after)")
+    parser.add_argument("--scripts", default="quantize nf4,fp8 storage",
+                        help="with --llama-13b: the scripts, comma-separated (gptq: GPTQ int4 on calibration ids)")
     parser.add_argument("--smoke", action="store_true",
                         help="with --flux-dev or --llama-13b: two blocks (1-2 GB), to try the run; writes nothing")
     args = parser.parse_args(argv)

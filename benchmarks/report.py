@@ -529,6 +529,18 @@ def tune_section() -> str:
             "[results/tune.md](results/tune.md).\n\n![tune, goal size](results/tune_size.png)\n")
 
 
+def calibration_section() -> str:
+    """Calibration (GPTQ, AWQ, SmoothQuant) on a real pretrained LM beside llm-compressor
+    (``benchmarks/bench_calibration.py`` writes ``results/calibration.md``)."""
+    heading = "## Calibration: GPTQ, AWQ and SmoothQuant against llm-compressor\n"
+    page = HERE / "results" / "calibration.md"
+    if not page.exists():
+        return heading + ("\nNot yet measured: `benchmarks/bench_calibration.py` writes "
+                          "`benchmarks/results/calibration.md`.\n")
+    body = page.read_text().split("\n", 1)[-1]
+    return heading + body.rstrip("\n") + "\n\nThe page: [results/calibration.md](results/calibration.md).\n"
+
+
 QUIET_INTRO = """### Our overhead, 21 rounds
 
 Ours and by hand run the same hooks, so "ours ÷ by hand" measures only what we add; 21 rounds narrow the noise of
@@ -806,6 +818,7 @@ def write_report(rows: list[dict], scaling: list[dict], meta: dict, out: Path, d
     text += "\n## Quantized compute (W8A8, packed int8/int4 weight-only)\n" + quantized_compute_section()
     text += "\n" + cache_section()
     text += "\n" + tune_section()
+    text += "\n" + calibration_section()
     text += "\n## GPU\n" + gpu_section()
     text += "\n## Not measured\n\n" + NOT_MEASURED
     text += f"\nComparisons are declared in `benchmarks/comparisons.py` ({len(COMPARISONS)} entries), the by-hand "

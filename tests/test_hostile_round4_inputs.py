@@ -417,3 +417,30 @@ def test_an_hqq_group_size_option_that_disagrees_with_the_record_is_refused_on_l
     edit_meta(out, ("steps", 0, "options", "group_size"), 64)  # loaded with the record's 32 before, silently
     with pytest.raises(LoadError, match="has group size 32, the statement group_size=64"):
         transformdsl.load(out, model=make)
+
+
+# 4b: a statement that silently skipped most of its default targets (quantize int4 at group 128 on
+# SmolLM2's 576-wide layers changed 30 of 210 Linears, and said nothing).
+
+def test_a_statement_that_leaves_most_of_its_targets_as_they_are_says_so_with_the_fix():
+    import warnings
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from transformdsl.executor import MostlySkippedWarning
+
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
+                                         num_attention_heads=9, num_key_value_heads=3, vocab_size=100))
+    expected = ("changes 2 of the 14 modules it selects: 12 are left as they are (12 because group_size=128 does "
+                "not divide its in_features (576; group_size=64 does))")
+    assert expected in str(transformdsl.plan(model, "quantize int4"))
+    lines = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        transformdsl.transform(model, "quantize int4", log=lines.append)
+    assert [str(w.message) for w in caught if w.category is MostlySkippedWarning] == [
+        f"line 1: 'quantize int4' {expected}"]
+    assert f"line 1: 'quantize int4' {expected}" in lines
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MostlySkippedWarning)  # the fix it names leaves nothing out
+        transformdsl.transform(LlamaForCausalLM(model.config), "quantize int4 group_size=64")

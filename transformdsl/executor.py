@@ -69,6 +69,17 @@ def idle_statements(the_plan: Plan) -> list[str]:
     return out
 
 
+class MostlySkippedWarning(UserWarning):
+    """A statement changes fewer than half of the modules it selects (``Step.mostly_skipped``)."""
+
+
+def mostly_skipped_statements(the_plan: Plan) -> list[str]:
+    """One line per statement of ``the_plan`` that leaves most of what it selects as it is."""
+    source = the_plan.script.source
+    return [f"line {step.statement.line}: '{step.text(source)}' {partial}"
+            for step in the_plan.steps if (partial := step.mostly_skipped())]
+
+
 #: Device notes already logged by this process (each is logged once, not at every transform()).
 _LOGGED_DEVICE_NOTES: set[str] = set()
 
@@ -148,6 +159,10 @@ def transform(model: Any, script: str | Path | Script | ValidatedScript | Plan, 
         raise TransformError("; ".join(idle) + " (strict: nothing was changed)")
     for line in idle:
         warnings.warn(line, NothingToDoWarning, stacklevel=2)
+    for line in mostly_skipped_statements(the_plan):
+        warnings.warn(line, MostlySkippedWarning, stacklevel=2)
+        if log is not None:
+            log(line)
     _log_device_notes(the_plan, log)
     components = module_components(model)
     from .calibration import for_run

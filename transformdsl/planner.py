@@ -98,6 +98,21 @@ class Step:
     def statement(self):
         return self.transform.statement
 
+    def mostly_skipped(self) -> str | None:
+        """A sentence when the transform can change fewer than half of the modules the statement
+        selects (a shape rule leaving most of its targets as they are: ``quantize int4`` at group
+        128 on 576-wide layers), with the commonest reason (which names the fix where there is
+        one); None otherwise (and when it changes nothing: :func:`~transformdsl.executor.idle_statements`)."""
+        if not self.targets or len(self.skipped) <= len(self.targets):
+            return None
+        reasons: dict[str, int] = {}
+        for _, reason in self.skipped:
+            reasons[reason] = reasons.get(reason, 0) + 1
+        commonest = max(reasons, key=reasons.get)
+        selected = len(self.skipped) + len(self.targets)
+        return (f"changes {len(self.targets)} of the {selected} modules it selects: {len(self.skipped)} are left as "
+                f"they are ({reasons[commonest]} because {commonest})")
+
     def text(self, source: str) -> str:
         """The statement as written in the script."""
         span = self.statement.span
@@ -387,6 +402,9 @@ class Planner:
                 errors.append((path, error))
                 continue
             step.targets.append(path)
+        partial = step.mostly_skipped()
+        if partial:
+            step.notes.append(partial)
         if errors:
             by_error: dict[str, list[str]] = {}  # one device problem is said once, not per module
             for p, e in errors:

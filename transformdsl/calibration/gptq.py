@@ -78,14 +78,19 @@ def hessian(x: torch.Tensor) -> torch.Tensor:
 def _inverse_cholesky(h: torch.Tensor, damp: float) -> tuple[torch.Tensor | None, float]:
     diagonal = torch.arange(h.shape[0], device=h.device)
     mean = float(h.diagonal().mean()) or 1.0
+    # Each intermediate is dropped as soon as the next exists: a 13824-wide layer's Hessian is 764 MB,
+    # so holding them all would cost a few GB at the peak of a 13B model's convert.
     for attempt in range(MAX_RETRIES + 1):
         fraction = damp * (10 ** attempt) if damp > 0 else (0.01 * 10 ** (attempt - 1) if attempt else 0.0)
         damped = h.clone()
         damped[diagonal, diagonal] += fraction * mean
         factor, info = torch.linalg.cholesky_ex(damped)
+        del damped
         if int(info) == 0:
             inverse = torch.cholesky_inverse(factor)
+            del factor
             upper, info = torch.linalg.cholesky_ex(inverse, upper=True)
+            del inverse
             if int(info) == 0 and torch.isfinite(upper).all():
                 return upper, fraction
     return None, damp
@@ -105,6 +110,7 @@ def gptq(weight: torch.Tensor, h: torch.Tensor, grid: Grid, *, damp: float = 0.0
     if order is not None:
         w, h = w[:, order], h[order][:, order]
     upper, used = _inverse_cholesky(h, damp)
+    del h
     if upper is None:
         return Result(grid.fake(weight.detach().float()), used, rounded=True)
     index = order.tolist() if order is not None else list(range(columns))

@@ -41,7 +41,7 @@ from torch import nn
 from ..dtypes import checkpoint_dtype, meta_parameters_to
 from ..edit import Edit
 from ..errors import LoadError, TransformError
-from ..executor import NothingToDoWarning, apply_step, idle_statements
+from ..executor import MostlySkippedWarning, NothingToDoWarning, apply_step, idle_statements, mostly_skipped_statements
 from ..extend import ApplyContext
 from ..history import append_history, applied_step, recorded_text, set_history
 from ..planner import DENOISERS, Plan, plan
@@ -111,6 +111,8 @@ def convert(source: str | os.PathLike, script: Any, out: str | os.PathLike, *, c
                 raise TransformError("; ".join(idle) + " (strict: nothing was written)")
             for line in idle:
                 warnings.warn(line, NothingToDoWarning, stacklevel=2)
+            for line in mostly_skipped_statements(the_plan):
+                warnings.warn(line, MostlySkippedWarning, stacklevel=2)
             data = _calibration_data(the_plan, opened.skeleton, located.folder.path, calibration, tokenizer, log)
             if log is not None:
                 log(str(the_plan))

@@ -16,6 +16,7 @@ from __future__ import annotations
 from ...errors import LoadError
 from ...options import DTYPES
 from ...tree import ModuleInfo, ModuleTree
+from . import INT4_GROUP_SIZES
 from . import Int4Quantization as Int4Declaration
 from . import W8A8Quantization as W8A8Declaration
 from .quantization import QuantizeBehaviour, linear_dims, targets_device_type
@@ -106,7 +107,9 @@ class Int4Quantization(QuantizeBehaviour, Int4Declaration):
             return reason
         in_f, out_f = dims
         if in_f % self.options.group_size:
-            return f"group_size={self.options.group_size} does not divide its in_features ({in_f})"
+            fits = [g for g in INT4_GROUP_SIZES if in_f % g == 0]
+            fix = f"; group_size={max(fits)} does" if fits else ""
+            return f"group_size={self.options.group_size} does not divide its in_features ({in_f}{fix})"
         if out_f % 16:
             return f"out_features {out_f}: the packed int4 kernels take multiples of 16"
         return None
