@@ -165,6 +165,57 @@ def measure(repeats: int) -> list[dict]:
     return rows
 
 
+#: Scripts whose planning once grew faster than statements x modules (issue 36): each repeated n times.
+CURVE_SCRIPTS = {"quantize int8 (conflicting)": "quantize int8",
+                 "attention native in transformer_blocks.0.attn (conflicting)":
+                     "attention native in transformer_blocks.0.attn",
+                 "quantize int8 in nothing{i} (matching nothing)": "quantize int8 in nothing{i}"}
+CURVE_COUNTS = (1, 4, 16, 64, 256)
+CURVE_MODULES = (1000, 2500, 5000, 10000)
+
+
+def _cpu_plan(model, script: str) -> float:
+    """CPU seconds of one plan (a ScriptError is an outcome: conflicts are what is measured)."""
+    import transformdsl
+
+    started = time.process_time()
+    try:
+        transformdsl.plan(model, script)
+    except transformdsl.ScriptError:
+        pass
+    return time.process_time() - started
+
+
+def curve() -> str:
+    """Planning time against the number of statements (the built-in Flux) and of modules (a stack of
+    ``Linear(16, 16)`` with ``quantize w8a8`` twice): the page ``results/plan_curve.md``."""
+    import torch
+
+    from transformdsl import models
+
+    flux = models.tiny_flux()
+    rows = []
+    for name, line in CURVE_SCRIPTS.items():
+        row = {"script (repeated n times), built-in Flux": f"`{name}`"}
+        for n in CURVE_COUNTS:
+            row[f"n={n}"] = f"{_cpu_plan(flux, chr(10).join(line.format(i=i) for i in range(n))) * 1000:.0f}"
+        rows.append(row)
+    sizes = {"modules": "`quantize w8a8` twice (conflicting)"}
+    single = {"modules": "`quantize w8a8` once"}
+    for count in CURVE_MODULES:
+        stack = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(count)])
+        sizes[str(count)] = f"{_cpu_plan(stack, 'quantize w8a8' + chr(10) + 'quantize w8a8') * 1000:.0f}"
+        single[str(count)] = f"{_cpu_plan(stack, 'quantize w8a8') * 1000:.0f}"
+    return (header("Planning against script length and model size") + "\n"
+            "CPU ms of one `transformdsl.plan` (a conflict is a `ScriptError` whose hints are checked by planning "
+            "edited scripts: those plans share one budget, a few times the plan's own work).  Before issue 36, "
+            "32 repeated `quantize int8` took 8.3 s and 255 `attention` lines 85-93 s on the built-in Flux, and "
+            "`quantize w8a8` twice over 10,000 linears 50.6 s.\n\n"
+            + table(rows, ["script (repeated n times), built-in Flux"] + [f"n={n}" for n in CURVE_COUNTS]) + "\n\n"
+            + table([single, sizes], ["modules"] + [str(c) for c in CURVE_MODULES]) + "\n\n"
+            "Command: `.venv/bin/python benchmarks/bench_plan.py --curve`\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=11)
@@ -172,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch threads (default 1: the probes some passes run while planning are tiny "
                              "matmuls, and OpenMP threads spinning on a shared machine would time the machine)")
     parser.add_argument("--profile", action="store_true", help="print the top of a cProfile of planning")
+    parser.add_argument("--curve", action="store_true", help="only the curve against script length and model "
+                        "size (writes results/plan_curve.md)")
     args = parser.parse_args(argv)
 
     import torch
@@ -179,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     import transformdsl
 
     torch.set_num_threads(args.threads)
+    if args.curve:
+        write("plan_curve.md", curve())
+        return 0
     rows = measure(args.repeats)
     plans = [r for r in rows if r["what"].startswith("`") and not r["what"].startswith(("`named", "`declared"))]
     worst = max(plans, key=lambda r: r["CPU ms"])

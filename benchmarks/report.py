@@ -483,7 +483,15 @@ def planning_section() -> str:
             + f"Wall times on that run, at a load average of {data.get('load', float('nan')):.1f}, are in the "
             "table too (they grow with the machine's load).\n\n"
             + table(rows, ["model", "modules", "statements planned", "slowest (CPU ms)", "slowest wall ms",
-                           "`declared_exclusions` CPU ms", f"over {budget:.0f} ms"]) + "\n")
+                           "`declared_exclusions` CPU ms", f"over {budget:.0f} ms"]) + "\n" + _plan_curve())
+
+
+def _plan_curve() -> str:
+    """The curve against script length and model size (``bench_plan.py --curve``), if measured."""
+    page = HERE / "results" / "plan_curve.md"
+    if not page.exists():
+        return ""
+    return "\n### Against script length and model size\n\n" + page.read_text().split("\n", 2)[-1].lstrip("\n")
 
 
 def undo_section() -> str:

@@ -10,9 +10,10 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 import transformdsl
-from transformdsl import ScriptError
+from transformdsl import ScriptError, models
 from transformdsl.errors import MAX_RENDERED_PROBLEMS
 from transformdsl.parser import MAX_LIST_ITEMS, MAX_STATEMENTS, parse
 from transformdsl.validate import check_text
@@ -71,6 +72,13 @@ HOSTILE_PLANS = {
     "long selector list": "quantize int8 in " + ", ".join(["to_q"] * 20000),
     "repeated option": "quantize int8 " + " ".join(["threshold=1"] * 20000),
     "many unknown selectors": "quantize int8 in " + ", ".join(f"n{i}" for i in range(20000)),
+    # Conflicts re-plan the script to check their hints: 32 repeated `quantize int8` took 8.3 s,
+    # 32 `quantize w8a8` 15.6 s, 255 `attention` lines 85-93 s and 255 statements selecting nothing
+    # 8.6 s before those plans shared one budget (issue 36).
+    "repeated conflicting quantize": "\n".join(["quantize int8"] * MAX_STATEMENTS),
+    "repeated conflicting w8a8": "\n".join(["quantize w8a8"] * MAX_STATEMENTS),
+    "repeated conflicting attention": "\n".join(["attention native in transformer_blocks.0.attn"] * MAX_STATEMENTS),
+    "statements selecting nothing": "\n".join(f"quantize int8 in nothing{i}" for i in range(MAX_STATEMENTS)),
 }
 
 
@@ -86,6 +94,32 @@ def test_hostile_scripts_are_rejected_or_planned_in_bounded_time(flux, name):
         rendered = str(exc)
         assert len(rendered) < 100_000, len(rendered)
     assert time.process_time() - started < BUDGET_S, name
+
+
+def test_backtracking_globs_at_the_statement_cap_plan_in_bounded_time():
+    """255 statements of ten `**` each took 13.6 s on the built-in UNet (a regex per glob backtracked)."""
+    unet = models.tiny_unet()
+    started = time.process_time()
+    with pytest.raises(ScriptError):
+        transformdsl.plan(unet, "\n".join(["quantize int8 in " + ".".join(["**"] * 10) + ".zz"] * MAX_STATEMENTS))
+    assert time.process_time() - started < BUDGET_S
+
+
+def test_conflicts_on_a_large_model_cost_a_few_plans_not_one_per_problem():
+    """`quantize w8a8` twice over 10,000 linears took 50.6 s (50x a plan of one statement): the plans
+    that check a conflict's hints share a budget of a few times the plan's own work."""
+    stack = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(10_000)])
+
+    def cpu(script: str) -> float:
+        started = time.process_time()
+        try:
+            transformdsl.plan(stack, script)
+        except ScriptError:
+            pass
+        return time.process_time() - started
+
+    once = cpu("quantize w8a8")
+    assert cpu("quantize w8a8\nquantize w8a8") < 8 * once + 0.5
 
 
 def test_a_slow_regex_is_a_script_error_naming_it(flux):

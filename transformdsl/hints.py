@@ -32,13 +32,20 @@ if TYPE_CHECKING:  # pragma: no cover
 
 class Planner(Protocol):
     """What a hint needs of the planner asking for it (:class:`transformdsl.planner.Planner`, which
-    imports this module): its model, a planner of the same class for an edited script, and a run."""
+    imports this module): its model, what its hints' plans share (:class:`Replanning`), a planner of
+    the same class for an edited script, and a run."""
 
     model: Any
+    replanning: Replanning | None
 
-    def __init__(self, model: Any, validated: ValidatedScript, hints: bool = True) -> None: ...
+    def __init__(self, model: Any, validated: ValidatedScript, hints: bool = True, *,
+                 replanning: Replanning | None = None, fail_fast: bool = False,
+                 upto: Statement | None = None) -> None:
+        ...
 
-    def run(self) -> Any: ...
+    def attempt(self) -> list | None: ...
+
+    problems: list
 
 
 class Step(Protocol):
@@ -49,19 +56,74 @@ class Step(Protocol):
 #: At most this many re-plans per hint (each is one walk of the model's tree).
 MAX_TRIES = 12
 
+#: The plans made to check one plan's hints do at most this many times the plan's own work, counted in
+#: modules: each statement resolved counts the modules of its tree, and so does each copy of a tree...
+HINT_WORK_FACTOR = 4
+#: ... plus, whatever the script's length, :data:`MAX_TRIES` plans of a two-statement script (each
+#: statement and the tree copy counting the largest tree's modules): a short script's hints are checked
+#: in full, and a long one's hints cost a few plans of it, not a few per problem (32 repeated
+#: `quantize int8` lines took 7.3 s to plan on the built-in Flux, 255 `attention` lines 85 s).
+HINT_FLOOR_MODULES = 3 * MAX_TRIES
+
+
+class HintBudgetSpent(Exception):
+    """The plans made for hints used up their budget (:class:`Replanning`): no more hints are checked."""
+
+
+class Replanning:
+    """What the plans made to check one plan's hints share: the work they may still do (in modules, as
+    :data:`HINT_WORK_FACTOR` counts it), the plans already made (by edits), and each component's tree as
+    it was before any statement (a plan starts from a copy, not a new walk of the model)."""
+
+    def __init__(self, work: int, trees: dict[str, ModuleTree]):
+        largest = max((len(t) for t in trees.values()), default=0)
+        self.left = HINT_WORK_FACTOR * work + HINT_FLOOR_MODULES * largest
+        self.plans: dict = {}
+        self.trees = trees
+
+    @property
+    def spent(self) -> bool:
+        return self.left <= 0
+
+    def spend(self, work: int) -> None:
+        """Count ``work`` modules; :class:`HintBudgetSpent` once nothing was left."""
+        if self.left <= 0:
+            raise HintBudgetSpent
+        self.left -= work
+
 #: An edit: (statement, clause, selector texts): add ``except``/``in`` selectors to a statement.
 Edit = tuple[Statement, str, tuple[str, ...]]
 
 
 def replan(planner: Planner, validated: ValidatedScript, edits: Iterable[Edit] = (),
-           replace: dict[tuple[Statement, str, int], str] | None = None):
+           replace: dict[tuple[Statement, str, int], str] | None = None, *, fail_fast: bool = False,
+           upto: Statement | None = None):
     """Plan ``validated`` with ``edits`` (added clauses) and ``replace`` (selector texts swapped) applied.
 
-    Returns ``(plan or None, problems, statements)``: ``statements`` maps each original statement
-    to its edited copy.
+    ``fail_fast``: stop at the first problem (for a fix that must leave none); ``upto``: stop after that
+    (original) statement (for a fix of that statement's own problem: later statements cannot change
+    it).  Each plan is made once per set of edits (conflicts of repeated lines try the same edits) and
+    spends the planner's budget (:class:`Replanning`; :class:`HintBudgetSpent` once it is used up).
+
+    Returns ``(steps or None, problems, statements)``: the planned steps (what a plan holds), and
+    ``statements`` mapping each original statement's ``id`` to its edited copy.
     """
     edits = list(edits)
     replace = replace or {}
+    replanning = planner.replanning
+    cache = replanning.plans if replanning is not None else None
+    key = (tuple((id(s), c, t) for s, c, t in edits),
+           tuple(sorted(((id(s), c, i), t) for (s, c, i), t in replace.items())), fail_fast, id(upto))
+    if cache is not None and key in cache:
+        return cache[key]
+    result = _replan(planner, validated, edits, replace, fail_fast, upto)
+    if cache is not None:
+        cache[key] = result
+    return result
+
+
+def _replan(planner: Planner, validated: ValidatedScript, edits: list[Edit],
+            replace: dict[tuple[Statement, str, int], str], fail_fast: bool, upto: Statement | None):
     steps, statements = [], {}
     for transform in validated.steps:
         statement = transform.statement
@@ -76,24 +138,28 @@ def replan(planner: Planner, validated: ValidatedScript, edits: Iterable[Edit] =
                 field = "exclude" if clause == "except" else "scope"
                 added = tuple(make_selector(t, statement.span) for t in texts)
                 new = dataclasses.replace(new, **{field: getattr(new, field) + added})
-        statements[statement] = new
+        statements[id(statement)] = new  # by identity: repeated lines are equal statements
         steps.append(transform if new is statement else type(transform)(new, transform.options, transform.common))
-    planner = type(planner)(planner.model, ValidatedScript(validated.script, tuple(steps)), hints=False)
+    planner = type(planner)(planner.model, ValidatedScript(validated.script, tuple(steps)), hints=False,
+                            replanning=planner.replanning, fail_fast=fail_fast,
+                            upto=statements.get(id(upto)) if upto is not None else None)
     try:
-        return planner.run(), [], statements
-    except ScriptError as error:
+        steps = planner.attempt()
+    except ScriptError as error:  # a transform's own check raising it
         return None, list(error.problems), statements
+    return steps, list(planner.problems), statements
 
 
-def _targets(the_plan, statement: Statement) -> int:
-    return sum(len(s.targets) for s in the_plan.steps if s.statement is statement)
+def _targets(steps, statement: Statement) -> int:
+    return sum(len(s.targets) for s in steps if s.statement is statement)
 
 
 # --------------------------------------------------------------------------- conflicts
 
 
-def block_selectors(tree: ModuleTree, paths: list[str]) -> list[str]:
-    """Selectors naming the blocks that hold ``paths``, outermost repeated block first.
+def block_selectors(tree: ModuleTree, paths: list[str], limit: int | None = None) -> list[str]:
+    """Selectors naming the blocks that hold ``paths``, outermost repeated block first (the first
+    ``limit`` of them: each costs a look at the tree, and a hint tries a few).
 
     A module inside a container of repeated blocks (a ``ModuleList``: ``transformer_blocks``,
     ``layers``) is held by that container; the word naming it is used when it names that
@@ -109,10 +175,7 @@ def block_selectors(tree: ModuleTree, paths: list[str]) -> list[str]:
                 holder = ".".join(parts[:depth])
                 break
         containers.setdefault(holder if holder is not None else path, None)
-    out = []
-    for container in containers:
-        out.append(selector_for(tree, container))
-    return out
+    return [selector_for(tree, container) for container in list(containers)[:limit]]
 
 
 def selector_for(tree: ModuleTree, path: str) -> str:
@@ -124,12 +187,7 @@ def selector_for(tree: ModuleTree, path: str) -> str:
                 return word
         except ValueError:
             pass
-    return f"{path}.*" if tree.get(path) is not None and any(True for _ in _children(tree, path)) else path
-
-
-def _children(tree: ModuleTree, path: str):
-    prefix = path + "."
-    return (info for info in tree if info.path.startswith(prefix) and "." not in info.path[len(prefix):])
+    return f"{path}.*" if tree.get(path) is not None and tree.children(path) else path
 
 
 def _leaf_names(paths: list[str]) -> list[str]:
@@ -141,7 +199,7 @@ def conflict_fix(planner: Planner, validated: ValidatedScript, first: Step, seco
                  tree: ModuleTree) -> str | None:
     """A checked edit that resolves the conflict of ``first`` and ``second`` over ``paths``."""
     a, b = first.statement, second.statement
-    blocks = block_selectors(tree, paths)
+    blocks = block_selectors(tree, paths, limit=MAX_TRIES + 1)  # more than the tries can reach
     candidates: list[tuple[Edit, ...]] = []
     if b.scope:  # the user's own words first: what the other statement is scoped to
         candidates.append(((a, "except", tuple(s.text for s in b.scope)),))
@@ -172,8 +230,8 @@ def conflict_fix(planner: Planner, validated: ValidatedScript, first: Step, seco
         tries += 1
         if tries > MAX_TRIES:
             break
-        the_plan, _, statements = replan(planner, validated, edits)
-        if the_plan is not None and _targets(the_plan, statements[a]) and _targets(the_plan, statements[b]):
+        planned, _, statements = replan(planner, validated, edits, fail_fast=True)
+        if planned is not None and _targets(planned, statements[id(a)]) and _targets(planned, statements[id(b)]):
             return describe(edits)
     return None
 
@@ -196,12 +254,13 @@ def working_names(planner: Planner, validated: ValidatedScript, statement: State
     kept = []
     for text in candidates[:MAX_TRIES]:
         try:
-            the_plan, problems, statements = replan(planner, validated, replace={(statement, clause, index): text})
+            planned, problems, statements = replan(planner, validated, replace={(statement, clause, index): text},
+                                                    upto=statement)
         except ValueError:  # not a valid selector
             continue
         if any(span in p.spans for p in problems):
             continue
-        if the_plan is not None and not _targets(the_plan, statements[statement]):
+        if planned is not None and not _targets(planned, statements[id(statement)]):
             continue
         kept.append(text)
     return kept
@@ -221,8 +280,8 @@ def exclusion_fix(planner: Planner, validated: ValidatedScript, statement: State
     for texts in candidates:
         if not all(texts):
             continue
-        the_plan, _, statements = replan(planner, validated, [(statement, "except", texts)])
-        if the_plan is not None and _targets(the_plan, statements[statement]):
+        planned, _, statements = replan(planner, validated, [(statement, "except", texts)], fail_fast=True)
+        if planned is not None and _targets(planned, statements[id(statement)]):
             return describe(((statement, "except", texts),))
     return None
 

@@ -19,7 +19,7 @@ from torch import nn
 from .declarations import declared_exclusions
 from .errors import Problem, ScriptError
 from .extend import Transform
-from .hints import candidates_for, conflict_fix, exclusion_fix, working_names
+from .hints import HintBudgetSpent, Replanning, candidates_for, conflict_fix, exclusion_fix, working_names
 from .ir import Script, Selector, source_lines
 from .parser import make_selector, parse, parse_file
 from .regexes import SelectorTooSlow, budget_spent, regex_budget
@@ -217,12 +217,25 @@ MAX_SUGGESTED = 20
 
 
 class Planner:
-    def __init__(self, model: Any, validated: ValidatedScript, hints: bool = True):
+    def __init__(self, model: Any, validated: ValidatedScript, hints: bool = True, *,
+                 replanning: Replanning | None = None, fail_fast: bool = False, upto=None):
         self.model = model
         #: Whether to compute (and check, by planning again) the fix each problem suggests.
         self.hints = hints
-        #: Hints to compute once the run is over: each sets one problem's hint.
+        #: Hints to compute once the run is over: (compute, withdraw), each setting one problem's hint
+        #: (``withdraw`` drops a hint that was not checked, when the hints' budget ran out first).
         self.pending: list = []
+        #: For a plan made to check a hint: what such plans share (their budget, the plans made, the
+        #: trees before any statement), whether it stops at the first problem (a fix must leave none),
+        #: and the statement it stops after (later ones cannot change that statement's own problems).
+        self.replanning = replanning
+        self.fail_fast = fail_fast
+        self.upto = upto
+        #: Planning work done, in modules: each tree walked or copied, and each statement resolved,
+        #: counts the modules of its tree.
+        self.work = 0
+        #: Each component's tree as it was before any statement (kept for the hints' plans).
+        self.pristine: dict[str, ModuleTree] = {}
         self.validated = validated
         self.script = validated.script
         self.components = module_components(model)
@@ -237,34 +250,26 @@ class Planner:
 
     def tree(self, component: str) -> ModuleTree:
         if component not in self.trees:
-            self.trees[component] = ModuleTree.of(self.components[component])
+            shared = self.replanning.trees if self.replanning is not None else {}
+            if component in shared:
+                tree = shared[component].copy()
+            else:
+                tree = ModuleTree.of(self.components[component])
+                if self.hints:
+                    self.pristine[component] = tree.copy()
+            self._spend(len(tree))
+            self.trees[component] = tree
         return self.trees[component]
 
+    def _spend(self, work: int) -> None:
+        self.work += work
+        if self.replanning is not None:
+            self.replanning.spend(work)
+
     def run(self) -> Plan:
-        default = denoiser_name(self.model)
-        steps = []
-        with regex_budget():  # one budget for the plan and the plans its hints make
-            for transform in self.validated.steps:
-                component = transform.common.component or default
-                if component == self.component_name:
-                    component = ""
-                if component not in self.components:
-                    self._component_problem(transform, component)
-                    continue
-                try:
-                    step = self.resolve(transform, component, self.tree(component))
-                except SelectorTooSlow as exc:
-                    self.problems.append(Problem(str(exc), [transform.statement.span]))
-                    continue
-                if step is not None:
-                    steps.append(step)
-            if self.problems:
-                if self.hints:
-                    for compute in self.pending:
-                        if budget_spent():  # hints re-plan the script: not with a pattern that is too slow
-                            break
-                        compute()
-                raise ScriptError(self.problems, self.script.source)
+        steps = self.attempt()
+        if steps is None:
+            raise ScriptError(self.problems, self.script.source)
         # The snapshots counted their modules and bytes; components no statement used are walked here.
         module_count = sum(self.trees[n].module_count if n in self.trees else sum(1 for _ in m.modules())
                            for n, m in self.components.items())
@@ -277,6 +282,56 @@ class Planner:
         return Plan(self.script, steps, type(self.model).__name__,
                     {name: type(m).__name__ for name, m in self.components.items()}, module_count, total,
                     model_dtypes(self.model), skeletons)
+
+    def attempt(self) -> list[Step] | None:
+        """Resolve the statements: the steps, or None with :attr:`problems` set (their hints computed
+        when :attr:`hints`).  What :meth:`run` builds its plan from, and all a hint's plan needs."""
+        default = denoiser_name(self.model)
+        steps = []
+        with regex_budget():  # one budget for the plan and the plans its hints make
+            for transform in self.validated.steps:
+                if self.fail_fast and self.problems:
+                    break
+                component = transform.common.component or default
+                if component == self.component_name:
+                    component = ""
+                if component not in self.components:
+                    self._component_problem(transform, component)
+                    continue
+                tree = self.tree(component)
+                self._spend(len(tree))
+                try:
+                    step = self.resolve(transform, component, tree)
+                except SelectorTooSlow as exc:
+                    self.problems.append(Problem(str(exc), [transform.statement.span]))
+                    continue
+                if step is not None:
+                    steps.append(step)
+                if transform.statement is self.upto:
+                    break
+            if self.problems:
+                if self.hints:
+                    self._compute_hints()
+                return None
+        return steps
+
+    def _compute_hints(self) -> None:
+        """Check the fixes the problems suggest, within one budget: the plans they make together may do
+        :data:`~transformdsl.hints.HINT_WORK_FACTOR` times this plan's work, plus a short script's
+        share, so that planning stays linear in statements x modules however many problems a script
+        has.  Hints past it are not shown (never an edit that was not checked)."""
+        self.replanning = Replanning(self.work, self.pristine)
+        for index, (compute, _) in enumerate(self.pending):
+            if budget_spent() or self.replanning.spent:  # a regex too slow, or the planning work used up
+                for _, rest in self.pending[index:]:
+                    rest()
+                return
+            try:
+                compute()
+            except HintBudgetSpent:
+                for _, rest in self.pending[index:]:
+                    rest()
+                return
 
     def _component_problem(self, transform: Transform, component: str) -> None:
         statement = transform.statement
@@ -314,13 +369,15 @@ class Planner:
                     # Nearest names cost a fuzzy search over the tree (and checking them, a plan each):
                     # a few are enough.
                     self.suggested += 1
-                    close = suggestions(selector, tree) if self.suggested <= MAX_SUGGESTED else []
+                    wanted = self.hints and self.suggested <= MAX_SUGGESTED  # a hint's own plan shows none
+                    close = suggestions(selector, tree) if wanted else []
                     problem = Problem(f"selector '{selector.text}' matches no module", [selector.span],
                                       hint=("nearest names: " + ", ".join(close)) if close else None)
                     self.problems.append(problem)
-                    if statement is not None and self.suggested <= MAX_SUGGESTED:
-                        self.pending.append(functools.partial(self._names_hint, problem, selector, statement,
-                                                              clause, index, close, tree))
+                    if statement is not None and wanted:
+                        self.pending.append((functools.partial(self._names_hint, problem, selector, statement,
+                                                               clause, index, close, tree),
+                                             functools.partial(setattr, problem, "hint", None)))
             found.append(paths)
         return found
 
@@ -416,8 +473,8 @@ class Planner:
                               f"module(s): {shown}{more}", [statement.span],
                               hint="exclude them with 'except' or change the options")
             self.problems.append(problem)
-            self.pending.append(functools.partial(self._exclusion_hint, problem, statement,
-                                                  [p for p, _ in errors], tree))
+            self.pending.append((functools.partial(self._exclusion_hint, problem, statement,
+                                                   [p for p, _ in errors], tree), _keep))
             return None
         self._claim(step)
         step.bytes = _bytes(tree, step.targets)
@@ -452,8 +509,8 @@ class Planner:
                 f"({sample}); a module takes one of them", [a.span, b.span],
                 hint="narrow one statement with 'except' or 'in' so that each module is named by one of them")
             self.problems.append(problem)
-            self.pending.append(functools.partial(self._conflict_hint, problem, owner, step, list(paths),
-                                                  self.tree(step.component)))
+            self.pending.append((functools.partial(self._conflict_hint, problem, owner, step, list(paths),
+                                                   self.tree(step.component)), _keep))
         step.targets = kept
         for path in kept:
             claims[path] = step
@@ -481,6 +538,10 @@ class Planner:
     def _exclusion_hint(self, problem: Problem, statement, paths: list[str], tree: ModuleTree) -> None:
         fix = exclusion_fix(self, self.validated, statement, paths, tree)
         problem.hint = fix or "change the options (no 'except' leaves this statement something to do)"
+
+
+def _keep() -> None:
+    """A pending hint whose unchecked text is no edit (a conflict's or an exclusion's advice): kept."""
 
 
 def _union(lists: list[list[str]]) -> list[str]:

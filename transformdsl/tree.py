@@ -158,6 +158,18 @@ class ModuleTree:
         tree.all_meta = is_skeleton(root)
         return tree
 
+    def copy(self) -> ModuleTree:
+        """An independent copy of the snapshot, to plan on again (its edits leave this one as it is).
+
+        The :class:`ModuleInfo` objects are shared: the edits below replace them, never change one."""
+        tree = ModuleTree.__new__(ModuleTree)
+        tree.__dict__.update(self.__dict__)
+        tree._infos = dict(self._infos)
+        tree._order = list(self._order)
+        tree._removed = set(self._removed)
+        tree._kids = {path: list(kids) for path, kids in self._kids.items()}
+        return tree
+
     def _paths(self) -> list[str]:
         if self._removed:
             self._order = [p for p in self._order if p not in self._removed]
