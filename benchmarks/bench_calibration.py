@@ -92,6 +92,10 @@ from datasets import Dataset
 from llmcompressor import oneshot
 from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
 from llmcompressor.modifiers.transform import AWQModifier, SmoothQuantModifier
+from llmcompressor.pipelines.cache import IntermediatesCache
+
+if not torch.accelerator.is_available():  # AWQ pins its cached activations for host-to-device copies, which
+    IntermediatesCache.pin_memory = lambda self, *args, **kwargs: None  # fails where there is no device
 
 checkpoint, ids_path, reference, method, group = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
 ids = load_file(ids_path)
