@@ -491,3 +491,51 @@ def test_identifier_regexes_keep_their_backslashes_and_match_under_the_plans_bud
     step = transformdsl.plan(models.tiny_flux(), r'cache taylorseer cache_identifiers="transformer_blocks\.\d+\.attn'
                                                  r'|single_transformer_blocks\.0\.attn"').steps[0]
     assert step.notes[0] == "wraps transformer_blocks.0.attn, single_transformer_blocks.0.attn (2 module(s))"
+
+
+@pytest.mark.parametrize("script", ["cache mag mag_ratios=flux num_inference_steps=1000000000",
+                                    "cache taylorseer cache_interval=1000000000",
+                                    "cache mag mag_ratios=\"" + ",".join(["1.0"] * 10_001) + "\""])
+def test_a_step_count_past_any_sampler_is_a_script_error_before_anything_is_allocated(script):
+    """mag interpolates its ratios to num_inference_steps points: 1e9 allocated 4 GB at plan time (issue 36)."""
+    from transformdsl import ScriptError
+
+    with pytest.raises(ScriptError, match="10000"):
+        transformdsl.plan(models.tiny_flux(), script)
+
+
+def test_a_saved_step_count_past_the_bound_is_refused_on_load(tmp_path):
+    from transformdsl.errors import LoadError
+
+    model = models.tiny_flux()
+    transformdsl.transform(model, "cache mag mag_ratios=flux num_inference_steps=28")
+    transformdsl.save(model, tmp_path / "m")
+    edit_meta(tmp_path / "m", ("steps", 0, "options", "num_inference_steps"), 1_000_000_000)
+    with pytest.raises(LoadError, match="num_inference_steps"):
+        transformdsl.load(tmp_path / "m")
+
+
+def test_slow_identifiers_in_a_saved_record_are_refused_within_the_regex_budget(tmp_path):
+    """64 identifiers that backtrack made load() take 59 s before refusing (issue 36): the load's matching
+    shares the plan's 0.5 s budget, and diffusers (Python's re, unbounded) only ever gets literal names."""
+    import time
+
+    from transformdsl.errors import LoadError
+
+    model = models.tiny_flux()
+    transformdsl.transform(model, 'cache taylorseer cache_identifiers="transformer_blocks\\.\\d+\\.attn"')
+    transformdsl.save(model, tmp_path / "m")
+    slow = ",".join([r"^(\w|\w\w|\w\w\w)+$"] * 64)
+    edit_meta(tmp_path / "m", ("steps", 0, "options", "cache_identifiers"), slow)
+    edit_meta(tmp_path / "m", ("steps", 0, "record", "options", "cache_identifiers"), slow)
+    started = time.process_time()
+    with pytest.raises(LoadError, match="takes too long"):
+        transformdsl.load(tmp_path / "m")
+    assert time.process_time() - started < 5
+
+
+def test_diffusers_gets_the_names_the_identifiers_matched_not_the_patterns():
+    model = models.tiny_flux()
+    transformdsl.transform(model, 'cache taylorseer cache_identifiers="transformer_blocks\\.\\d+\\.attn"')
+    config = model._cache_config
+    assert config.cache_identifiers == [r"^(?:transformer_blocks\.0\.attn)$"]

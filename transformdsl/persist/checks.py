@@ -243,8 +243,14 @@ def rebuild_options(cls, values: dict, path: Path, key: str, common: bool = Fals
     unknown = sorted(set(values) - set(fields))
     if unknown:
         raise LoadError(f"{path}: step '{key}' has unknown options {unknown}")
+    coerced = {}
+    for name, value in values.items():
+        try:
+            coerced[name] = coerce(fields[name], value)
+        except (ValueError, TypeError) as exc:
+            raise LoadError(f"{path}: step '{key}' has an invalid option {name}: {exc}") from None
     try:
-        return target(**{k: coerce(fields[k], v) for k, v in values.items()})
+        return target(**coerced)
     except (ValueError, TypeError) as exc:
         raise LoadError(f"{path}: step '{key}' has invalid options: {exc}") from None
 

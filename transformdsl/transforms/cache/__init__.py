@@ -40,6 +40,10 @@ def parse_range(text: str, name: str) -> tuple[int, int]:
 #: The most regular expressions an identifier list takes: each is matched against every module while
 #: planning, and a quoted list's commas do not count toward the script's selector cap.
 MAX_PATTERNS = 64
+#: The most steps a step-counting option may name, and the most magnitude ratios: no sampler runs more
+#: (DDPM's 1,000 is the longest in diffusers), and mag's ratios are interpolated to
+#: ``num_inference_steps`` points, so 1e9 allocated 4 GB at plan or load time before this bound.
+MAX_STEPS = 10_000
 
 
 def parse_patterns(text: str, name: str) -> tuple[str, ...]:
@@ -63,6 +67,8 @@ def parse_numbers(text: str, name: str) -> tuple[float, ...]:
         raise ValueError(f"{name} must be 'flux' or numbers separated by commas, got {text!r}") from None
     if not values:
         raise ValueError(f"{name} is empty")
+    if len(values) > MAX_STEPS:
+        raise ValueError(f"{name}: {len(values)} numbers; the limit is {MAX_STEPS} (one per denoising step)")
     bad = [v for v in values if not math.isfinite(v) or v <= 0]
     if bad:  # magnitude ratios: the norm of one step's residual over the last one's
         raise ValueError(f"{name} must be positive finite numbers, got {bad[0]!r}")
@@ -80,10 +86,10 @@ class FirstBlockOptions:
 
 @dataclass(frozen=True)
 class TaylorSeerOptions:
-    cache_interval: int = option(5, "steps between full computations (the others are predicted)", min=1)
-    disable_cache_before_step: int = option(3, "compute fully before this step (gathers the Taylor factors)", min=0)
+    cache_interval: int = option(5, "steps between full computations (the others are predicted)", min=1, max=MAX_STEPS)
+    disable_cache_before_step: int = option(3, "compute fully before this step (gathers the Taylor factors)", min=0, max=MAX_STEPS)
     disable_cache_after_step: int | None = option(None, "compute fully from this step on (none: never)",
-                                                  min=0, kind="int_or_none")
+                                                  min=0, max=MAX_STEPS, kind="int_or_none")
     max_order: int = option(1, "order of the Taylor expansion", min=0, max=4)
     taylor_factors_dtype: str = option("bfloat16", "dtype the Taylor factors are stored in", kind="dtype")
     skip_predict_identifiers: str = option("", "module names (regular expressions, comma-separated, full match) "
@@ -106,10 +112,10 @@ class TaylorSeerOptions:
 class PyramidBroadcastOptions:
     spatial_attention_block_skip_range: int | None = option(
         None, "recompute spatial self-attention every N steps (none for all three: diffusers uses 2)",
-        min=1, kind="int_or_none")
-    temporal_attention_block_skip_range: int | None = option(None, "same for temporal attention", min=1,
+        min=1, max=MAX_STEPS, kind="int_or_none")
+    temporal_attention_block_skip_range: int | None = option(None, "same for temporal attention", min=1, max=MAX_STEPS,
                                                              kind="int_or_none")
-    cross_attention_block_skip_range: int | None = option(None, "same for cross-attention", min=1,
+    cross_attention_block_skip_range: int | None = option(None, "same for cross-attention", min=1, max=MAX_STEPS,
                                                           kind="int_or_none")
     spatial_attention_timestep_skip_range: str = option("100,800", "timesteps 'low,high' between which spatial "
                                                         "attention may be reused")
@@ -130,9 +136,9 @@ class PyramidBroadcastOptions:
 
 @dataclass(frozen=True)
 class FasterOptions:
-    spatial_attention_block_skip_range: int = option(2, "recompute spatial attention every N steps", min=1)
+    spatial_attention_block_skip_range: int = option(2, "recompute spatial attention every N steps", min=1, max=MAX_STEPS)
     temporal_attention_block_skip_range: int | None = option(None, "same for temporal attention (none: off)",
-                                                             min=1, kind="int_or_none")
+                                                             min=1, max=MAX_STEPS, kind="int_or_none")
     spatial_attention_timestep_skip_range: str = option("-1,681", "timesteps 'low,high' where spatial attention "
                                                         "may be reused")
     temporal_attention_timestep_skip_range: str = option("-1,681", "same for temporal attention")
@@ -142,7 +148,7 @@ class FasterOptions:
     alpha_low_frequency: float = option(1.1, "low-frequency weight", min=0.0)
     alpha_high_frequency: float = option(1.1, "high-frequency weight", min=0.0)
     unconditional_batch_skip_range: int = option(5, "recompute the unconditional half of the batch every N steps",
-                                                  min=1)
+                                                  min=1, max=MAX_STEPS)
     unconditional_batch_timestep_skip_range: str = option("-1,641", "timesteps 'low,high' where it may be reused")
     spatial_attention_block_identifiers: str = option("", "regular expressions (comma-separated) naming spatial "
                                                       "attention; empty: diffusers' default")
@@ -164,9 +170,9 @@ class FasterOptions:
 @dataclass(frozen=True)
 class MagOptions:
     threshold: float = option(0.06, "skip while the accumulated magnitude error stays below this", min=0.0)
-    max_skip_steps: int = option(3, "most consecutive steps skipped", min=1)
+    max_skip_steps: int = option(3, "most consecutive steps skipped", min=1, max=MAX_STEPS)
     retention_ratio: float = option(0.2, "fraction of the first steps never skipped", min=0.0, max=1.0)
-    num_inference_steps: int = option(28, "steps of the denoising loop (the ratios are interpolated to it)", min=1)
+    num_inference_steps: int = option(28, "steps of the denoising loop (the ratios are interpolated to it)", min=1, max=MAX_STEPS)
     mag_ratios: str = option("", "the model's magnitude ratios: 'flux' (diffusers' Flux ratios) or numbers "
                              "separated by commas; required unless calibrate=true")
     calibrate: bool = option(False, "skip nothing; measure and log the ratios for this model")
@@ -183,9 +189,9 @@ class MagOptions:
 class SeaOptions:
     threshold: float = option(0.25, "accumulated relative-L1 budget; larger reuses the cache more often", min=0.0)
     residual_order: int = option(1, "0: reuse the last residual; 1: extrapolate from the last two", choices=(0, 1))
-    retention_steps: int = option(1, "first steps always computed", min=0)
-    cache_end_steps: int = option(1, "last steps always computed", min=0)
-    max_consecutive_cached: int = option(2, "most consecutive reuses (0: no limit)", min=0)
+    retention_steps: int = option(1, "first steps always computed", min=0, max=MAX_STEPS)
+    cache_end_steps: int = option(1, "last steps always computed", min=0, max=MAX_STEPS)
+    max_consecutive_cached: int = option(2, "most consecutive reuses (0: no limit)", min=0, max=MAX_STEPS)
     power_exp: float = option(3.0, "exponent of the clean-signal power prior", min=0.0)
 
     def __post_init__(self):

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ... import regexes
+from ...errors import LoadError
 from ...extend import ApplyContext, TransformError
 from ...history import history_of
 from ...tree import ModuleInfo, ModuleTree
@@ -154,7 +155,10 @@ class CacheBehaviour:
     def finalize(cls, root: nn.Module, record: dict, options: Any) -> None:
         """Enable the cache again on the loaded denoiser (hooks are never saved)."""
         for _, model in recorded_targets(root, record, cls.key()):
-            enable(model, cls, options, describe(cls.key(), options))
+            try:
+                enable(model, cls, options, describe(cls.key(), options))
+            except regexes.SelectorTooSlow as exc:
+                raise LoadError(f"saved statement '{describe(cls.key(), options)}': {exc}") from None
 
 
 def describe(key: str, options: Any) -> str:
@@ -178,15 +182,22 @@ def disable(model: nn.Module) -> None:
 
 
 def enable(model: nn.Module, cls: type, options: Any, statement: str) -> list[str]:
-    """``model.enable_cache(config)`` for the mode ``cls`` and our guard hook; the wrapped paths."""
+    """``model.enable_cache(config)`` for the mode ``cls`` and our guard hook; the wrapped paths.
+
+    The identifiers (regular expressions) are matched against the module names once, within one
+    regex budget (:func:`transformdsl.regexes.regex_budget`: :class:`~transformdsl.regexes.SelectorTooSlow`
+    past it), and diffusers gets the names they matched as literals, never a user's pattern: its
+    hooks match with Python's ``re``, which backtracks without bound (64 slow identifiers in a saved
+    record made a load take 59 s)."""
     from diffusers.hooks import HookRegistry
 
     behaviour = cls.__new__(cls)
     behaviour.options = options
-    wrapped = behaviour.wrapped(model)
-    guard = make_guard(statement, cls.needs_context, cls.reads_timestep, timestep_scale(model),
-                        behaviour.call_check())
-    config = behaviour.build_config(model, guard)
+    with regexes.regex_budget():
+        wrapped = behaviour.wrapped(model)
+        guard = make_guard(statement, cls.needs_context, cls.reads_timestep, timestep_scale(model),
+                            behaviour.call_check())
+        config = behaviour.build_config(model, guard)
     model.enable_cache(config)
     registry = HookRegistry.check_if_exists_or_initialize(model)
     registry.register_hook(guard, GUARD_HOOK)
@@ -198,6 +209,16 @@ def enable(model: nn.Module, cls: type, options: Any, statement: str) -> list[st
     if missing:  # our reading of the hooks' rules disagrees with diffusers: say so rather than mislead
         raise TransformError(f"'cache {cls.mode}': diffusers did not hook {', '.join(missing[:3])} as planned")
     return names
+
+
+def literal_identifiers(model: nn.Module, patterns, whole: bool) -> list[str]:
+    """One pattern naming exactly the modules of ``model`` that ``patterns`` match (``whole``: a full
+    match, as diffusers' TaylorSeer; else a search, as its pyramid and FasterCache hooks), matched
+    within the regex budget: what diffusers is given instead of the patterns themselves."""
+    match = regexes.fullmatch if whole else regexes.search
+    compiled = [regexes.compile_regex(p) for p in patterns]
+    names = [name for name, _ in model.named_modules() if any(match(c, name) for c in compiled)]
+    return ["^(?:" + "|".join(re.escape(n) for n in names) + ")$"] if names else [r"(?!)"]
 
 
 def _summary(names: list[str]) -> str:
@@ -313,7 +334,8 @@ class TaylorSeerCache(CacheBehaviour, TaylorSeerCacheDeclaration):
         kwargs = dataclasses.asdict(self.options)
         kwargs["taylor_factors_dtype"] = getattr(torch, kwargs["taylor_factors_dtype"])
         for name in ("skip_predict_identifiers", "cache_identifiers"):
-            kwargs[name] = list(parse_patterns(kwargs[name], name)) or None
+            patterns = parse_patterns(kwargs[name], name)
+            kwargs[name] = literal_identifiers(model, patterns, whole=True) if patterns else None
         return kwargs
 
 
@@ -362,7 +384,12 @@ class PyramidBroadcastCache(CacheBehaviour, PyramidBroadcastCacheDeclaration):
         return found
 
     def config_kwargs(self, model, guard):
-        return dict(self._config_fields(), current_timestep_callback=timestep_callback(guard))
+        fields = self._config_fields()
+        for kind in ("spatial", "temporal", "cross"):
+            if parse_patterns(getattr(self.options, f"{kind}_attention_block_identifiers"), ""):  # a user's
+                fields[f"{kind}_attention_block_identifiers"] = literal_identifiers(
+                    model, fields[f"{kind}_attention_block_identifiers"], whole=False)
+        return dict(fields, current_timestep_callback=timestep_callback(guard))
 
 
 class FasterCache(CacheBehaviour, FasterCacheDeclaration):
@@ -461,6 +488,9 @@ class FasterCache(CacheBehaviour, FasterCacheDeclaration):
 
     def config_kwargs(self, model, guard):
         kwargs = self._fields()
+        for name in ("spatial_attention_block_identifiers", "temporal_attention_block_identifiers"):
+            if parse_patterns(getattr(self.options, name), name):  # a user's patterns
+                kwargs[name] = literal_identifiers(model, kwargs[name], whole=False)
         weight = kwargs.pop("attention_weight")
         kwargs["attention_weight_callback"] = lambda _module, w=weight: w
         kwargs["current_timestep_callback"] = timestep_callback(guard)
