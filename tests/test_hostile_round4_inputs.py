@@ -444,3 +444,27 @@ def test_a_statement_that_leaves_most_of_its_targets_as_they_are_says_so_with_th
     with warnings.catch_warnings():
         warnings.simplefilter("error", MostlySkippedWarning)  # the fix it names leaves nothing out
         transformdsl.transform(LlamaForCausalLM(model.config), "quantize int4 group_size=64")
+
+
+def test_a_lora_tensor_larger_than_any_weight_of_the_model_is_refused_before_it_is_read(flux, tmp_path):
+    """A sparse 2 GiB tensor no adapter uses cost 4 GB of memory (the file read whole, then parsed): now
+    each tensor is read on its own, and one larger than the model's largest weight is refused unread."""
+    import resource
+
+    pair = _pair(flux)
+    header, offset, blobs = {}, 0, []
+    for name, tensor in pair.items():
+        blob = tensor.numpy().tobytes()
+        header[name] = {"dtype": "F32", "shape": list(tensor.shape), "data_offsets": [offset, offset + len(blob)]}
+        offset += len(blob)
+        blobs.append(blob)
+    huge = 2 ** 28  # float64 values: 2 GiB
+    header["text_encoder.unused.lora_A.weight"] = {"dtype": "F64", "shape": [huge], "data_offsets": [offset,
+                                                                                                   offset + 8 * huge]}
+    path = _raw_file(tmp_path / "sparse.safetensors", json.dumps(header).encode(), b"".join(blobs))
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size + 8 * huge)  # a hole: 2 GiB apparent, nothing on disk
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    message = _refusal(flux, f'lora "{path}"')  # another component's key: ignored by the converter
+    assert "holds 268435456 values, more than the model's largest weight" in message
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 256 * 1024  # KiB: far below the 2 GiB

@@ -6,8 +6,9 @@ names no module is an error listing the nearest names (``unmatched=ignore`` drop
 the plan), a rank or shape that does not fit names the module, and a merged LoRA on a layer that
 holds no float weight (quantized by an earlier ``transform()``) says how to keep it instead.
 
-Applying reads the file once into memory (so that its SHA-256 and its tensors are of the same
-bytes), converts it again with the real tensors, and either adds ``scale * alpha/rank * B @ A`` to
+Applying reads the file through one descriptor (its SHA-256 streamed over it, each tensor's bytes
+once, a change of the file meanwhile refused: :func:`.files.read_tensors`), converts it again with
+the real tensors, and either adds ``scale * alpha/rank * B @ A`` to
 each weight (rows of a fused one) as a new tensor through the edit log, or attaches adapters.
 The record holds the file's name and SHA-256 (never its path), and for a switchable LoRA the shape
 of each adapter, so that :meth:`Lora.rebuild` recreates them before the saved tensors load.
@@ -145,17 +146,8 @@ class Lora(LoraDeclaration):
         path = self.statement.argument.text
         display = _display(path)
         header = files.read_header(path)
-        with open(path, "rb") as f:
-            data = f.read(header.size + 1)
-        if len(data) != header.size:
-            raise TransformError(f"{display}: the file changed while it was read")
-        import hashlib
-
-        from safetensors.torch import load as load_bytes
-
-        digest = hashlib.sha256(data).hexdigest()
-        state = load_bytes(data)
-        del data
+        largest = max((p.numel() for p in ctx.root.parameters()), default=0)
+        state, digest = files.read_tensors(header, largest)
         converted = keys.convert(state, ctx.root, self.common.component, display)
         pairs, problems = self._resolve(ctx.root, converted, display, within=targets)
         if problems:
