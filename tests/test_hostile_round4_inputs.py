@@ -468,3 +468,34 @@ def test_a_lora_tensor_larger_than_any_weight_of_the_model_is_refused_before_it_
     message = _refusal(flux, f'lora "{path}"')  # another component's key: ignored by the converter
     assert "holds 268435456 values, more than the model's largest weight" in message
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 256 * 1024  # KiB: far below the 2 GiB
+
+
+@pytest.fixture(scope="module")
+def sd_pipeline_save(tmp_path_factory):
+    return transformdsl.save(models.tiny_sd_pipeline(), tmp_path_factory.mktemp("pipe") / "sd")
+
+
+def _copy(tree: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(tree, tmp_path / "copy"))
+
+
+def test_a_component_whose_metadata_is_a_pipelines_is_a_load_error(sd_pipeline_save, tmp_path):
+    """It gave KeyError: 'tensors' (issue 36 item 17)."""
+    out = _copy(sd_pipeline_save, tmp_path)
+    (out / "unet" / "transformdsl.json").write_text((out / "transformdsl.json").read_text())
+    with pytest.raises(LoadError, match="component 'unet' is saved as a pipeline; a pipeline's components are saved "
+                                        "modules"):
+        transformdsl.load(out)
+
+
+def test_a_pipeline_index_naming_another_class_for_a_component_is_refused(sd_pipeline_save, tmp_path):
+    """The index's entry was ignored: it said one class and the load built another (issue 36 item 17)."""
+    out = _copy(sd_pipeline_save, tmp_path)
+    index = json.loads((out / "model_index.json").read_text())
+    index["unet"] = ["diffusers", "AutoencoderKL"]
+    (out / "model_index.json").write_text(json.dumps(index))
+    with pytest.raises(LoadError, match="component 'unet' is a saved UNet2DConditionModel, and model_index.json "
+                                        "names AutoencoderKL"):
+        transformdsl.load(out)

@@ -89,7 +89,7 @@ def load_pipeline(folder: SaveDir, meta: dict, device: torch.device, mmap: bool,
             continue
         sub = folder.subdir(comp)
         if how == "transformdsl":
-            loaded[comp] = load_module(sub, read_metadata(sub), None, device, mmap)
+            loaded[comp] = load_module(sub, _component_meta(sub, comp, index.get(comp)), None, device, mmap)
         else:
             library, class_name = index[comp]
             extra = library_kwargs(comp) if library_kwargs is not None else None
@@ -104,6 +104,22 @@ def load_pipeline(folder: SaveDir, meta: dict, device: torch.device, mmap: bool,
         if isinstance(component, nn.Module):
             component.eval()
     return pipe
+
+
+def _component_meta(sub, comp: str, entry: Any) -> dict:
+    """A transformdsl component's metadata, checked against the pipeline: a saved module (a pipeline's
+    metadata there gave ``KeyError: 'tensors'``) of the class ``model_index.json`` names for it (an
+    entry naming another class was ignored, so the index said one thing and the load did another)."""
+    meta = read_metadata(sub)
+    where = sub.path / META_FILE
+    if meta["kind"] != "module":
+        raise LoadError(f"{where}: component '{comp}' is saved as a {meta['kind']}; a pipeline's components are "
+                        "saved modules")
+    saved = meta["model"]["class"]
+    if isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], str) and entry[1] != saved:
+        raise LoadError(f"{where}: component '{comp}' is a saved {clipped(saved)}, and model_index.json names "
+                        f"{clipped(entry[1])} for it")
+    return meta
 
 
 def _check_pipeline_index(index_path: Path, index: Any, name: str, components: dict[str, str],
