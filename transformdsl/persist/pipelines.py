@@ -116,7 +116,8 @@ def _component_meta(sub, comp: str, entry: Any) -> dict:
         raise LoadError(f"{where}: component '{comp}' is saved as a {meta['kind']}; a pipeline's components are "
                         "saved modules")
     saved = meta["model"]["class"]
-    if isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], str) and entry[1] != saved:
+    if saved.isidentifier() and isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], str) \
+            and entry[1] != saved:  # (a class name that is none is refused with the module's own checks)
         raise LoadError(f"{where}: component '{comp}' is a saved {clipped(saved)}, and model_index.json names "
                         f"{clipped(entry[1])} for it")
     return meta
