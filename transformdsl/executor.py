@@ -244,11 +244,12 @@ def _close_store(store: UndoStore | None, log) -> None:
         log(f"undo log: {', '.join(parts)} (budget {human_bytes(store.budget)} in memory)")
 
 
-def apply_step(step, ctx, targets: list[str], consequence: str) -> dict:
-    """Run one statement's pass on ``targets``; any failure becomes a TransformError naming the
-    line and statement, followed by ``consequence`` (what the caller guarantees was kept)."""
+def apply_step(step, ctx, targets: list[str], consequence: str, apply: Callable | None = None) -> dict:
+    """Run one statement's pass on ``targets`` (``apply(ctx, targets)``, default its transform's
+    ``apply``); any failure becomes a TransformError naming the line and statement, followed by
+    ``consequence`` (what the caller guarantees was kept)."""
     try:
-        return _json_checked(step.transform.apply(ctx, targets), step)
+        return _json_checked((apply or step.transform.apply)(ctx, targets), step)
     except TransformError as exc:
         raise TransformError(f"line {step.statement.line}: '{step.statement.key}' failed: {exc}; "
                              f"{consequence}") from exc

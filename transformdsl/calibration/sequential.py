@@ -377,26 +377,36 @@ def calibrate(root: nn.Module, targets: list[str], samples: list[Sample], method
             if inputs is None:
                 inputs = capture_inputs(root, block, samples)
                 report.captures += 1
-            module = root.get_submodule(block)
             if by_block.get(block):
-                groups = input_groups(module, block, by_block[block], root, inputs[0])
-                _run_unit(Unit(root, block, module, groups, inputs), method)
+                _fit_block(root, block, by_block[block], inputs, method)
                 report.blocks += 1
             if position == last:
                 break
-            outputs = []
-            for index, sample in enumerate(inputs):
-                output = _call(module, sample)
-                _check_finite(output, block, index)
-                outputs.append(output)
-            link = links.get(order[position + 1])
-            inputs = None if link is None else [link(s, o) for s, o in zip(inputs, outputs)]
-            del outputs
+            inputs = _next_inputs(root, block, inputs, links.get(order[position + 1]))
         if rest:
             groups = input_groups(root, "", rest, root, samples[0])
             _run_unit(Unit(root, "", root, groups, samples), method)
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _fit_block(root: nn.Module, block: str, targets: list[str], inputs: list[Sample], method: Method) -> None:
+    """Fit and replace ``block``'s ``targets`` with ``method`` on the block's ``inputs``."""
+    module = root.get_submodule(block)
+    groups = input_groups(module, block, targets, root, inputs[0])
+    _run_unit(Unit(root, block, module, groups, inputs), method)
+
+
+def _next_inputs(root: nn.Module, block: str, inputs: list[Sample], link: Link | None) -> list[Sample] | None:
+    """The next block's inputs: ``block`` (as it is now: quantized) run on ``inputs``, its outputs
+    passed on by ``link`` (None: not derivable, captured again by running the model)."""
+    module = root.get_submodule(block)
+    outputs = []
+    for index, sample in enumerate(inputs):
+        output = _call(module, sample)
+        _check_finite(output, block, index)
+        outputs.append(output)
+    return None if link is None else [link(s, o) for s, o in zip(inputs, outputs)]
 
 
 def _to_device(sample: Sample, device: torch.device) -> Sample:
@@ -460,21 +470,12 @@ class BlockStream:
         self.last = self.blocks.index(todo[-1]) if todo else -1
         self.inputs: list[Sample] | None = None
         self.link: Link | None = None
-        self.report = Report()
-
-    @property
-    def lists(self) -> list[str]:
-        """The lists the blocks are children of, in order."""
-        return list(dict.fromkeys(block.rpartition(".")[0] for block in self.blocks))
 
     def start(self) -> None:
         """Capture the first block's inputs: the modules that run before it must be loaded."""
-        started = time.perf_counter()
         if self.last >= 0:
             with evaluating(self.root):
                 self.inputs = capture_inputs(self.root, self.blocks[0], self.samples)
-            self.report.captures += 1
-        self.report.seconds += time.perf_counter() - started
 
     def advance(self, block: str, method: Callable[[], Method]) -> None:
         """Block ``block`` (loaded, the statements before this one applied to it): its targets fitted
@@ -482,20 +483,7 @@ class BlockStream:
         position = self.blocks.index(block)
         if position > self.last:
             return
-        started = time.perf_counter()
-        module = self.root.get_submodule(block)
         with evaluating(self.root):
             if self.by_block.get(block):
-                groups = input_groups(module, block, self.by_block[block], self.root, self.inputs[0])
-                _run_unit(Unit(self.root, block, module, groups, self.inputs), method())
-                self.report.blocks += 1
-            if position == self.last:
-                self.inputs = None
-            else:
-                outputs = []
-                for index, sample in enumerate(self.inputs):
-                    output = _call(module, sample)
-                    _check_finite(output, block, index)
-                    outputs.append(output)
-                self.inputs = [self.link(s, o) for s, o in zip(self.inputs, outputs)]
-        self.report.seconds += time.perf_counter() - started
+                _fit_block(self.root, block, self.by_block[block], self.inputs, method())
+            self.inputs = None if position == self.last else _next_inputs(self.root, block, self.inputs, self.link)

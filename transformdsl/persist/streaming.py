@@ -526,10 +526,9 @@ class _Stream:
         stats = self.stats[id(step)]
         before = sum(_bytes_at(ctx.root, t) for t in targets) if weights else 0
         started = time.perf_counter()
-        if stream is not None:
-            record = apply_step(_BlockStep(step, stream, blocks), ctx, targets, "nothing was written")
-        else:
-            record = apply_step(step, ctx, targets, "nothing was written")
+        blocks_apply = None if stream is None else (
+            lambda ctx, targets: step.transform.apply_blocks(ctx, targets, stream, blocks))
+        record = apply_step(step, ctx, targets, "nothing was written", apply=blocks_apply)
         stats[3] += time.perf_counter() - started
         stats[0] += len(targets)
         if weights:
@@ -547,13 +546,13 @@ class _Stream:
                     leave=False)
 
     def _unit(self, unit: Unit, steps, deferred: set[int], records, layout: dict, attributes: dict,
-              notes: dict, streams: dict[int, Any], read: tuple | None = None, only: set[int] | None = None) -> int:
+              notes: dict, streams: dict[int, Any], read: tuple | None = None) -> int:
         """Read, transform, write and drop one unit; the source bytes it read.  ``read``: the unit was
-        read already (:meth:`_read`'s result); ``only``: the statements to apply (default: all)."""
+        read already (:meth:`_read`'s result)."""
         restore, done = read if read is not None else self._read(unit)
         edit = Edit()
         for i, step in enumerate(steps):
-            if i in deferred or (only is not None and i not in only):
+            if i in deferred:
                 continue
             targets = [t for t in step.targets if unit.covers(t)]
             stream = streams.get(i)
@@ -689,23 +688,6 @@ def _give_back_freed_memory() -> None:
 
 
 _malloc_trim: Any = None
-
-
-class _BlockStep:
-    """A plan step whose ``apply`` is its transform's :meth:`~transformdsl.extend.Transform.apply_blocks`
-    on a unit's blocks (so that :func:`~transformdsl.executor.apply_step` reports a failure as for any step)."""
-
-    def __init__(self, step, stream, blocks: list[str]):
-        self.statement = step.statement
-        self.transform = _BlockApply(step.transform, stream, blocks)
-
-
-class _BlockApply:
-    def __init__(self, transform, stream, blocks: list[str]):
-        self._transform, self._stream, self._blocks = transform, stream, blocks
-
-    def apply(self, ctx: ApplyContext, targets: list[str]) -> dict:
-        return self._transform.apply_blocks(ctx, targets, self._stream, self._blocks)
 
 
 class _Converted(nn.Module):
