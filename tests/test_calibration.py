@@ -162,6 +162,20 @@ def test_text_needs_a_tokenizer_and_says_how_to_do_without(tmp_path):
         transformdsl.transform(model, f'calibrate "{tmp_path / "notes.txt"}"; quantize int4 group_size=32 method=gptq')
 
 
+def test_a_tokenizer_without_its_vocabulary_is_refused_not_used(tmp_path):
+    """A tokenizer_config.json alone loads as a tokenizer of a few special tokens that encodes text to nothing."""
+    (tmp_path / "notes.txt").write_text("some calibration text " * 100)
+    beside = tmp_path / "model"
+    beside.mkdir()
+    (beside / "tokenizer_config.json").write_text('{"tokenizer_class": "GPT2Tokenizer"}')
+    model = load_model()
+    model.name_or_path = model.config._name_or_path = str(beside)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(TransformError, match=r"knows only 1 token\(s\): its vocabulary file"):
+        transformdsl.transform(model, f'calibrate "{tmp_path / "notes.txt"}"; quantize int4 group_size=32 method=gptq')
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
 def test_text_is_tokenized_with_the_given_tokenizer(text, tmp_path, reference):
     (tmp_path / "notes.txt").write_text(heldout_ids()[0][:4096].numpy().astype("uint8").tobytes().decode("utf-8",
                                                                                                           "replace"))

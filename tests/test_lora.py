@@ -142,6 +142,21 @@ def test_merged_equals_diffusers_fuse_lora_with_and_without_fuse_qkv(tmp_path, f
     assert close(got, expected), (got - expected).abs().max()
 
 
+def test_two_merged_loras_on_one_layer_both_add_their_deltas(tmp_path):
+    """Neither wins: the second LoRA's delta is added to the weights the first one left (spec.md, lora)."""
+    model = models.tiny_flux()
+    names = linears(model, "attn.to_")
+    first, second = diffusers_lora(model, "transformer", names, seed=0), diffusers_lora(model, "transformer", names, seed=7)
+    a, b = write(tmp_path, first, "a.safetensors"), write(tmp_path, second, "b.safetensors")
+    # diffusers fuses the first, then the second into what the first left
+    expected = diffusers_merged(lambda: diffusers_merged(models.tiny_flux, first, scale=0.5), second, scale=0.25)
+    transformdsl.transform(model, f'lora "{a}" scale=0.5\nlora "{b}" scale=0.25')
+    assert close(models.run(model), models.run(expected))
+    only_first = models.tiny_flux()
+    transformdsl.transform(only_first, f'lora "{a}" scale=0.5')
+    assert not close(models.run(only_first), models.run(expected))
+
+
 def test_merged_llama_equals_peft_merge_and_unload(tmp_path):
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 
@@ -315,7 +330,8 @@ def test_lora_statement_problems_are_found_without_a_model():
 
     for text, message in [("lora", "'lora' needs the LoRA file"), ("lora a.safetensors, b", "needs the LoRA file"),
                           ("lora x.safetensors name='a b'", "an adapter name is letters"),
-                          ("lora a.safetensors merge=false\nlora 'b/a.safetensors' merge=false", "two LoRAs named 'a'")]:
+                          ("lora a.safetensors merge=false\nlora 'b/a.safetensors' merge=false", "two LoRAs named 'a'"),
+                          ("lora a.safetensors\nlora './a.safetensors' scale=0.5", "the same LoRA file twice, merged")]:
         with pytest.raises(ScriptError) as info:
             check_text(text)
         assert message in str(info.value), text

@@ -125,6 +125,28 @@ def test_bitsandbytes_kernels_line_is_dropped_at_its_logger():
     assert logger.filter(other)
 
 
+@pytest.mark.parametrize("logger_name, message, args", [
+    # measured with torchao 0.18 beside diffusers 0.38 on a CPU-only machine: five lines on every command
+    ("torchao", "Failed to load /site-packages/torchao/_C_cutlass_90a.abi3.so: Could not load this library", ()),
+    ("torch.utils._pytree", "%s is an Enum subclass and is now natively supported by torch.compile as an opaque "
+     "value type. Calling register_constant() on Enum subclasses is deprecated and will be an error in a future "
+     "release.", ("<enum 'KernelPreference'>",)),
+    ("diffusers.quantizers.torchao.torchao_quantizer", "Unable to import `torchao` Tensor objects. This may affect "
+     "loading checkpoints serialized with `torchao`", ()),
+])
+def test_torchaos_import_lines_are_dropped_at_their_loggers(logger_name, message, args):
+    """torchao is imported by diffusers where it is installed; its import lines say nothing a user of a
+    CPU can act on (quiet.py says why each one goes).  torchao's is kept where a CUDA device is."""
+    import logging
+
+    import transformdsl  # noqa: F401
+
+    logger = logging.getLogger(logger_name)
+    record = logger.makeRecord(logger.name, logging.WARNING, __file__, 1, message, args, None)
+    assert bool(logger.filter(record)) == (logger_name == "torchao" and torch.cuda.is_available())
+    assert bool(logger.filter(logger.makeRecord(logger.name, logging.WARNING, __file__, 1, "something else", (), None)))
+
+
 def test_make_demo_prints_no_kernels_line():
     """``make demo`` runs ``python -m transformdsl demo`` (Flux, LLM.int8): its whole output."""
     done = subprocess.run([sys.executable, "-m", "transformdsl", "demo"], capture_output=True, text=True,

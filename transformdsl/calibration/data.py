@@ -276,6 +276,10 @@ def find_tokenizer(model: torch.nn.Module) -> Any:
     return tokenizer_in(directory) if directory else None
 
 
+#: Fewer tokens than this is no language model's vocabulary (byte-level ones start at 256).
+MIN_TOKENIZER_VOCABULARY = 256
+
+
 def tokenizer_in(directory: str | Path) -> Any:
     """The tokenizer saved in ``directory`` (a model's, or ``convert``'s source), or None."""
     if not Path(directory).is_dir() or not any((Path(directory) / name).is_file() for name in (
@@ -284,10 +288,19 @@ def tokenizer_in(directory: str | Path) -> Any:
     try:
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     except Exception as exc:  # noqa: BLE001  (a broken tokenizer directory is the user's to fix)
         raise TransformError(f"the tokenizer beside the model ({directory}) does not load: "
                              f"{type(exc).__name__}: {exc}") from None
+    # A tokenizer_config.json without its vocabulary loads as a tokenizer of a few special tokens that
+    # encodes any text to nothing: calibrating on it would fit on no real token.
+    size = len(tokenizer)
+    if size < MIN_TOKENIZER_VOCABULARY:
+        raise TransformError(f"the tokenizer beside the model ({directory}) knows only {size} token(s): its "
+                             "vocabulary file (tokenizer.json, vocab.json with merges.txt, or tokenizer.model) is "
+                             "missing; copy it there, pass tokenizer= to transform() or convert(), or give the samples "
+                             "as token ids")
+    return tokenizer
 
 
 def read_tensor_file(path: Path, limit: int | None = None) -> CalibrationData:

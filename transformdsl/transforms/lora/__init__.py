@@ -15,6 +15,7 @@ and :mod:`.runtime` (:func:`transformdsl.set_lora`, :func:`transformdsl.lora_ada
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from ...extend import Transform, option
@@ -94,6 +95,13 @@ class Lora(Transform):
     def incompatible(self, other: Transform) -> str | None:
         if other.verb != "lora" or other is self or other.statement.line < self.statement.line:
             return None
+        same_file = os.path.normpath(other.statement.argument.text) == os.path.normpath(self.statement.argument.text)
+        if same_file and other.common.component == self.common.component and self.options.merge \
+                and other.options.merge:
+            # Two merged LoRAs for one layer both add their deltas (script order); the same file twice is
+            # almost always a copy-paste slip that doubles it, and a scale says it on purpose.
+            return (f"the same LoRA file twice, merged: its delta would be added twice; keep one statement "
+                    f"(scale={self.options.scale + other.options.scale:g} on it, if the sum is meant)")
         if other.adapter_name == self.adapter_name and other.common.component == self.common.component \
                 and not self.options.merge and not other.options.merge:  # merged LoRAs leave no adapter
             return (f"two LoRAs named '{self.adapter_name}'; give one another name (name=...) so that "
