@@ -93,6 +93,40 @@ def test_gguf_export_loads_in_stock_transformers_with_our_logits(tmp_path, scrip
     assert torch.allclose(logits, ours, atol=1e-5, rtol=0)
 
 
+def _converter_permute(weights: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's ``convert_hf_to_gguf.py`` ``LlamaModel.permute``, written out here (not ours): the
+    rotary row order it gives ``attn_q``/``attn_k`` before quantizing."""
+    return weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:]).swapaxes(1, 2) \
+        .reshape(weights.shape)
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+def test_gguf_file_blocks_are_the_gguf_reference_quantizers_bytes(tmp_path, kind):
+    """Every Q8_0/Q4_0 tensor in the written file is, byte for byte, what ``gguf.quants.quantize`` writes
+    for the original float weight (in llama.cpp's converter's row order for ``attn_q``/``attn_k``): our
+    export is the file llama.cpp's own conversion of those float weights would hold."""
+    original = {k: v.detach().float().numpy() for k, v in tiny_llama().state_dict().items()}
+    model = transformdsl.transform(tiny_llama(), f"quantize {kind}")
+    transformdsl.save(model, tmp_path, format="gguf")
+    config = model.config
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    by_gguf = {names.get_name(k, try_suffixes=(".weight", ".bias")): k for k in original}
+    checked = []
+    for tensor in gguf.GGUFReader(tmp_path / "model.gguf").tensors:
+        if tensor.tensor_type not in QTYPES.values():
+            continue
+        assert tensor.tensor_type == QTYPES[kind], tensor.name
+        weight = original[by_gguf[tensor.name]]
+        if ".attn_q." in tensor.name or ".attn_k." in tensor.name:
+            heads = config.num_attention_heads if ".attn_q." in tensor.name else config.num_key_value_heads
+            weight = _converter_permute(weight, heads)
+        reference = gguf.quants.quantize(weight, QTYPES[kind])
+        assert tensor.data.dtype == np.uint8 and np.array_equal(np.asarray(tensor.data), reference), tensor.name
+        checked.append(tensor.name)
+    # All seven projections of both blocks (the head stays float, as `quantize` leaves it).
+    assert len(checked) == 7 * config.num_hidden_layers and "blk.1.attn_k.weight" in checked
+
+
 def test_gguf_export_of_a_qwen2_with_biases_and_tied_embeddings(tmp_path):
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -108,6 +142,60 @@ def test_gguf_export_of_a_qwen2_with_biases_and_tied_embeddings(tmp_path):
     stock = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="model.gguf", dtype=torch.float32)
     assert type(stock).__name__ == "Qwen2ForCausalLM"
     assert kl_per_token(stock(TOKENS).logits, ours).max() <= 1e-4
+
+
+def tiny_qwen3(**overrides):
+    """A random Qwen3 (transformers' ``Qwen3ForCausalLM``): per-head q/k RMSNorms, given random gains here
+    so that their place (and their not being permuted) shows in the logits; head_dim 128 as every Qwen3."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    fields = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=128, max_position_embeddings=64, rope_theta=1e6)
+    model = Qwen3ForCausalLM(Qwen3Config(**{**fields, **overrides})).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.uniform_(0.5, 1.5)
+    return model
+
+
+@pytest.mark.parametrize("script", ["", "quantize q8_0"])
+def test_gguf_export_of_a_qwen3_loads_in_stock_transformers_with_our_logits(tmp_path, script):
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_qwen3()
+    if script:
+        model = transformdsl.transform(model, script)
+    ours = model(TOKENS).logits
+    transformdsl.save(model, tmp_path, format="gguf")
+    reader = gguf.GGUFReader(tmp_path / "model.gguf")
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert bytes(reader.fields["general.architecture"].parts[-1]) == b"qwen3"
+    assert types["blk.1.attn_q_norm.weight"] == types["blk.1.attn_k_norm.weight"] == "F32"
+    assert types["blk.0.attn_q.weight"] == ("Q8_0" if script else "F32") and "output.weight" in types
+    assert not any(name.endswith(".bias") for name in types)
+    stock = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="model.gguf", dtype=torch.float32)
+    assert type(stock).__name__ == "Qwen3ForCausalLM" and stock.config.head_dim == 128
+    logits = stock(TOKENS).logits
+    assert kl_per_token(logits, ours).max() <= 1e-4
+    assert torch.allclose(logits, ours, atol=1e-5, rtol=0)
+    # ...and our own reader gives the model back (Q8_0 blocks kept).
+    loaded = transformdsl.load(tmp_path)
+    assert type(loaded).__name__ == "Qwen3ForCausalLM"
+    assert type(loaded.model.layers[0].self_attn.q_proj).__name__ == ("Q8_0Linear" if script else "Linear")
+    assert torch.equal(loaded(TOKENS).logits, ours)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"head_dim": 16}, "head_dim 16; transformers' GGUF loader builds a qwen3 model with head_dim 128"),
+    ({"attention_bias": True}, "config.attention_bias=true"),
+    ({"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}, "'sliding_attention'"),
+])
+def test_gguf_export_refuses_a_qwen3_no_stock_reader_would_read_alike(tmp_path, overrides, message):
+    with pytest.raises(TransformError, match=re.escape(message)):
+        transformdsl.save(tiny_qwen3(**overrides), tmp_path / "out", format="gguf")
+    assert not (tmp_path / "out").exists()
 
 
 def test_gguf_export_of_the_trained_bf16_llama_in_q8_0(tmp_path, trained):

@@ -155,6 +155,37 @@ print(json.dumps({"equal": torch.equal(models.run(model), expected), "finalized"
     assert json.loads(done.stdout) == {"equal": True, "finalized": [7], "class": "ScaledLinear"}
 
 
+def test_the_plugin_composes_with_a_later_built_in_and_converts_in_a_fresh_process(site, tmp_path):
+    """A later built-in statement selects the child the plugin's plan_effect announced
+    (``<path>.linear``), and ``convert`` of a checkpoint writes what transform -> save writes."""
+    code = """
+import sys, json, torch, transformdsl
+from pathlib import Path
+from transformdsl import models
+script = ("scale weights factor=3 in model.layers.0.self_attn.q_proj\\n"
+          "quantize int8 weight_only=true in model.layers.0.self_attn.q_proj.linear")
+root = Path(sys.argv[1])
+models.tiny_llama().save_pretrained(root / "source")
+plan = transformdsl.plan(models.tiny_llama(), script)
+targets = [list(step.targets) for step in plan.steps]
+reference = transformdsl.transform(transformdsl.load(root / "source"), script)
+transformdsl.save(reference, root / "saved")
+transformdsl.convert(root / "source", script, root / "converted")
+converted = transformdsl.load(root / "converted")
+layer = converted.model.layers[0].self_attn.q_proj
+print(json.dumps({"targets": targets, "classes": [type(layer).__name__, type(layer.linear).__name__],
+                  "equal": torch.equal(models.run(converted), models.run(reference)),
+                  "script": json.loads((root / "converted" / "transformdsl.json").read_text())["scripts"]}))
+"""
+    done = _run([site], code, str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["targets"] == [["model.layers.0.self_attn.q_proj"], ["model.layers.0.self_attn.q_proj.linear"]]
+    assert result["classes"] == ["ScaledLinear", "Int8WeightOnlyLinear"]
+    assert result["equal"]
+    assert "scale weights factor=3" in str(result["script"]) and "q_proj.linear" in str(result["script"])
+
+
 def test_a_plugin_that_fails_to_import_is_named_where_it_is_used(site, tmp_path):
     broken = _install("broken_plugin", tmp_path / "broken")
     status, _, err = _cli([site, broken], "check", _script(tmp_path, "prune heads\n"))

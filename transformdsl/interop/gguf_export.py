@@ -79,6 +79,17 @@ def architecture_of(model: nn.Module) -> gguf_layout.Architecture:
         if getattr(config, field, False):
             raise TransformError(f"format='gguf': config.{field}=true; llama.cpp's {arch.gguf} graph has no "
                                  "such bias tensors")
+    dim = gguf_layout.head_dim(config)
+    stock = {"metadata": dim, "width": config.hidden_size // config.num_attention_heads}.get(
+        arch.stock_head_dim, arch.stock_head_dim)
+    if dim != stock:
+        raise TransformError(f"format='gguf': head_dim {dim}; transformers' GGUF loader builds a {arch.gguf} "
+                             f"model with head_dim {stock} (it reads no head width for {arch.gguf}), so no stock "
+                             "reader would check this file")
+    windows = [t for t in getattr(config, "layer_types", None) or () if t != "full_attention"]
+    if windows:
+        raise TransformError(f"format='gguf': {len(windows)} layer(s) of type {windows[0]!r}; llama.cpp's "
+                             f"{arch.gguf} graph attends over the whole context (use_sliding_window=false)")
     if getattr(config, "hidden_act", "silu") != "silu":
         raise TransformError(f"format='gguf': hidden_act={config.hidden_act!r}; llama.cpp's {arch.gguf} uses silu")
     if gguf_layout.rope_type(config) != "default":

@@ -1,6 +1,6 @@
 """``load("file.gguf")``: a llama.cpp checkpoint as a transformers model, its Q8_0/Q4_0 blocks kept.
 
-The file is read with the bounded reader (:mod:`.gguf_read`); its architecture (``llama``, ``qwen2``:
+The file is read with the bounded reader (:mod:`.gguf_read`); its architecture (``llama``, ``qwen2``, ``qwen3``:
 :mod:`.gguf_layout`) and metadata give the transformers configuration, built on the meta device once
 the tensor table agrees with it (so a file's counts never size a model its tensors do not fill).  Then:
 
@@ -73,7 +73,7 @@ def _config(gf: GGUFFile):
                         f"metadata says vocabulary {values['vocab_size']} x width {values['hidden_size']}")
     dim = meta.get(f"{name}.rope.dimension_count",
                    meta.get(f"{name}.attention.key_length", values["hidden_size"] // values["num_attention_heads"]))
-    if not (isinstance(dim, int) and 0 < dim <= values["hidden_size"] and dim % 2 == 0):
+    if not (isinstance(dim, int) and 0 < dim <= 1 << 14 and dim % 2 == 0):  # the tensors' shapes check it
         raise LoadError(f"{gf.path}: rotary dimension {str(dim)[:40]!r}")
     theta = meta.get(f"{name}.rope.freq_base", 10000.0)
     if not isinstance(theta, (int, float)) or not 0 < theta < 1e12:

@@ -29,14 +29,23 @@ class Architecture:
     permuted_qk: bool
     #: Config fields that must be false (llama.cpp's graph for the family has no such tensors).
     no_bias: tuple[str, ...] = ()
+    #: The head width transformers' GGUF loader builds the family with: ``"metadata"`` (it reads
+    #: ``rope.dimension_count``), ``"width"`` (``hidden_size // num_attention_heads``: it reads no head
+    #: width) or a number (its config class's default: it reads none).  An export whose ``head_dim`` differs
+    #: is refused, as no stock reader would check it.
+    stock_head_dim: str | int = "metadata"
 
 
 #: ``config.model_type`` → its GGUF layout.  Not Mistral yet: llama.cpp writes it as ``llama`` named
 #: "mistral", and transformers 5.24's loader then asks gguf 0.19 for a "mistral" tensor table it lacks
-#: (NotImplementedError), so no stock reader would check our file.
+#: (NotImplementedError), so no stock reader would check our file.  Qwen3 is Qwen2 without the q/k/v
+#: biases and with a per-head RMSNorm of queries and keys (``attn_q_norm``/``attn_k_norm``); neither
+#: Qwen permutes q/k rows (llama.cpp's converter leaves them, transformers' loader has no processor
+#: for them), and transformers 5.24 reads a qwen3 file with ``Qwen3Config``'s default ``head_dim`` 128.
 ARCHITECTURES = {
     "llama": Architecture("llama", "llama", "LlamaForCausalLM", True, ("attention_bias", "mlp_bias")),
-    "qwen2": Architecture("qwen2", "qwen2", "Qwen2ForCausalLM", False),
+    "qwen2": Architecture("qwen2", "qwen2", "Qwen2ForCausalLM", False, stock_head_dim="width"),
+    "qwen3": Architecture("qwen3", "qwen3", "Qwen3ForCausalLM", False, ("attention_bias",), stock_head_dim=128),
 }
 
 #: GGUF metadata key (after ``<arch>.``) ← config field, for every architecture above.
