@@ -72,8 +72,10 @@ def test_int8_plan_notes_the_missing_int8_kernel_on_this_cpu():
     weight_only = transformdsl.plan(tiny_llama(), "quantize int8 weight_only=true").steps[0]
     bf16 = transformdsl.plan(tiny_llama().to(torch.bfloat16), "quantize int8 weight_only=true").steps[0]
     assert bf16.device_note is None  # bfloat16 activations: the packed kernel decodes
-    if "int8" in capabilities.packed_cpu_kernels():  # float32 activations cannot use it: said, with the fix
-        assert "model.to(torch.bfloat16)" in weight_only.device_note
+    if "int8" in capabilities.packed_cpu_kernels():  # float32 activations are rounded to bfloat16 for it: said
+        assert "activations rounded to bfloat16 inside the layer" in weight_only.device_note
+        half = transformdsl.plan(tiny_llama().to(torch.float16), "quantize int8 weight_only=true").steps[0]
+        assert "model.to(torch.bfloat16)" in half.device_note  # float16 cannot use it: said, with the fix
 
 
 def test_hqq_and_fp8_native_note_their_fallbacks_on_a_cpu():

@@ -83,9 +83,16 @@ def weight_only_note(device_type: str, dtypes: set[str], bits: int) -> str | Non
                 "call (about the float layer's cost)")
     if bits == 8 and dtypes and dtypes <= {"bfloat16"}:
         return None
+    if bits == 8 and "float32" in dtypes:
+        rest = sorted(dtypes - {"float32", "bfloat16"})
+        return ("float32 layers: decode-sized inputs (up to 8 rows) take the packed bf16 × int8 kernel "
+                "(aten._weight_int8pack_mm), their activations rounded to bfloat16 inside the layer (relative "
+                "error ~0.4%, beside the int8 weights' own); larger inputs multiply a float32 copy of the weight"
+                + (f"; {'/'.join(rest)} layers always do (the kernel takes bfloat16 or float32 inputs)" if rest
+                   else ""))
     if bits == 8:
         return ("these layers compute in " + "/".join(sorted(dtypes)) + ": the packed bf16 × int8 kernel "
-                "(aten._weight_int8pack_mm, decode-sized inputs) takes bfloat16 activations only, so they "
+                "(aten._weight_int8pack_mm, decode-sized inputs) takes bfloat16 or float32 activations, so they "
                 "multiply a float copy of the weight (about the float layer's cost); with model.to(torch.bfloat16) "
                 "before the transform a Llama-7B-wide layer decoded at 0.49× the fp32 model's time per token "
                 "(bfloat16 alone 0.65×; benchmarks/results/quantized_compute.md)")
