@@ -493,6 +493,10 @@ def tune(model: Any, *, max_kl: float | None = None, max_rms: float | None = Non
     except KeyboardInterrupt:
         partial, reason = True, "interrupted (Ctrl-C) during the whole-model evaluations; what was measured is kept"
 
+    def float_model() -> Candidate:
+        return Candidate("the float model", {}, 0.0, 1.0, qualities={metric: 0.0}, saved_bytes=float_bytes,
+                         size_ratio=1.0, passed=True)
+
     nothing_faster = (goal == "latency" and not partial and not evaluated and table
                       and not search.choose(table, capacity)[0])
     passing = [c for c in evaluated if c.passed]
@@ -505,8 +509,7 @@ def tune(model: Any, *, max_kl: float | None = None, max_rms: float | None = Non
             reason = reason or (f"no script met {metric} <= {bound:g}: the best reached was "
                                 f"{chosen_candidate.qualities.get(metric, math.inf):.4g}, by {chosen_candidate.summary()}")
         elif nothing_faster:
-            chosen_candidate = Candidate("the float model", {}, 0.0, 1.0, qualities={metric: 0.0}, saved_bytes=float_bytes,
-                                         size_ratio=1.0, passed=True)
+            chosen_candidate = float_model()
             passed = True
             reason = (f"no mode made a layer at least {LAYER_GAIN:.0%} faster than the float layer on this machine: "
                       f"within {metric} <= {bound:g} the fastest model is the float model (no statement)")
@@ -521,8 +524,11 @@ def tune(model: Any, *, max_kl: float | None = None, max_rms: float | None = Non
                 chosen_candidate = candidate("knapsack (not verified)", chosen)
                 chosen_candidate.text = script_writer.write(model, chosen, universes, [])
     if goal == "latency" and passed and chosen_candidate.latency is not None and chosen_candidate.latency.ratio >= 1.0:
+        # the float model is then the pick (no statement), not the slower script measured
         reason = (f"no script measured was faster than the float model on this machine (the best: "
-                  f"{chosen_candidate.latency.text()}); the float model is the fastest within the budget")
+                  f"{chosen_candidate.summary()}, {chosen_candidate.latency.text()}): within {metric} <= {bound:g} "
+                  f"the fastest model is the float model (no statement)")
+        chosen_candidate = float_model()
 
     cpu = measure.cpu_name()
     result = TuneResult("", metric, bound, goal,
