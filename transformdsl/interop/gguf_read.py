@@ -120,7 +120,7 @@ class GGUFFile:
             return self._string(what)
         if kind != _ARRAY or depth:
             raise self._fail(f"{what} has unknown value type {kind}" if kind != _ARRAY else f"{what}: nested array")
-        item = self._scalar(4, f"{what}'s element type")
+        item = self._array_item = self._scalar(4, f"{what}'s element type")
         count = self._scalar(10, f"{what}'s length")
         if count > MAX_ARRAY:
             raise self._fail(f"{what}: an array of {count} elements (at most {MAX_ARRAY})")
@@ -152,12 +152,16 @@ class GGUFFile:
         if n_keys > MAX_KEYS or n_keys * 12 > left:
             raise self._fail(f"{n_keys} metadata keys stated (at most {MAX_KEYS}, and {left} bytes left)")
         self.metadata: dict = {}
+        #: Each key's GGUF value type and, for an array, its element type (``gguf.GGUFValueType`` numbers):
+        #: what writing the value again as it was needs.
+        self.value_types: dict[str, tuple[int, int | None]] = {}
         for i in range(n_keys):
             key = self._string(f"metadata key {i}", MAX_NAME)
             kind = self._scalar(4, f"type of {key!r}")
             if key in self.metadata:
                 raise self._fail(f"metadata key {key!r} twice")
             self.metadata[key] = self._value(kind, repr(key))
+            self.value_types[key] = (kind, self._array_item if kind == _ARRAY else None)
         alignment = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
         if not (isinstance(alignment, int) and 0 < alignment <= 1 << 16 and alignment & (alignment - 1) == 0):
             raise self._fail(f"general.alignment {alignment!r} is not a power of two up to 65536")
