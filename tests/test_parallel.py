@@ -202,6 +202,17 @@ def test_plan_overrides_and_their_errors(tmp_path):
         describe(models.tiny_flux(), 2)
 
 
+def test_a_diffusers_attention_projection_is_refused_its_feed_forward_shards():
+    """diffusers' processors split q/k/v into attn.heads heads whatever the width: a column shard of
+    to_q would run each rank's half of every head as if it were whole (wrong output, no error)."""
+    flux = models.tiny_flux()
+    with pytest.raises(LoadError, match=r"transformer_blocks\.0\.attn\.to_q: FluxAttention splits its projections "
+                                        r"into attn\.heads=\d+ heads.*a wrong result, no error"):
+        describe(flux, 2, {"transformer_blocks.*.attn.to_q": "colwise"})
+    placed = describe(flux, 2, {"transformer_blocks.*.ff.net.0.proj": "colwise", "transformer_blocks.*.ff.net.2": "rowwise"})
+    assert {p.axis for p in placed} == {"rows", "columns"} and len(placed) == 2 * len(flux.transformer_blocks)
+
+
 def test_a_distributed_config_gives_the_plan_and_only_tensor_parallelism():
     from transformers.distributed import DistributedConfig
 

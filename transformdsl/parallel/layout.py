@@ -230,11 +230,27 @@ def _ranges(parts: tuple[int, ...], rank: int, world: int) -> Ranges:
     return tuple(out)
 
 
+def _heads_read_from_the_module(path: str, parent: nn.Module | None, problems: _Problems) -> bool:
+    """Whether ``parent`` is an attention that reads its number of heads from an attribute (diffusers'
+    ``Attention``: its processors split q, k, v into ``attn.heads`` heads), where a sharded projection
+    would cut every head's features instead of the heads: a wrong result with no error.  Said."""
+    if parent is None or not type(parent).__module__.startswith("diffusers.") or not isinstance(
+            getattr(parent, "heads", None), int):
+        return False
+    problems.add(path, f"{type(parent).__name__} splits its projections into attn.heads={parent.heads} heads "
+                 "whatever their width, so a shard would split each head's features instead of the heads (a wrong "
+                 "result, no error); replicate its projections (tp_plan={...: 'replicate'}) and shard the "
+                 "feed-forward layers, or load without tp_plan")
+    return True
+
+
 def _place(path: str, module: nn.Module, parent: nn.Module | None, style: str, rank: int, world: int,
            problems: _Problems) -> Placement | None:
     axis, gather, split_input = STYLES[style]
     kind = _kind(path, module, axis, problems)
     if kind is None:
+        return None
+    if axis in ("rows", "columns") and _heads_read_from_the_module(path, parent, problems):
         return None
     if axis == "replicated":
         return Placement(path, style, axis, kind, (), 0, rank, world)
@@ -266,6 +282,8 @@ def _place_fused(path: str, attention: nn.Module, styles: dict[str, str], rank: 
         problems.add(fused_path, f"fused q|k|v, but the plan places {', '.join(FUSED_SOURCES)} as "
                      f"{', '.join(str(styles.get(n)) for n in FUSED_SOURCES)}; a fused projection shards only when "
                      "all three are 'colwise' (or all 'replicate'); load a save without 'fuse qkv'")
+        return None
+    if _heads_read_from_the_module(fused_path, attention, problems):
         return None
     layer = attention.qkv_proj
     kind = _kind(fused_path, layer, "rows", problems)
