@@ -245,7 +245,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_ranks(cases: list[dict], tmp_path: Path, nproc: int = 2) -> list[list[dict]]:
+def run_ranks(cases: list[dict], tmp_path: Path, nproc: int = 2, timeout: float = JOB_TIMEOUT_S) -> list[list[dict]]:
     """Run tests/tp_worker.py on ``cases`` in ``nproc`` ranks (gloo, loopback only); each rank's records."""
     spec, out = tmp_path / "spec.json", tmp_path / "out"
     out.mkdir()
@@ -254,7 +254,7 @@ def run_ranks(cases: list[dict], tmp_path: Path, nproc: int = 2) -> list[list[di
            "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
                f"--master-port={_free_port()}", str(WORKER), str(spec), str(out)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
 
@@ -292,6 +292,38 @@ def test_two_ranks_give_the_one_process_logits(two_ranks, index):
         assert "save_error" in record and "tensor-parallel shards" in record["save_error"]
     if "fuse qkv" in list(SHARDED)[index]:
         assert "fused q|k|v" in two_ranks[0][index]["plan"]
+
+
+#: Four ranks: statements that shard the built-in Llama with four key/value heads over 4, and one refused
+#: there (int4 groups of 32 split by a column shard of 64 / 4 = 16 input features).
+FOUR_RANKS = {"fuse qkv; quantize int8 weight_only=true": torch.float32, "quantize w8a8": torch.float32,
+              "fp8 storage": torch.bfloat16}
+FOUR_RANKS_REFUSED = "quantize int4 group_size=32"
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tp4")
+    cases = []
+    for i, script in enumerate([*FOUR_RANKS, FOUR_RANKS_REFUSED]):
+        model = _llama(num_key_value_heads=4)
+        transformdsl.transform(model, script)
+        transformdsl.save(model, tmp / f"s{i}")
+        cases.append({"dir": str(tmp / f"s{i}")})
+    return run_ranks(cases, tmp, nproc=4, timeout=2 * JOB_TIMEOUT_S)
+
+
+@pytest.mark.slow
+def test_four_ranks_give_the_one_process_logits_and_refuse_alike(four_ranks):
+    for index, dtype in enumerate(FOUR_RANKS.values()):
+        for rank, records in enumerate(four_ranks):
+            record = records[index]
+            assert "error" not in record, (rank, record)
+            assert record["max_diff"] <= tolerance(dtype, record["scale"]), (rank, record)
+            assert record["local_bytes"] < 0.4 * record["whole_bytes"]  # each rank holds about a quarter
+            assert f"on rank {rank} of 4" in record["plan"]
+    messages = {records[len(FOUR_RANKS)]["error"] for records in four_ranks}
+    assert len(messages) == 1 and "int4 group_size=32 would be split" in messages.pop()
 
 
 @pytest.mark.slow
