@@ -294,6 +294,29 @@ def test_two_ranks_give_the_one_process_logits(two_ranks, index):
         assert "fused q|k|v" in two_ranks[0][index]["plan"]
 
 
+@pytest.mark.slow
+def test_our_transformers_export_loads_tensor_parallel_in_stock_transformers(tmp_path):
+    """A merged LoRA and a fused q|k|v export as plain float weights (fused written unfused): stock
+    ``from_pretrained(..., tp_plan="auto")`` shards them with the one-process logits.  fp8
+    (FineGrainedFP8) and compressed-tensors exports do not load tensor-parallel in stock transformers
+    5.24 on a CPU (spec.md, "Past one device"): recorded, so that an upgrade that fixes them shows."""
+    cases = []
+    for name, script, fmt in [("fused", f'lora "{write_llama_lora(tmp_path / "style.safetensors")}"\nfuse qkv',
+                               "transformers"),
+                              ("fp8", "fp8 native", "transformers"), ("w8a8", "quantize w8a8", "compressed-tensors")]:
+        model = models.tiny_llama()
+        transformdsl.transform(model, script)
+        transformdsl.save(model, tmp_path / name, format=fmt)
+        cases.append({"dir": str(tmp_path / name), "stock": True})
+    fused, fp8, w8a8 = zip(*run_ranks(cases, tmp_path))
+    for record in fused:
+        assert "error" not in record, record
+        assert record["max_diff"] <= tolerance(torch.float32, record["scale"])
+        assert record["local_bytes"] < 0.75 * record["whole_bytes"]  # embeddings and norms replicated
+    for records, raised in ((fp8, "IndexError"), (w8a8, "AttributeError")):
+        assert all(r.get("error", "").startswith(raised) for r in records), records
+
+
 #: Four ranks: statements that shard the built-in Llama with four key/value heads over 4, and one refused
 #: there (int4 groups of 32 split by a column shard of 64 / 4 = 16 input features).
 FOUR_RANKS = {"fuse qkv; quantize int8 weight_only=true": torch.float32, "quantize w8a8": torch.float32,
