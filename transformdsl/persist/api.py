@@ -35,7 +35,7 @@ from .write import save_module
 
 
 def save(model: Any, directory: str | os.PathLike, *, max_shard_size: int = DEFAULT_SHARD_BYTES,
-         format: str = FORMAT) -> Path:
+         format: str = FORMAT, tokenizer: Any = None) -> Path:
     """Save ``model`` (transformed or not; a module or a pipeline) to ``directory``.
 
     ``format="transformers"`` or ``"diffusers"`` writes what the library's stock
@@ -43,6 +43,8 @@ def save(model: Any, directory: str | os.PathLike, *, max_shard_size: int = DEFA
     ``format="gguf"`` writes ``directory/model.gguf`` for llama.cpp (and transformers'
     ``from_pretrained(directory, gguf_file="model.gguf")``, :mod:`transformdsl.interop.gguf_export`); a
     statement the format cannot carry is a :class:`TransformError` before anything is written.
+    ``tokenizer`` (``format="gguf"`` only): the Hugging Face tokenizer to write into the file; without
+    it, the GGUF file the model was imported from, or the tokenizer saved beside the model, gives it.
 
     The write is atomic: everything is written to a temporary sibling directory, flushed,
     then swapped into place, so an interrupted save leaves any previous save intact and
@@ -51,13 +53,16 @@ def save(model: Any, directory: str | os.PathLike, *, max_shard_size: int = DEFA
     :class:`TransformError` naming the directory and the cause.
     """
     check_format(format)
+    if tokenizer is not None and format != "gguf":
+        raise TransformError(f"save(tokenizer=...): only format='gguf' writes a tokenizer (format={format!r} saves "
+                             "the model; save the tokenizer with its own save_pretrained)")
     if getattr(model, "tensor_parallel", None) is not None:
         raise TransformError("save(): this model holds one rank's tensor-parallel shards (loaded with tp_plan=); "
                              "save the model loaded without tp_plan")
     directory = Path(directory)
     with writing(directory) as (tmp, save_id):
         if format == "gguf":
-            save_gguf_model(model, tmp)
+            save_gguf_model(model, tmp, tokenizer)
         elif is_pipeline(model):
             save_pipeline(model, tmp, max_shard_size, save_id, format)
         elif isinstance(model, nn.Module) and format != FORMAT:
@@ -69,11 +74,11 @@ def save(model: Any, directory: str | os.PathLike, *, max_shard_size: int = DEFA
     return directory
 
 
-def save_gguf_model(model: Any, directory: Path) -> None:
+def save_gguf_model(model: Any, directory: Path, tokenizer: Any = None) -> None:
     """``save(..., format="gguf")``: one language model as ``directory/model.gguf``."""
     if not isinstance(model, nn.Module) or is_pipeline(model):
         raise TransformError(f"format='gguf' writes one language model (an nn.Module), not {type(model).__name__}")
-    save_gguf(model, directory)
+    save_gguf(model, directory, tokenizer=tokenizer)
 
 
 def load(directory: str | os.PathLike, model: nn.Module | Callable[[], nn.Module] | None = None, *,
