@@ -533,8 +533,29 @@ def tune_section() -> str:
     body = page.read_text().split("\n", 1)[-1].replace("Every figure below is written by the script that "
                                                       "measured it.\n", "")
     body = body.split("\n### Every uniform script", 1)[0]
-    return (heading + body.rstrip("\n") + "\n\nEvery uniform script, tune's scripts and its Pareto table: "
+    text = (heading + body.rstrip("\n") + "\n\nEvery uniform script, tune's scripts and its Pareto table: "
             "[results/tune.md](results/tune.md).\n\n![tune, goal size](results/tune_size.png)\n")
+    shipped = HERE / "results" / "tune_smollm2.md"  # the shipped pretrained model (bench_tune.py --model smollm2)
+    if shipped.exists():
+        body = shipped.read_text().split("\n", 1)[-1].replace("Every figure below is written by the script that "
+                                                             "measured it.\n", "")
+        body = body.split("\n### Every uniform script", 1)[0]
+        text += ("\n### On a shipped pretrained model: SmolLM2-135M-Instruct\n" + body.rstrip("\n")
+                 + "\n\nEvery uniform script, tune's scripts and its Pareto table: "
+                 "[results/tune_smollm2.md](results/tune_smollm2.md).\n\n"
+                 "![tune on SmolLM2-135M-Instruct, goal size](results/tune_smollm2_size.png)\n")
+    return text
+
+
+def serving_section() -> str:
+    """Our GGUF exports in llama.cpp and decode speed against it (``benchmarks/bench_serving.py``
+    writes ``results/serving.md``)."""
+    heading = "## Serving: our GGUF export in llama.cpp\n"
+    page = HERE / "results" / "serving.md"
+    if not page.exists():
+        return heading + "\nNot yet measured: `benchmarks/bench_serving.py` writes `benchmarks/results/serving.md`.\n"
+    body = page.read_text().split("\n", 1)[-1]
+    return heading + body.rstrip("\n") + "\n\nThe page: [results/serving.md](results/serving.md).\n"
 
 
 def calibration_section() -> str:
@@ -827,6 +848,7 @@ def write_report(rows: list[dict], scaling: list[dict], meta: dict, out: Path, d
     text += "\n" + cache_section()
     text += "\n" + tune_section()
     text += "\n" + calibration_section()
+    text += "\n" + serving_section()
     text += "\n## GPU\n" + gpu_section()
     text += "\n## Not measured\n\n" + NOT_MEASURED
     text += f"\nComparisons are declared in `benchmarks/comparisons.py` ({len(COMPARISONS)} entries), the by-hand "
