@@ -20,7 +20,7 @@ from safetensors import safe_open
 import transformdsl
 from transformdsl import LoadError, TransformError, models
 from transformdsl.persist import write as persist_write
-from transformdsl.persist.streaming import split_units
+from transformdsl.streaming import split_units
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -153,21 +153,21 @@ def test_save_leaves_sibling_directories_that_only_look_like_its_temporaries(tmp
 def test_save_removes_what_its_killed_runs_left(tmp_path):
     """What a killed save leaves (a temporary with the marker, an empty temporary killed before
     the marker, a previous copy being removed with its marker) is still removed."""
-    from transformdsl.persist.atomic import _TMP_MARKER, _boot_id, _boot_tag
+    from transformdsl.persist.atomic import TMP_MARKER, _boot_id, _boot_tag
 
     dead = 999999  # no such process
     marked = tmp_path / f".t.tmp-{dead}.{_boot_tag()}.k2j4h5g6"
     marked.mkdir()
     (marked / "model.safetensors").write_bytes(b"partial")
-    (marked / _TMP_MARKER).write_text(f"{dead} {_boot_id()}\n")
+    (marked / TMP_MARKER).write_text(f"{dead} {_boot_id()}\n")
     empty = tmp_path / f".t.tmp-{dead}.{_boot_tag()}.a1b2c3d4"
     empty.mkdir()
     old = tmp_path / f".t.old-{dead}"
     old.mkdir()
-    (old / _TMP_MARKER).write_text(f"{dead} {_boot_id()}\n")
+    (old / TMP_MARKER).write_text(f"{dead} {_boot_id()}\n")
     transformdsl.save(torch.nn.Linear(2, 2), tmp_path / "t")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t"]
-    assert not (tmp_path / "t" / _TMP_MARKER).exists()
+    assert not (tmp_path / "t" / TMP_MARKER).exists()
 
 
 # --------------------------------------------------------------------------- --model DIR

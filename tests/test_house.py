@@ -13,7 +13,7 @@ def test_no_import_circle_and_no_private_name_imported_across_modules(capsys):
     status = imports.main([str(ROOT / "transformdsl"), str(ROOT / "benchmarks")])
     out = capsys.readouterr().out
     assert status == 0, out
-    assert "no import circle" in out
+    assert "no import circle" in out and "no upward import between its" in out
 
 
 def test_the_checker_finds_a_circle_and_a_private_import(tmp_path, capsys):
@@ -48,6 +48,36 @@ def test_the_checker_counts_a_package_init_and_annotation_only_imports(tmp_path,
     (package / "sub" / "__init__.py").write_text("def __getattr__(name):\n    from . import top\n    return top\n")
     (package / "hinted.py").write_text("")
     assert imports.main([str(package)]) == 0, capsys.readouterr().out
+
+
+def test_the_checker_finds_an_import_up_the_floors(tmp_path, capsys, monkeypatch):
+    """A module may import its own floor and those below it (tools/imports.py ``LAYERS``, CONTRIBUTING.md's
+    table); a deferred import up counts, and so does one that only a package ``__init__`` runs on the way."""
+    package = tmp_path / "pkg"
+    (package / "low").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "low" / "__init__.py").write_text("from .. import top\n")  # runs whenever pkg.low.x is imported
+    (package / "low" / "base.py").write_text("X = 1\n")
+    (package / "mid.py").write_text("def f():\n    from .low.base import X\n    return X\n")
+    (package / "top.py").write_text("")
+    monkeypatch.setitem(imports.LAYERS, "pkg", [("low", ("low",)), ("middle", ("mid",)), ("top", ("", "top"))])
+    assert imports.main([str(package)]) == 1
+    out = capsys.readouterr().out
+    assert "pkg.low (low) imports pkg.top (top): upward" in out
+    assert "pkg.mid (middle) imports pkg.top (top): upward" in out  # through pkg/low/__init__.py
+    (package / "low" / "__init__.py").write_text("")
+    assert imports.main([str(package)]) == 0, capsys.readouterr().out
+    (package / "stray.py").write_text("")
+    assert imports.main([str(package)]) == 1
+    assert "pkg.stray: on no floor" in capsys.readouterr().out
+
+
+def test_every_floor_of_the_house_is_in_contributing():
+    """CONTRIBUTING.md's table names each floor tools/imports.py enforces, in the same order."""
+    text = (ROOT / "CONTRIBUTING.md").read_text()
+    positions = [text.find(f"| {name} |") for name, _ in imports.LAYERS["transformdsl"]]
+    assert -1 not in positions, [name for (name, _), at in zip(imports.LAYERS["transformdsl"], positions) if at < 0]
+    assert positions == sorted(positions)
 
 
 def test_package_data_copies_match_their_sources():

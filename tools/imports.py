@@ -7,7 +7,8 @@ Importing ``a.b.c`` counts as importing what ``a/__init__.py`` and ``a/b/__init_
 run, since they run first: their top-level imports (not those inside their functions, which run later
 if ever, nor those under ``TYPE_CHECKING``); the importer's own enclosing packages are left out (they
 began running before it did).  Exits 1 when it finds one.  Also lists underscore
-names imported from another module (``from .x import _private``), which the house rules forbid.
+names imported from another module (``from .x import _private``), which the house rules forbid, and
+every import that runs *up* the layers of :data:`LAYERS` (CONTRIBUTING.md draws them).
 """
 
 from __future__ import annotations
@@ -15,6 +16,63 @@ from __future__ import annotations
 import ast
 import sys
 from pathlib import Path
+
+#: The floors of the house, bottom first, per package: a module imports modules on its own floor or below,
+#: never above (deferred and annotation-only imports count, as for circles).  A module is placed by the
+#: longest dotted prefix (below the package) that names it; ``""`` is the package's own ``__init__``.
+#: CONTRIBUTING.md "Layout" describes each floor.
+LAYERS: dict[str, list[tuple[str, tuple[str, ...]]]] = {
+    "transformdsl": [
+        ("foundations", ("ir", "errors", "regexes", "version", "units", "dtypes", "quiet", "capabilities")),
+        ("language", ("parser_tables", "parser", "formatter")),
+        ("the API", ("options", "switches", "tree", "edit", "spill", "history", "transforms.common.modules",
+                     "interop.hook_types", "interop.rules", "extend")),
+        ("declarations and validation", ("registry", "validate")),
+        ("calibration", ("calibration",)),
+        ("planning", ("selectors", "declarations", "planner", "hints", "explain")),
+        ("built-in models", ("models.builtin", "models.inputs")),
+        ("transforms and the executor", ("transforms", "verification", "executor")),
+        ("tensor parallelism", ("parallel",)),
+        ("persistence foundations", ("persist.savedir", "persist.safetensors_io", "persist.plain_tensors",
+                                     "persist.guard", "persist.format", "persist.checks", "persist.atomic",
+                                     "interop.layout", "interop.gguf_read")),
+        ("reading and writing", ("persist.read", "persist.write", "persist.placement")),
+        ("library and server layouts", ("interop",)),
+        ("save, load, inspect", ("persist", "interop.directories")),
+        ("convert", ("streaming",)),
+        ("front doors", ("", "models", "models.resolve", "tune", "demo", "cli", "__main__")),
+    ],
+}
+
+
+def floor(layers: list[tuple[str, tuple[str, ...]]], module: str) -> int | None:
+    """The index in ``layers`` of the floor ``module`` (dotted, below the package) stands on."""
+    best, where = -1, None
+    for index, (_, prefixes) in enumerate(layers):
+        for prefix in prefixes:
+            if (prefix == "" and module == "") or (prefix and (module == prefix or module.startswith(prefix + "."))):
+                if len(prefix) > best:
+                    best, where = len(prefix), index
+    return where
+
+
+def upward(root: Path, edges: dict[str, set[str]]) -> list[str]:
+    """Each import in ``edges`` from a floor of :data:`LAYERS` to a higher one, and each module on no floor."""
+    layers = LAYERS.get(root.name)
+    if layers is None:
+        return []
+    out = []
+    strip = len(root.name) + 1
+    for me in sorted(edges):
+        mine = floor(layers, me[strip:])
+        if mine is None:
+            out.append(f"{me}: on no floor of tools/imports.py LAYERS")
+            continue
+        for target in sorted(edges[me]):
+            theirs = floor(layers, target[strip:])
+            if theirs is not None and theirs > mine:
+                out.append(f"{me} ({layers[mine][0]}) imports {target} ({layers[theirs][0]}): upward")
+    return out
 
 
 def module_name(root: Path, path: Path) -> str:
@@ -180,10 +238,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"circle of {len(component)} in {root.name}: " + ", ".join(component))
         for line in private:
             print(line)
-        if found or private:
+        up = upward(root.resolve(), edges)
+        for line in up:
+            print(line)
+        if found or private or up:
             status = 1
         else:
-            print(f"{root.name}: {len(edges)} modules, no import circle, no underscore name imported across modules")
+            print(f"{root.name}: {len(edges)} modules, no import circle, no underscore name imported across modules"
+                  + (f", no upward import between its {len(LAYERS[root.name])} floors" if root.name in LAYERS else ""))
     return status
 
 

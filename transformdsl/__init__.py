@@ -33,8 +33,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from . import tune
     from .executor import transform
     from .parser import parse
-    from .persist import convert, load, save
+    from .persist import load, save
     from .planner import Plan, plan
+    from .streaming import convert
     from .transforms.lora.runtime import lora_adapters, set_lora
 
 
@@ -52,7 +53,7 @@ def __getattr__(name: str):
     elif name == "load":
         from .persist import load as value
     elif name == "convert":
-        from .persist import convert as value
+        from .streaming import convert as value
     elif name == "set_lora":
         from .transforms.lora.runtime import set_lora as value
     elif name == "lora_adapters":

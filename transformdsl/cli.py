@@ -136,7 +136,7 @@ def cmd_convert(args) -> int:
     import warnings
 
     from .executor import NothingToDoWarning
-    from .persist import convert
+    from .streaming import convert
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", NothingToDoWarning)

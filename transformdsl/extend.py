@@ -67,8 +67,8 @@ if TYPE_CHECKING:  # pragma: no cover  (the declarations import no torch: `check
     from .interop.hook_types import Exported, Headers
     from .tree import ModuleInfo, ModuleTree
 
-__all__ = ["API_VERSION", "ApplyContext", "CommonOptions", "LoadError", "NoOptions", "Transform", "TransformError",
-           "human_bytes", "is_conv1d", "option", "put_module", "recorded_targets", "tied_weights"]
+__all__ = ["API_VERSION", "FRESH_RUN", "ApplyContext", "CommonOptions", "LoadError", "NoOptions", "RuntimeTransform",
+           "Transform", "TransformError", "human_bytes", "is_conv1d", "option", "put_module", "recorded_targets", "tied_weights"]
 
 #: The version of this API (the :class:`Transform` attributes and hooks, :class:`ApplyContext`, the helpers
 #: exported here, and what they promise).  It increases when a change would break a transform written
@@ -280,3 +280,103 @@ class Transform:
         split tensors in ``out``, add a note, or ask for the ``quantization_config``; raise
         ``out.refuse(step, why)`` when the format cannot carry it (the default)."""
         raise out.refuse(step, f"{out.library} has no representation of '{step.key}'")
+
+
+#: The attribute :class:`RuntimeTransform` sets on a module it attached to when it keeps state between calls
+#: (a step cache): its :meth:`~RuntimeTransform.fresh_run`, which ``verify`` enters around each sample.
+FRESH_RUN = "_transformdsl_fresh_run"
+
+
+class RuntimeTransform(Transform):
+    """A statement that changes how the model runs, not its weights or structure (``compile``, a step
+    ``cache``, an ``attention`` backend): nothing of it is stored, so :meth:`rebuild` has nothing to do, a
+    library's layout gets a note instead (:meth:`export`), and loading attaches it again (:meth:`finalize`).
+
+    A subclass writes one method, :meth:`attach`, used both when the statement runs and when a saved model
+    is loaded; :meth:`apply` is written on it: each target's attributes are saved first
+    (``edit.touch`` of :meth:`touches`) and :meth:`detach` is registered, so a failure later in the
+    script rolls the model back to exactly what it was.  A technique that keeps state between calls
+    (a step cache) also writes :meth:`fresh_run`.  Modelled on diffusers' ``ModelHook``: attach, detach,
+    reset.
+    """
+
+    changes_weights: ClassVar[bool] = False
+    #: The record field that lists what :meth:`attach` returned (e.g. ``"modules"`` a backend was set on).
+    attached_field: ClassVar[str | None] = None
+    #: The advice the note of a library layout gives (``save(..., format="transformers")``): what its user
+    #: calls after ``from_pretrained`` instead.
+    after_from_pretrained: ClassVar[str] = "apply it again after from_pretrained"
+    #: Why the layout cannot keep it (``{library}`` is replaced by the library's name).
+    not_stored: ClassVar[str] = "{library} keeps no run-time setting in a checkpoint"
+
+    @classmethod
+    def attach(cls, module: nn.Module, path: str, options: Any, edit: Edit | None) -> list[str] | None:
+        """Attach the technique to ``module`` (the target at ``path``); ``edit`` is the run's edit log while
+        the statement runs (route any change outside module attributes through it), None on load.  Returns
+        the names of what it attached to, recorded under :attr:`attached_field` (or None)."""
+        raise NotImplementedError(f"'{cls.key()}' attaches nothing")
+
+    @classmethod
+    def detach(cls, module: nn.Module) -> None:
+        """Undo :meth:`attach` beyond the module attributes a rollback restores by itself (e.g. hooks a
+        library registered elsewhere).  Default: nothing."""
+
+    @classmethod
+    def touches(cls, module: nn.Module) -> list[nn.Module]:
+        """The modules whose attributes :meth:`attach` sets (saved before it runs).  Default: the target."""
+        return [module]
+
+    @classmethod
+    def fresh_run(cls, module: nn.Module) -> Any:
+        """A context manager in which one call of ``module`` starts from no state kept since an earlier call,
+        and leaves none behind (``transform(..., verify=True)`` runs each sample in it); None (the default):
+        the technique keeps no state between calls."""
+        return None
+
+    def record_fields(self) -> dict:
+        """What the record holds besides ``targets`` (and :attr:`attached_field`).  Default: the options."""
+        import dataclasses
+
+        return {"options": dataclasses.asdict(self.options)} if dataclasses.is_dataclass(self.options) else {}
+
+    def apply(self, ctx: ApplyContext, targets: list[str]) -> dict:
+        cls = type(self)
+        record: dict = {"targets": list(targets), **self.record_fields()}
+        attached: list[str] = []
+        for path in ctx.progress(targets, total=len(targets), desc=self.key()):
+            module = ctx.root.get_submodule(path) if path else ctx.root
+            for touched in cls.touches(module):
+                ctx.edit.touch(touched)
+            ctx.edit.on_rollback(lambda m=module: cls.detach(m))
+            attached.extend(cls.attach(module, path, self.options, ctx.edit) or [])
+            cls.mark_stateful(module, ctx.edit)
+        if cls.attached_field:
+            record[cls.attached_field] = attached
+        return record
+
+    @classmethod
+    def mark_stateful(cls, module: nn.Module, edit: Edit | None) -> None:
+        """Leave :data:`FRESH_RUN` on ``module`` when the technique keeps state between calls."""
+        if cls.fresh_run.__func__ is RuntimeTransform.fresh_run.__func__:
+            return
+        if edit is not None:
+            edit.setattr(module, FRESH_RUN, cls.fresh_run)
+        else:
+            setattr(module, FRESH_RUN, cls.fresh_run)
+
+    @classmethod
+    def rebuild(cls, root: nn.Module, record: dict, options: Any) -> None:
+        """Nothing structural: it changes no module and no state_dict key."""
+
+    @classmethod
+    def export(cls, step: AppliedStep, out: Exported) -> None:
+        """Nothing to store: a note says what to call after ``from_pretrained``."""
+        out.notes.append(f"{out.where(step)}: not stored ({cls.not_stored.format(library=out.library)}); "
+                         f"{cls.after_from_pretrained}")
+
+    @classmethod
+    def finalize(cls, root: nn.Module, record: dict, options: Any) -> None:
+        """Attach it again to the recorded targets of the loaded model (nothing of it was saved)."""
+        for path, module in recorded_targets(root, record, cls.key()):
+            cls.attach(module, path, options, None)
+            cls.mark_stateful(module, None)

@@ -37,7 +37,7 @@ if TYPE_CHECKING:  # pragma: no cover
 GROUP = "transformdsl.transforms"
 
 #: The built-in transforms: key → ``"module:Class"`` of its (torch-free) declaration; the ``attention``
-#: backends, one key each, are added from the attention family's list on first use (:func:`builtin`).
+#: backends, one key each, come from the family's own table (:data:`FAMILY_TABLES`) on first use.
 BUILTIN: dict[str, str] = {
     "calibrate": "transformdsl.transforms.calibrate:Calibrate",
     "cache faster": "transformdsl.transforms.cache:FasterCache",
@@ -68,19 +68,21 @@ BUILTIN: dict[str, str] = {
 }
 
 
-def _attention_keys() -> dict[str, str]:
-    """``attention BACKEND``: one key per backend of diffusers and transformers (torch-free list)."""
-    from .transforms import attention
-
-    return {f"attention {mode}": f"transformdsl.transforms.attention:Attention_{mode}" for mode in attention.MODES}
+#: Families with a key per value of a list they own (``attention BACKEND``: one per backend of diffusers
+#: and transformers): ``"module:NAME"`` of their torch-free ``{key: "module:Class"}`` table, read by name
+#: on first use like any reference (the registry imports no family).
+FAMILY_TABLES: tuple[str, ...] = ("transformdsl.transforms.attention:KEYS",)
 
 
 def builtin() -> dict[str, str]:
-    """Every built-in key → its reference: :data:`BUILTIN`, and one ``attention BACKEND`` key per backend,
-    listed by the attention family's declarations (read on first use, not when the registry is imported)."""
+    """Every built-in key → its reference: :data:`BUILTIN` and the keys of :data:`FAMILY_TABLES`."""
     global _BUILTIN_ALL
     if _BUILTIN_ALL is None:
-        _BUILTIN_ALL = {**BUILTIN, **_attention_keys()}
+        tables = {}
+        for reference in FAMILY_TABLES:
+            module, _, name = reference.partition(":")
+            tables.update(getattr(importlib.import_module(module), name))
+        _BUILTIN_ALL = {**BUILTIN, **tables}
     return _BUILTIN_ALL
 
 

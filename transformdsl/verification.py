@@ -29,6 +29,7 @@ Metrics (:data:`METRICS`):
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -272,12 +273,12 @@ class Output:
 
 
 def _one_output(raw: Any) -> tuple[torch.Tensor, str]:
-    from . import models
+    from .models.inputs import one_tensor
 
     logits = getattr(raw, "logits", None)
     if isinstance(logits, torch.Tensor) and getattr(raw, "sample", None) is None:
         return logits, "logits"
-    return models.one_tensor(raw), "tensor"
+    return one_tensor(raw), "tensor"
 
 
 def describe_inputs(args: tuple, kwargs: dict) -> str:
@@ -297,23 +298,38 @@ def model_output(model: Any, inputs: tuple[tuple, dict] | None = None) -> Output
     Modules run in eval mode (no dropout, no batch-norm statistics updated: the run must
     not change the model it checks); their training flags are restored afterwards.
     """
-    from . import models
+    from .models.inputs import sample_inputs
     from .planner import module_components
-    from .transforms.cache.guard import fresh_context  # a step cache runs each sample as a fresh denoising loop
 
     roots = list(module_components(model).values())
     flags = [(m, m.training) for root in roots for m in root.modules()]
     try:
         for root in roots:
             root.eval()
-        args, kwargs = models.sample_inputs(model, seed=0) if inputs is None else inputs
-        with torch.no_grad(), fresh_context(model):
+        args, kwargs = sample_inputs(model, seed=0) if inputs is None else inputs
+        with torch.no_grad(), fresh_run(roots):
             tensor, kind = _one_output(model(*args, **kwargs))
         described = describe_inputs(args, kwargs)
         return Output(tensor, kind, f"the sample input ({described})" if inputs is None else described)
     finally:
         for module, training in flags:
             module.training = training
+
+
+@contextlib.contextmanager
+def fresh_run(roots: list[torch.nn.Module]):
+    """One call of the model as if it were the first: each module a run-time technique that keeps state
+    between calls attached to (a step cache: a fresh denoising loop) runs inside that technique's
+    :meth:`~transformdsl.extend.RuntimeTransform.fresh_run`, which also leaves no state behind."""
+    from .extend import FRESH_RUN
+
+    with contextlib.ExitStack() as stack:
+        for root in roots:
+            for module in root.modules():
+                fresh = module.__dict__.get(FRESH_RUN)
+                if fresh is not None:
+                    stack.enter_context(fresh(module))
+        yield
 
 
 def sample_output(model: Any, inputs: tuple[tuple, dict] | None = None) -> torch.Tensor:

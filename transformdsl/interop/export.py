@@ -31,6 +31,7 @@ from ..persist.format import (
 from ..persist.write import ShardWriter, collect_tensors, write_module_metadata
 from . import CONFIG_FILE, rules
 from .hook_types import Exported, QuantizationExport  # noqa: F401  (importable from here, as before)
+from .rules import kept_in_float  # noqa: F401  (importable from here, as before)
 
 #: Weight files each library reads (single file, and the sharded index).
 WEIGHTS = {"transformers": ("model.safetensors", "model.safetensors.index.json", "model"),
@@ -100,15 +101,6 @@ def _config(module: nn.Module, library: str) -> dict:
         config["architectures"] = [type(module).__name__]
     config.pop("quantization_config", None)
     return config
-
-
-def kept_in_float(module: nn.Module) -> list[str]:
-    keep: list[str] = []
-    for attr in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict"):
-        value = getattr(module, attr, None)
-        if isinstance(value, (list, tuple, set)):
-            keep.extend(value)
-    return keep
 
 
 def save_library_module(module: nn.Module, directory: Path, fmt: str, max_shard_size: int,

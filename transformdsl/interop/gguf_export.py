@@ -32,11 +32,8 @@ from ..errors import TransformError
 from ..history import AppliedStep, History, history_of
 from ..transforms.quantize.gguf_blocks import BlockQuantizedLinear
 from . import gguf_layout, gguf_vocab
+from .gguf_read import GGUF_FILE, WRITTEN_KEY, is_our_save  # noqa: F401  (importable from here)
 
-#: The file a GGUF save writes in its directory.
-GGUF_FILE = "model.gguf"
-#: Metadata key every GGUF save carries: a later ``save`` to its directory may replace it (:func:`is_our_save`).
-WRITTEN_KEY = "transformdsl.save"
 #: Steps that store nothing a GGUF reader would use: dropped (with a note).
 _NOTHING_STORED = ("compile", "compile regional")
 #: The quantize modes GGUF holds exactly.
@@ -225,17 +222,3 @@ def save_gguf(model: nn.Module, directory: Path, tokenizer: Any = None) -> list[
     finally:
         writer.close()
     return notes
-
-
-def is_our_save(directory: Path) -> bool:
-    """Whether ``directory`` holds exactly a GGUF save of ours (``model.gguf`` carrying :data:`WRITTEN_KEY`),
-    which ``save()`` may replace as it replaces its own saves."""
-    from .gguf_read import GGUFFile
-
-    try:
-        if [p.name for p in directory.iterdir()] != [GGUF_FILE] or (directory / GGUF_FILE).is_symlink():
-            return False
-        with GGUFFile(directory / GGUF_FILE) as gf:
-            return gf.metadata.get(WRITTEN_KEY) == GGUF_FILE
-    except Exception:  # unreadable or not GGUF: not ours
-        return False

@@ -23,6 +23,10 @@ import numpy as np
 from ..errors import LoadError
 
 MAGIC = b"GGUF"
+#: The file a GGUF save writes in its directory.
+GGUF_FILE = "model.gguf"
+#: Metadata key every GGUF save carries: a later ``save`` to its directory may replace it (:func:`is_our_save`).
+WRITTEN_KEY = "transformdsl.save"
 VERSIONS = (2, 3)
 #: More tensors or metadata keys than this is refused (real checkpoints: ~1,000 tensors, ~50 keys).
 MAX_TENSORS = 1 << 16
@@ -235,3 +239,15 @@ def contents(path: str | Path) -> dict:
                 f"{len(gf.tensors)} tensors, {len(gf.metadata)} metadata keys; transformdsl.load keeps Q8_0/Q4_0 "
                 "linear layers as 'quantize q8_0'/'q4_0' layers and dequantizes other block types"]},
         }
+
+
+def is_our_save(directory: Path) -> bool:
+    """Whether ``directory`` holds exactly a GGUF save of ours (``model.gguf`` carrying :data:`WRITTEN_KEY`),
+    which ``save()`` may replace as it replaces its own saves."""
+    try:
+        if [p.name for p in directory.iterdir()] != [GGUF_FILE] or (directory / GGUF_FILE).is_symlink():
+            return False
+        with GGUFFile(directory / GGUF_FILE) as gf:
+            return gf.metadata.get(WRITTEN_KEY) == GGUF_FILE
+    except Exception:  # unreadable or not GGUF: not ours
+        return False

@@ -88,3 +88,14 @@ def _topmost_without(plain: list[str], quantized: set[str]) -> list[str]:
         if chosen not in out:
             out.append(chosen)
     return out
+
+
+def kept_in_float(module: nn.Module) -> list[str]:
+    """The module names a transformers model keeps in float32 whatever it is loaded in
+    (``_keep_in_fp32_modules`` and its strict variant): its quantizers leave them alone too."""
+    keep: list[str] = []
+    for attr in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict"):
+        value = getattr(module, attr, None)
+        if isinstance(value, (list, tuple, set)):
+            keep.extend(value)
+    return keep

@@ -27,7 +27,10 @@ What a caller may rely on:
 
 diffusers and transformers are imported inside the functions that need them; importing this module
 imports neither.  One module per job: :mod:`.builtin` (the models), :mod:`.inputs` (their sample
-inputs, and a run), :mod:`.resolve` (``--model SPEC``).
+inputs, and a run), :mod:`.resolve` (``--model SPEC``).  This package is a front door: it re-exports
+all three, and :mod:`.resolve` loads directories through :func:`transformdsl.load`, so the rest of the
+library (the verification of ``transform(..., verify=True)``) imports :mod:`.builtin` and :mod:`.inputs`
+directly, never this package (``tools/imports.py`` LAYERS).
 """
 
 from __future__ import annotations
@@ -48,7 +51,6 @@ from .builtin import (
     tiny_unet,
 )
 from .inputs import SAMPLE_KINDS, one_tensor, run, sample_inputs, sample_inputs_problem
-from .resolve import resolve_model
 
 __all__ = [
     "BUILTIN",
@@ -71,3 +73,14 @@ __all__ = [
     "one_tensor",
     "resolve_model",
 ]
+
+
+def __getattr__(name: str):
+    """:func:`resolve_model`, imported on first access: importing :mod:`.builtin` or :mod:`.inputs` runs this
+    ``__init__`` first, and must not import the loaders :mod:`.resolve` stands on."""
+    if name != "resolve_model":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from .resolve import resolve_model
+
+    globals()[name] = resolve_model
+    return resolve_model

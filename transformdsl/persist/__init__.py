@@ -15,9 +15,11 @@ One module per stage, from the foundations up (a module imports only those above
 - :mod:`.pipelines`: diffusers pipelines, one folder per component;
 - :mod:`.placement`: ``load(dir, device_map=...)``: a loaded model placed over devices, CPU and disk;
 - :mod:`.api`: :func:`save` and :func:`load`, which choose among the above;
-- :mod:`.contents`: :func:`inspect`, from headers only;
-- :mod:`.streaming`: :func:`convert`, a checkpoint through a script into a save, unit by unit,
-  through the same reader and writer.
+- :mod:`.contents`: :func:`inspect`, from headers only.
+
+:func:`transformdsl.convert` (a checkpoint through a script into a save, unit by unit, through the
+same reader and writer) runs transforms, so it stands above both the executor and this package, in
+:mod:`transformdsl.streaming`.
 
 A saved module is a directory holding ``transformdsl.json`` (metadata), ``script.tfm`` (the
 scripts) and ``model.safetensors`` (or shards plus ``model.safetensors.index.json``).  A
@@ -52,19 +54,16 @@ from .write import save_module
 if TYPE_CHECKING:  # pragma: no cover
     from .api import load, save
     from .contents import inspect
-    from .streaming import convert
 
 
 def __getattr__(name: str):
-    """``save``, ``load``, ``inspect`` and ``convert``, imported on first access: they stand above
-    :mod:`transformdsl.interop` (and ``convert`` above the executor), which import this package's
-    foundations; importing those must not run the stages above them."""
+    """``save``, ``load`` and ``inspect``, imported on first access: they stand above
+    :mod:`transformdsl.interop`, which imports this package's foundations; importing those must not
+    run the stages above them."""
     if name in ("save", "load"):
         from . import api as module
     elif name == "inspect":
         from . import contents as module
-    elif name == "convert":
-        from . import streaming as module
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(module, name)
@@ -73,6 +72,6 @@ def __getattr__(name: str):
 
 __all__ = [
     "DEFAULT_SHARD_BYTES", "FORMAT", "FORMAT_VERSION", "INDEX", "MAX_META_BYTES", "MAX_SCHEDULER_NUMBER",
-    "MAX_TENSOR_FILES", "META_FILE", "SCRIPT_FILE", "WEIGHTS", "convert", "inspect", "load", "load_module", "meta_copy",
+    "MAX_TENSOR_FILES", "META_FILE", "SCRIPT_FILE", "WEIGHTS", "inspect", "load", "load_module", "meta_copy",
     "read_metadata", "save", "save_module",
 ]

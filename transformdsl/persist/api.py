@@ -31,7 +31,7 @@ from .pipelines import load_pipeline, save_pipeline
 from .placement import place
 from .read import load_module
 from .savedir import SaveDir, Vanished
-from .write import save_module
+from .write import save_module, write_manifest
 
 
 def save(model: Any, directory: str | os.PathLike, *, max_shard_size: int = DEFAULT_SHARD_BYTES,
@@ -60,7 +60,7 @@ def save(model: Any, directory: str | os.PathLike, *, max_shard_size: int = DEFA
         raise TransformError("save(): this model holds one rank's tensor-parallel shards (loaded with tp_plan=); "
                              "save the model loaded without tp_plan")
     directory = Path(directory)
-    with writing(directory) as (tmp, save_id):
+    with writing(directory, finish=write_manifest) as (tmp, save_id):
         if format == "gguf":
             save_gguf_model(model, tmp, tokenizer)
         elif is_pipeline(model):

@@ -12,26 +12,27 @@ import ctypes
 import ctypes.util
 import functools
 import glob
-import json
 import os
 import re
 import shutil
 import stat
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ..errors import LoadError, TransformError
 from .checks import read_metadata
-from .format import META_FILE, write_json
+from .format import META_FILE
 from .savedir import SaveDir
 
 
 @contextlib.contextmanager
-def writing(directory: Path) -> Iterator[tuple[Path, str]]:
+def writing(directory: Path, finish: Callable[[Path], None] | None = None) -> Iterator[tuple[Path, str]]:
     """``(temporary directory, save id)`` to write a save into; swapped into place at ``directory``
-    when the block ends without error, removed otherwise.
+    when the block ends without error, removed otherwise.  ``finish`` runs on the temporary
+    directory once the block has written it, before it is flushed and swapped (the writer lists the
+    save's files there: :func:`transformdsl.persist.write.write_manifest`).
 
     ``directory`` must be new, empty or a complete previous save (:func:`_check_target`).  The
     temporary directory is a sibling named by the writing process, so a kill at any moment
@@ -53,9 +54,10 @@ def writing(directory: Path) -> Iterator[tuple[Path, str]]:
     try:
         # mkdtemp makes 0700 folders; a save is shared like any folder the user makes.
         os.chmod(tmp, 0o777 & ~_umask())
-        (tmp / _TMP_MARKER).write_text(f"{os.getpid()} {_boot_id()}\n")
+        (tmp / TMP_MARKER).write_text(f"{os.getpid()} {_boot_id()}\n")
         yield tmp, save_id
-        _write_manifest(tmp)
+        if finish is not None:
+            finish(tmp)
         _fsync_tree(tmp)
         # The marker goes with the new save and is removed once it is in place: until then a kill
         # leaves a temporary that carries it (the proof that this library made it).
@@ -67,7 +69,7 @@ def writing(directory: Path) -> Iterator[tuple[Path, str]]:
         _remove_ours(tmp)
         raise
     with contextlib.suppress(OSError):
-        (final / _TMP_MARKER).unlink()
+        (final / TMP_MARKER).unlink()
 
 
 def _check_target(final: Path) -> None:
@@ -86,7 +88,7 @@ def _check_target(final: Path) -> None:
 
 def _not_a_complete_save(final: Path) -> str | None:
     """Why ``final`` is not exactly a save's files (``None`` if it is)."""
-    from ..interop.gguf_export import is_our_save
+    from ..interop.gguf_read import is_our_save
 
     if is_our_save(final):  # a format="gguf" save: its one file
         return None
@@ -101,7 +103,7 @@ def _not_a_complete_save(final: Path) -> str | None:
     if listed is None:
         return "it holds a transformdsl save without a file list (saved by an older version)"
     listed = set(listed) | {META_FILE}
-    present.discard(_TMP_MARKER)  # a save killed just after its swap, before removing its marker
+    present.discard(TMP_MARKER)  # a save killed just after its swap, before removing its marker
     extra, missing = sorted(present - listed), sorted(listed - present)
     if links:
         return f"it holds symbolic links ({', '.join(sorted(links)[:3])})"
@@ -112,20 +114,8 @@ def _not_a_complete_save(final: Path) -> str | None:
     return None
 
 
-def _write_manifest(directory: Path) -> None:
-    """List every file of the save in its metadata (``manifest``): what a later save may
-    replace is exactly that (:func:`_not_a_complete_save`)."""
-    path = directory / META_FILE
-    if not path.is_file():
-        return
-    meta = json.loads(path.read_text())
-    meta["manifest"] = sorted(str(p.relative_to(directory)) for p in directory.rglob("*")
-                              if not p.is_dir() and p != path and p.relative_to(directory) != Path(_TMP_MARKER))
-    write_json(path, meta)
-
-
 #: Present in a temporary save directory while it is written: ``PID BOOT_ID``.
-_TMP_MARKER = ".transformdsl-incomplete"
+TMP_MARKER = ".transformdsl-incomplete"
 
 
 def _umask() -> int:
@@ -164,7 +154,7 @@ def _remove_stale_temporaries(final: Path) -> None:
     """Remove ``.NAME.tmp-*`` / ``.NAME.old-*`` siblings left by saves that were killed.
 
     Only what carries proof that a save made it is removed: a directory holding the marker
-    (:data:`_TMP_MARKER`, ``PID BOOT_ID``, the process id its name gives, if any), or one
+    (:data:`TMP_MARKER`, ``PID BOOT_ID``, the process id its name gives, if any), or one
     named exactly as :func:`writing` names its temporaries that is empty or holds a
     partly written marker (a kill while writing it); and only when that process is
     gone (not running on this boot).  A name that merely looks like ours (``.NAME.old-2024``, a
@@ -188,7 +178,7 @@ def _owner(sibling: Path, kind: str, rest: str) -> tuple[int, str] | None:
     named = _TMP_NAME.fullmatch(rest) if kind == "tmp" else re.fullmatch(r"(\d{1,10})", rest)
     name_pid = int(named.group(1)) if named else None
     try:
-        pid_text, boot = (sibling / _TMP_MARKER).read_text(encoding="ascii").split()
+        pid_text, boot = (sibling / TMP_MARKER).read_text(encoding="ascii").split()
         pid = int(pid_text)
     except (OSError, ValueError):
         pid = None
@@ -201,7 +191,7 @@ def _owner(sibling: Path, kind: str, rest: str) -> tuple[int, str] | None:
     if kind != "tmp" or not named or not _MKDTEMP_SUFFIX.fullmatch(named.group(3)):
         return None
     try:
-        if not (sibling / _TMP_MARKER).is_file() and any(sibling.iterdir()):
+        if not (sibling / TMP_MARKER).is_file() and any(sibling.iterdir()):
             return None
     except OSError:
         return None
@@ -213,14 +203,14 @@ def _remove_ours(directory: Path) -> None:
     carries the marker, or an empty directory, both recognised as ours by the next save."""
     with contextlib.suppress(OSError):
         for entry in list(directory.iterdir()):
-            if entry.name == _TMP_MARKER:
+            if entry.name == TMP_MARKER:
                 continue
             if entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry, ignore_errors=True)
             else:
                 entry.unlink()
     with contextlib.suppress(OSError):
-        (directory / _TMP_MARKER).unlink()
+        (directory / TMP_MARKER).unlink()
     with contextlib.suppress(OSError):
         directory.rmdir()
 
@@ -272,11 +262,11 @@ def _swap_into_place(new: Path, final: Path) -> None:
     # (Marking it after left a window where a kill stranded a whole unmarked copy.)  A marker
     # in a complete save is ignored by loads and removed by the next save.
     try:
-        (final / _TMP_MARKER).write_text(f"{os.getpid()} {_boot_id()}\n")
+        (final / TMP_MARKER).write_text(f"{os.getpid()} {_boot_id()}\n")
         exchanged = _renameat2_exchange(new, final)
     except BaseException:
         with contextlib.suppress(OSError):
-            (final / _TMP_MARKER).unlink()  # the previous save stays exactly as it was
+            (final / TMP_MARKER).unlink()  # the previous save stays exactly as it was
         raise
     if exchanged:
         _remove_ours(new)
@@ -289,14 +279,14 @@ def _swap_into_place(new: Path, final: Path) -> None:
         os.rename(final, old)
     except BaseException:
         with contextlib.suppress(OSError):
-            (final / _TMP_MARKER).unlink()
+            (final / TMP_MARKER).unlink()
         raise
     try:
         os.rename(new, final)
     except BaseException:
         os.rename(old, final)  # put the previous save back where it was
         with contextlib.suppress(OSError):
-            (final / _TMP_MARKER).unlink()
+            (final / TMP_MARKER).unlink()
         raise
     _remove_ours(old)
     _fsync_directory(final.parent)

@@ -221,15 +221,16 @@ def _tensors_by_key(model: nn.Module, resolved: Mapping[str, Any]) -> dict[str, 
 
 
 def _move(owned: list[tuple[nn.Module, str, str]], device: torch.device, path: str, where: str) -> None:
-    """Move the unit's tensors (not those of deeper keys): a layer with its own ``.to()`` (quantized
-    layers move their quantization state with it), the tensors of a module with children with
-    ``_apply`` on that module alone."""
+    """Move the unit's tensors (not those of deeper keys): a layer that says how (``place_on(device)``,
+    e.g. hqq's, whose ``.to()`` does nothing), a layer with its own ``.to()`` (quantized layers move their
+    quantization state with it), the tensors of a module with children with ``_apply`` on that module
+    alone."""
     owners = {id(owner): owner for owner, _, _ in owned}
     try:
         for owner in owners.values():
-            if type(owner).__name__ == "HQQLinear":  # its .to() does nothing; .cuda() moves the quantized state
-                if device.type != "cpu":
-                    owner.cuda(device)
+            place_on = getattr(type(owner), "place_on", None)
+            if place_on is not None:
+                place_on(owner, device)
             elif next(owner.children(), None) is None:
                 owner.to(device)
             else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
 from collections.abc import Callable
@@ -13,6 +14,7 @@ from torch import nn
 from ..errors import TransformError
 from ..history import History, history_of
 from . import plain_tensors
+from .atomic import TMP_MARKER
 from .format import (
     DEFAULT_SHARD_BYTES,
     FORMAT,
@@ -224,3 +226,17 @@ def _unshare(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         for key in keys[1:]:
             tensors[key] = tensors[key].clone()
     return tensors
+
+
+def write_manifest(directory: Path) -> None:
+    """List every file of the save written in ``directory`` in its ``transformdsl.json`` (``manifest``):
+    what a later save may replace is exactly that (:mod:`.atomic`).  Runs last, when every file is there
+    (``atomic.writing(..., finish=write_manifest)``); a save without our metadata (``format="gguf"``) has
+    none."""
+    path = directory / META_FILE
+    if not path.is_file():
+        return
+    meta = json.loads(path.read_text())
+    meta["manifest"] = sorted(str(p.relative_to(directory)) for p in directory.rglob("*")
+                              if not p.is_dir() and p != path and p.relative_to(directory) != Path(TMP_MARKER))
+    write_json(path, meta)

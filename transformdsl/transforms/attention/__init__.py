@@ -17,7 +17,7 @@ attention and a warning says so).
 
 from __future__ import annotations
 
-from ...extend import Transform
+from ...extend import RuntimeTransform
 from ...switches import Switch
 
 #: diffusers' AttentionBackendName values (tests/test_attention.py checks this list against the
@@ -60,13 +60,12 @@ def library_name(mode: str) -> tuple[str, str]:
     raise KeyError(mode)
 
 
-class AttentionBackend(Transform):
+class AttentionBackend(RuntimeTransform):
     verb = "attention"
     default_target = None  # the scope's top: the denoiser (or the model); its attention modules inside
     exclusive = "attention"
     runs_after = ("fuse *",)
     runs_before = ("compile*", "cache *")
-    changes_weights = False
     switches = (FALLBACK,)
     #: The library the backend belongs to, and its name there.
     library: str = ""
@@ -103,3 +102,6 @@ MODES = tuple(name.lstrip("_") for name in DIFFUSERS_BACKENDS) + TRANSFORMERS_BA
 for _mode in MODES:
     globals()[class_name(_mode)] = _declare(_mode)
 del _mode
+
+#: The family's registry keys, one per backend (read by name by :data:`transformdsl.registry.FAMILY_TABLES`).
+KEYS = {f"attention {mode}": f"{__name__}:{class_name(mode)}" for mode in MODES}

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...extend import ApplyContext, LoadError
+from ...extend import LoadError
 from ...tree import ModuleInfo, ModuleTree
 from ..common.modules import recorded_targets
 from . import DEVICE_ONLY, EQUIVALENT, FALLBACK, MODES, TRANSFORMERS_BACKENDS, class_name
@@ -213,22 +213,19 @@ class AttentionBehaviour:
                 lines.append(f"sets attn_implementation='{self.backend}' on the model and its sub-models")
         return lines
 
-    def apply(self, ctx: ApplyContext, targets: list[str]) -> dict:
-        modules = []
-        for path in targets:
-            model = ctx.root.get_submodule(path) if path else ctx.root
-            modules.extend(set_backend(model, self.library, self.backend, ctx.edit, path))
-        return {"targets": list(targets), "library": self.library, "backend": self.backend, "modules": modules}
+    # The backend is a run-time setting: nothing is stored, and loading sets it again (:meth:`finalize`).
+    not_stored = "{library} keeps the attention backend in no checkpoint"
+    after_from_pretrained = ("call set_attention_backend (diffusers) or pass attn_implementation= (transformers) "
+                             "after from_pretrained; transformdsl.load sets it again")
+    attached_field = "modules"
+
+    def record_fields(self) -> dict:
+        return {"library": self.library, "backend": self.backend}
 
     @classmethod
-    def rebuild(cls, root: nn.Module, record: dict, options: Any) -> None:
-        """Nothing structural."""
-
-    @classmethod
-    def export(cls, step, out) -> None:
-        """Nothing to store: the backend is a run-time setting."""
-        out.notes.append(f"{out.where(step)}: not stored; after from_pretrained call set_attention_backend "
-                         "(diffusers) or pass attn_implementation= (transformers); transformdsl.load sets it again")
+    def attach(cls, module: nn.Module, path: str, options: Any, edit) -> list[str]:
+        """Set the backend on ``module``'s attention modules; their paths."""
+        return set_backend(module, cls.library, cls.backend, edit, path)
 
     @classmethod
     def finalize(cls, root: nn.Module, record: dict, options: Any) -> None:
@@ -260,7 +257,7 @@ class AttentionBehaviour:
                     f"cannot: {exc}.  Load it anyway with the library's default attention: "
                     "`with transformdsl.transforms.attention.FALLBACK.turned(True): transformdsl.load(...)` "
                     "(or TRANSFORMDSL_ATTENTION_FALLBACK=1)") from None
-            set_backend(model, library, backend, None, path)
+            cls.attach(model, path, options, None)
 
 
 def set_backend(model: nn.Module, library: str, backend: str, edit, prefix: str) -> list[str]:

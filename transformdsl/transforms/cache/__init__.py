@@ -22,7 +22,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from ...extend import Transform, option
+from ...extend import RuntimeTransform, option
 
 
 def parse_range(text: str, name: str) -> tuple[int, int]:
@@ -207,7 +207,7 @@ class TextKVOptions:
 # --------------------------------------------------------------------------- declarations
 
 
-class Cache(Transform):
+class Cache(RuntimeTransform):
     """What every cache mode shares: one per denoiser, on the denoiser itself, after structure changes."""
 
     verb = "cache"
@@ -218,7 +218,6 @@ class Cache(Transform):
     #: Hooks wrap the blocks' (or attention modules') forward: structural transforms run first, so
     #: that the cache wraps the modules they leave; compilation runs after everything.
     runs_after = ("fuse *", "quantize *", "fp8 *", "attention *")
-    changes_weights = False
     #: One call in a fresh cache context computes every block: the output is exact (``verify``
     #: runs each sample in a fresh context); the error comes from later steps (spec.md "cache").
     error_bound = 0.0

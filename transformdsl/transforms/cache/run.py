@@ -30,11 +30,10 @@ from torch import nn
 
 from ... import regexes
 from ...errors import LoadError
-from ...extend import ApplyContext, TransformError
+from ...extend import TransformError
 from ...history import history_of
 from ...tree import ModuleInfo, ModuleTree
 from ..common.fullgraph import refusal
-from ..common.modules import recorded_targets
 from . import FasterCache as FasterCacheDeclaration
 from . import FirstBlockCache as FirstBlockCacheDeclaration
 from . import MagCache as MagCacheDeclaration
@@ -44,7 +43,7 @@ from . import TaylorSeerCache as TaylorSeerCacheDeclaration
 from . import TextKVCache as TextKVCacheDeclaration
 from . import parse_numbers, parse_patterns, parse_range
 from .blocks import Unsupported, attention_modules, registered_blocks, residual_chain
-from .guard import GUARD_HOOK, make_guard, timestep_callback, timestep_scale
+from .guard import GUARD_HOOK, fresh_context, make_guard, timestep_callback, timestep_scale
 
 # --------------------------------------------------------------------------- shared behaviour
 
@@ -129,36 +128,37 @@ class CacheBehaviour:
 
     # -- execution
 
-    def apply(self, ctx: ApplyContext, targets: list[str]) -> dict:
-        for path in targets:
-            model = ctx.root.get_submodule(path) if path else ctx.root
-            for module in model.modules():  # the hooks set attributes (forward, _diffusers_hook): a rollback
-                ctx.edit.touch(module)      # restores every module's __dict__
-            ctx.edit.on_rollback(lambda m=model: disable(m))
-            try:
-                wrapped = enable(model, type(self), self.options, describe(self.key(), self.options))
-            except (Unsupported, ValueError, TypeError) as exc:
-                raise TransformError(f"diffusers' enable_cache failed on {type(model).__name__}: {exc}") from exc
-        return {"targets": list(targets), "options": dataclasses.asdict(self.options), "wrapped": wrapped}
+    # A step cache is hooks, set at run time: nothing is stored, and loading enables it again.
+    not_stored = "{library} keeps no step cache in a checkpoint"
+    after_from_pretrained = "call model.enable_cache(...) after from_pretrained; transformdsl.load enables it again"
+    attached_field = "wrapped"
 
     @classmethod
-    def rebuild(cls, root: nn.Module, record: dict, options: Any) -> None:
-        """Nothing structural: hooks change no module and no state_dict key."""
+    def attach(cls, module: nn.Module, path: str, options: Any, edit) -> list[str]:
+        """``module.enable_cache(...)`` and our guard hook; the wrapped paths."""
+        statement = describe(cls.key(), options)
+        try:
+            return enable(module, cls, options, statement)
+        except (Unsupported, ValueError, TypeError) as exc:
+            if edit is not None:
+                raise TransformError(f"diffusers' enable_cache failed on {type(module).__name__}: {exc}") from exc
+            if isinstance(exc, regexes.SelectorTooSlow):
+                raise LoadError(f"saved statement '{statement}': {exc}") from None
+            raise
 
     @classmethod
-    def export(cls, step, out) -> None:
-        """Nothing to store: a step cache is hooks, set at run time."""
-        out.notes.append(f"{out.where(step)}: not stored ({out.library} keeps no step cache in a checkpoint); call "
-                         "model.enable_cache(...) after from_pretrained; transformdsl.load enables it again")
+    def touches(cls, module: nn.Module) -> list[nn.Module]:
+        """Every module below: the hooks set attributes (``forward``, ``_diffusers_hook``) on the blocks."""
+        return list(module.modules())
 
     @classmethod
-    def finalize(cls, root: nn.Module, record: dict, options: Any) -> None:
-        """Enable the cache again on the loaded denoiser (hooks are never saved)."""
-        for _, model in recorded_targets(root, record, cls.key()):
-            try:
-                enable(model, cls, options, describe(cls.key(), options))
-            except regexes.SelectorTooSlow as exc:
-                raise LoadError(f"saved statement '{describe(cls.key(), options)}': {exc}") from None
+    def detach(cls, module: nn.Module) -> None:
+        disable(module)
+
+    @classmethod
+    def fresh_run(cls, module: nn.Module):
+        """One call as a fresh denoising loop (:func:`~.guard.fresh_context`)."""
+        return fresh_context(module)
 
 
 def describe(key: str, options: Any) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...extend import Transform, option
+from ...extend import RuntimeTransform, option
 
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
@@ -22,12 +22,11 @@ class CompileOptions:
     backend: str = option("inductor", "torch.compile backend", choices=("inductor", "eager", "aot_eager"))
 
 
-class Compile(Transform):
+class Compile(RuntimeTransform):
     verb = "compile"
     Options = CompileOptions
     default_target = None
     runs_after = ("*",)
-    changes_weights = False
 
     def incompatible(self, other):
         if other.verb == "compile" and other is not self:

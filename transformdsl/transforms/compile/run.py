@@ -16,15 +16,12 @@ and :meth:`finalize` compiles them again after ``load()``.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from torch import nn
 
-from ...extend import ApplyContext
 from ...tree import ModuleInfo, ModuleTree
 from ..common.fullgraph import breaks_fullgraph, refusal
-from ..common.modules import recorded_targets
 from . import CompileOptions
 from . import RegionalCompile as RegionalCompileDeclaration
 from . import WholeCompile as WholeCompileDeclaration
@@ -97,30 +94,15 @@ class CompileBehaviour:
             return []
         return ["compiles lazily: the first call after transform() (or load()) pays the compile time"]
 
-    def apply(self, ctx: ApplyContext, targets: list[str]) -> dict:
-        kwargs = compile_kwargs(self.options)
-        for path in ctx.progress(targets, total=len(targets), desc=self.key()):
-            module = ctx.root.get_submodule(path)
-            ctx.edit.touch(module)  # saves __dict__: a rollback removes _compiled_call_impl
-            compile_in_place(module, kwargs)
-        return {"targets": list(targets), "options": dataclasses.asdict(self.options)}
+    # Compiled code is not portable: nothing is stored, and loading compiles the recorded modules again.
+    not_stored = "{library} keeps no compiled code"
+    after_from_pretrained = "call torch.compile after from_pretrained; transformdsl.load compiles again"
 
     @classmethod
-    def rebuild(cls, root: nn.Module, record: dict, options: Any) -> None:
-        """Nothing structural: compiling changes no module and no state_dict key."""
-
-    @classmethod
-    def export(cls, step, out) -> None:
-        """Nothing to store: compiled code is not portable."""
-        out.notes.append(f"{out.where(step)}: not stored ({out.library} keeps no compiled code); call "
-                         "torch.compile after from_pretrained; transformdsl.load compiles again")
-
-    @classmethod
-    def finalize(cls, root: nn.Module, record: dict, options: Any) -> None:
-        """Compile the recorded modules again (compiled artefacts are never saved)."""
-        kwargs = compile_kwargs(options)
-        for _, module in recorded_targets(root, record, cls.key()):
-            compile_in_place(module, kwargs)
+    def attach(cls, module: nn.Module, path: str, options: Any, edit) -> None:
+        """Compile ``module`` in place (the saved ``__dict__`` of :meth:`touches` undoes it: a rollback
+        removes ``_compiled_call_impl``)."""
+        compile_in_place(module, compile_kwargs(options))
 
 
 class WholeCompile(CompileBehaviour, WholeCompileDeclaration):

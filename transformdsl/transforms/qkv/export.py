@@ -9,7 +9,7 @@ import torch
 
 from ...errors import TransformError
 from ...history import AppliedStep
-from ...interop.export import Exported
+from ...interop.hook_types import Exported
 
 
 def export_unfused(step: AppliedStep, out: Exported) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from torch import nn
 
 from ...history import AppliedStep
-from ...interop.export import Exported, QuantizationExport
+from ...interop.hook_types import Exported, QuantizationExport
 
 
 def export_compressed(step: AppliedStep, out: Exported) -> None:

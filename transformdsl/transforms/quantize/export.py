@@ -15,7 +15,8 @@ from torch import nn
 from ...errors import TransformError
 from ...history import AppliedStep
 from ...interop import rules
-from ...interop.export import Exported, QuantizationExport, kept_in_float
+from ...interop.hook_types import Exported, QuantizationExport
+from ...interop.rules import kept_in_float
 
 
 def export_bitsandbytes(step: AppliedStep, out: Exported) -> None:

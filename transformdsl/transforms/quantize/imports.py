@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import LoadError
-from ...interop.imports import Headers
+from ...interop.hook_types import Headers
 
 _QUANT_STATE = "weight.quant_state.bitsandbytes__"
 _MAX_STATE_BYTES = 65536

@@ -322,6 +322,12 @@ class HQQLayer(HQQLinear):
     def set_backend(cls, backend) -> None:
         """hqq's backend switch assigns ``cls.forward`` (called from ``HQQLinear.__init__``): not here."""
 
+    def place_on(self, device: torch.device) -> None:
+        """Move the layer for ``load(device_map=...)`` (the placement protocol of a layer whose ``.to()``
+        cannot): HQQLinear's ``.to()`` does nothing; ``.cuda()`` moves the quantized state."""
+        if device.type != "cpu":
+            self.cuda(device)
+
     def dequantize(self) -> torch.Tensor:
         return Quantizer.dequantize(self.W_q, {**self.meta, "scale": self.scale, "zero": self.zero})
 

@@ -38,21 +38,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..dtypes import checkpoint_dtype, meta_parameters_to
-from ..edit import Edit
-from ..errors import LoadError, TransformError
-from ..executor import MostlySkippedWarning, NothingToDoWarning, apply_step, idle_statements, mostly_skipped_statements
-from ..extend import ApplyContext
-from ..history import append_history, applied_step, recorded_text, set_history
-from ..planner import DENOISERS, Plan, plan
-from ..tree import WEIGHTS_PENDING, parameter_bytes
-from . import guard
-from .atomic import writing
-from .checks import read_json, read_metadata
-from .format import DEFAULT_SHARD_BYTES, META_FILE, write_json
-from .read import OpenedModule, assign_tensors, open_module, saved_history
-from .savedir import SaveDir
-from .write import ShardWriter, collect_tensors, write_module_metadata, write_pipeline_metadata
+from .dtypes import checkpoint_dtype, meta_parameters_to
+from .edit import Edit
+from .errors import LoadError, TransformError
+from .executor import MostlySkippedWarning, NothingToDoWarning, apply_step, idle_statements, mostly_skipped_statements
+from .extend import ApplyContext
+from .history import append_history, applied_step, recorded_text, set_history
+from .persist import guard
+from .persist.atomic import writing
+from .persist.checks import read_json, read_metadata
+from .persist.format import DEFAULT_SHARD_BYTES, META_FILE, write_json
+from .persist.read import OpenedModule, assign_tensors, open_module, saved_history
+from .persist.savedir import SaveDir
+from .persist.write import ShardWriter, collect_tensors, write_manifest, write_module_metadata, write_pipeline_metadata
+from .planner import DENOISERS, Plan, plan
+from .tree import WEIGHTS_PENDING, parameter_bytes
 
 
 def convert(source: str | os.PathLike, script: Any, out: str | os.PathLike, *, component: str | None = None,
@@ -117,7 +117,7 @@ def convert(source: str | os.PathLike, script: Any, out: str | os.PathLike, *, c
             if log is not None:
                 log(str(the_plan))
                 log("")
-            with writing(out) as (tmp, save_id):
+            with writing(out, finish=write_manifest) as (tmp, save_id):
                 target = tmp
                 if located.pipeline is not None:
                     target = tmp / located.name
@@ -140,8 +140,8 @@ def convert(source: str | os.PathLike, script: Any, out: str | os.PathLike, *, c
 
 def _calibration_data(the_plan: Plan, skeleton: nn.Module, folder: Path, calibration: Any, tokenizer: Any, log):
     """The run's calibration data (read and checked against the model before anything is written), or None."""
-    from ..calibration import for_run
-    from ..calibration.data import tokenizer_in
+    from .calibration import for_run
+    from .calibration.data import tokenizer_in
 
     if tokenizer is None and any(step.transform.verb == "calibrate" for step in the_plan.steps):
         tokenizer = tokenizer_in(folder)
@@ -170,7 +170,7 @@ class _Located:
 
     def open(self) -> OpenedModule:
         if self.meta is None:
-            from ..interop.imports import library_skeleton
+            from .interop.imports import library_skeleton
 
             meta, skeleton = library_skeleton(self.folder)
             return open_module(self.folder, meta, lambda: skeleton)
@@ -398,8 +398,8 @@ def plan_units(root: nn.Module, the_plan: Plan, aliases: dict[str, str]) -> tupl
 def _check_calibrated(root: nn.Module, step, source: str) -> list[str]:
     """Refuse, naming the statement, a calibrated statement convert cannot fit one block at a time;
     the list of blocks it fits in (none, or one)."""
-    from ..calibration.sequential import split_into_blocks
-    from ..extend import Transform
+    from .calibration.sequential import split_into_blocks
+    from .extend import Transform
 
     where = f"line {step.statement.line}: '{step.text(source)}'"
     if type(step.transform).apply_blocks is Transform.apply_blocks:
@@ -453,7 +453,7 @@ class _Stream:
 
     def summary(self, log: Callable[[str], None]) -> None:
         """One line per statement, as ``apply`` prints them, then the total time."""
-        from ..explain import human_bytes
+        from .explain import human_bytes
 
         source = self.plan.script.source
         for step in self.plan.steps:
@@ -567,7 +567,7 @@ class _Stream:
 
     def _read(self, unit: Unit) -> tuple[list, int]:
         """Read the unit's tensors into the skeleton: what :meth:`_write` needs to drop it, and the bytes read."""
-        from . import plain_tensors
+        from .persist import plain_tensors
 
         root = self.root
         keys = [key for key in self.sizes if unit.has_key(key) and key not in self.aliases]
@@ -596,7 +596,7 @@ class _Stream:
         as ``transform`` would run it at that statement); the link from block to block is traced on
         the first two blocks; then those units are written.  Returns the calibrated statements'
         streams, and the units written."""
-        from ..calibration.sequential import BlockStream, trace_link
+        from .calibration.sequential import BlockStream, trace_link
 
         streams = {i: BlockStream(self.root, list(step.targets), self.data.samples)
                    for i, step in enumerate(steps) if step.transform.needs_calibration and i not in deferred}
