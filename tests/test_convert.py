@@ -19,6 +19,7 @@ from safetensors import safe_open
 
 import transformdsl
 from transformdsl import LoadError, TransformError, models
+from transformdsl.extend import Transform
 from transformdsl.persist import write as persist_write
 from transformdsl.streaming import split_units
 
@@ -364,4 +365,116 @@ def test_convert_refuses_what_it_cannot_stream_naming_the_statement(tmp_path, fa
     getattr(models, factory)().save_pretrained(tmp_path / "source")
     with pytest.raises(transformdsl.TransformError, match=message):
         transformdsl.convert(tmp_path / "source", script, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------- convert --workers N
+
+
+def assert_same_bytes(one: Path, other: Path) -> None:
+    """Every file of two saves, byte for byte, but for their save ids."""
+    ids = [json.loads((d / "transformdsl.json").read_text())["save_id"].encode() for d in (one, other)]
+    files = sorted(p.relative_to(one) for p in one.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(other) for p in other.rglob("*") if p.is_file())
+    for rel in files:
+        assert (one / rel).read_bytes().replace(ids[0], b"ID") == (other / rel).read_bytes().replace(ids[1], b"ID"), rel
+
+
+@pytest.mark.parametrize("name, script, shard", [
+    ("llama", "fuse qkv; quantize int8 weight_only=true except lm_head", "5GiB"),
+    ("llama", "quantize int4 group_size=32; compile", "100KB"),  # shard boundaries as one process draws them
+    ("flux", "fp8 storage", "5GiB"),
+    ("gpt2", "quantize w8a8", "5GiB"),  # tied embeddings: one unit, converted by the parent
+    ("sd3", "quantize nf4", "5GiB"),
+])
+def test_workers_write_the_one_process_save_byte_for_byte(sources, tmp_path, name, script, shard):
+    """``convert --workers 2`` (the command line, two spawned processes) writes every file of the
+    one-process save, byte for byte (save id aside)."""
+    from transformdsl.cli import main
+
+    (tmp_path / "script.tfm").write_text(script.replace("; ", "\n") + "\n")
+    one = transformdsl.convert(sources[name], transformdsl.parser.parse_file(tmp_path / "script.tfm"), tmp_path / "one",
+                               max_shard_size=persist_write_size(shard))
+    assert main(["convert", str(tmp_path / "script.tfm"), "--model", str(sources[name]), "--out",
+                 str(tmp_path / "two"), "--workers", "2", "--max-shard-size", shard, "-q"]) == 0
+    assert_same_bytes(one, tmp_path / "two")
+    assert not [p for p in tmp_path.rglob(".workers")]
+
+
+def persist_write_size(text: str) -> int:
+    from transformdsl.cli import _byte_count
+
+    return _byte_count(text)
+
+
+def test_workers_convert_a_pipeline_and_a_lora(tmp_path):
+    """A pipeline's denoiser and a LoRA file: the workers read the file the parent planned with, and the
+    save is the one-process save."""
+    from safetensors.torch import save_file
+
+    source = tmp_path / "pipe"
+    models.tiny_sd_pipeline().save_pretrained(source, safe_serialization=True)
+    unet = models.tiny_sd_pipeline().unet
+    generator = torch.Generator().manual_seed(0)
+    adapter = {}
+    for path, module in unet.named_modules():
+        if type(module) is torch.nn.Linear and path.endswith("attn1.to_q") and path.startswith("up_blocks."):
+            adapter[f"unet.{path}.lora_A.weight"] = torch.randn(4, module.in_features, generator=generator)
+            adapter[f"unet.{path}.lora_B.weight"] = torch.randn(module.out_features, 4, generator=generator)
+    (tmp_path / "scripts").mkdir()
+    save_file(adapter, str(tmp_path / "scripts" / "style.safetensors"))
+    script = tmp_path / "scripts" / "style.tfm"
+    script.write_text(f'lora "{tmp_path / "scripts" / "style.safetensors"}" scale=0.5 in up_blocks.*\nquantize int8 weight_only=true\n')
+    parsed = transformdsl.parse(script.read_text(), filename=str(script))
+    one = transformdsl.convert(source, parsed, tmp_path / "one")
+    two = transformdsl.convert(source, parsed, tmp_path / "two", workers=2)
+    assert_same_bytes(one, two)
+    assert json.loads((two / "unet" / "transformdsl.json").read_text())["steps"][0]["record"]
+
+
+class ExplodesOnASecondBlock(Transform):
+    """Test-only, registered at run time: fails on the Linears of any list's second block."""
+
+    verb = "explodetest"
+    summary = "test-only: fails on the second block of a list"
+    default_target = ("Linear",)
+
+    def apply(self, ctx, targets):
+        broken = [path for path in targets if ".1." in path]
+        if broken:
+            raise RuntimeError(f"disk on fire under {broken[0]}")
+        return {"targets": list(targets)}
+
+
+@pytest.fixture
+def explodes():
+    from transformdsl import registry
+
+    registry.register(ExplodesOnASecondBlock)
+    yield
+    registry._TRANSFORMS.pop(ExplodesOnASecondBlock.key(), None)
+
+
+def test_a_statement_failing_in_a_worker_is_the_one_process_error_and_writes_nothing(sources, tmp_path, explodes):
+    """A transform registered at run time reaches the workers; failing in one, it ends the run with the
+    message one process gives, and nothing is left at the output or beside it."""
+    errors = []
+    for workers in (1, 2):
+        with pytest.raises(TransformError) as caught:
+            transformdsl.convert(sources["flux"], "explodetest", tmp_path / "out", workers=workers)
+        errors.append(str(caught.value))
+    assert errors[0] == errors[1]
+    assert errors[0].startswith("line 1: 'explodetest' failed: RuntimeError: disk on fire under ")
+    assert errors[0].endswith("nothing was written")
+    assert [p.name for p in tmp_path.iterdir()] == []
+
+
+def test_workers_refuse_calibrated_statements_and_bad_counts(sources, tmp_path):
+    data = [models.sample_inputs("llama", seed=seed) for seed in range(2)]
+    with pytest.raises(TransformError, match=r"line 1: 'quantize int4 group_size=32 method=gptq except lm_head' "
+                                             r"learns from calibration data.*without workers=2"):
+        transformdsl.convert(sources["llama"], "quantize int4 group_size=32 method=gptq except lm_head",
+                             tmp_path / "out", workers=2, calibration=data)
+    with pytest.raises(TransformError, match="workers=0: the number of processes"):
+        transformdsl.convert(sources["llama"], "quantize int8", tmp_path / "out", workers=0)
     assert not (tmp_path / "out").exists()

@@ -39,7 +39,7 @@ LAYERS: dict[str, list[tuple[str, tuple[str, ...]]]] = {
         ("reading and writing", ("persist.read", "persist.write", "persist.placement")),
         ("library and server layouts", ("interop",)),
         ("save, load, inspect", ("persist", "interop.directories")),
-        ("convert", ("streaming",)),
+        ("convert", ("streaming", "convert_workers")),
         ("front doors", ("", "models", "models.resolve", "tune", "demo", "cli", "__main__")),
     ],
 }

@@ -142,13 +142,20 @@ def cmd_convert(args) -> int:
         warnings.simplefilter("always", NothingToDoWarning)
         convert(args.model, _read_script(args.file), args.out, component=args.component,
                 progress=not args.quiet and sys.stderr.isatty(), max_shard_size=args.max_shard_size,
-                strict=args.strict, log=None if args.quiet else print)
+                strict=args.strict, log=None if args.quiet else print, workers=args.workers)
     for warning in caught:
         if issubclass(warning.category, NothingToDoWarning):
             _err(f"warning: {warning.message} (--strict makes this an error)")
     if not args.quiet:
         print(f"saved to {args.out}")
     return 0
+
+
+def _positive(text: str) -> int:
+    """A whole number from 1."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a whole number from 1")
+    return int(text)
 
 
 def _byte_count(text: str) -> int:
@@ -445,6 +452,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest tensor file of the output, e.g. 2GB or 500MiB (default: 5GiB)")
     p.add_argument("--strict", action="store_true",
                    help="fail, writing nothing, if a statement would change no module (else a warning)")
+    p.add_argument("--workers", type=_positive, default=1, metavar="N",
+                   help="convert the model's blocks in N processes, each with a share of the threads; the "
+                        "output is the one-process output, byte for byte (default: 1)")
     p.add_argument("-q", "--quiet", action="store_true",
                    help="print only errors: no progress bar, no warnings from the model libraries")
     p.set_defaults(func=cmd_convert)

@@ -188,6 +188,23 @@ def register(cls: type[Transform]) -> type[Transform]:
     return cls
 
 
+def registered_at_run_time() -> list[type[Transform]]:
+    """The transforms added by :func:`register` (not by an entry point or built in)."""
+    table = references()
+    return [cls for key, cls in _TRANSFORMS.items() if key not in table]
+
+
+def register_by_name(classes: list[tuple[str, str]]) -> None:
+    """Register the classes named ``(module, qualified name)`` (a process's run-time registrations,
+    made again in another process), importing their modules; those already registered are kept."""
+    for module_name, qualname in classes:
+        target = importlib.import_module(module_name)
+        for part in qualname.split("."):
+            target = getattr(target, part)
+        if _TRANSFORMS.get(target.key()) is not target:
+            register(target)
+
+
 def declaration(key: str) -> type[Transform] | None:
     """The class declaring ``key`` (importing its module, which imports no torch for the built-ins)."""
     if key not in _TRANSFORMS:

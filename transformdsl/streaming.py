@@ -22,11 +22,13 @@ tensor and bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import dataclasses
 import errno
 import os
+import shutil
 import stat
 import sys
 import time
@@ -38,6 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import registry
 from .dtypes import checkpoint_dtype, meta_parameters_to
 from .edit import Edit
 from .errors import LoadError, TransformError
@@ -57,7 +60,8 @@ from .tree import WEIGHTS_PENDING, parameter_bytes
 
 def convert(source: str | os.PathLike, script: Any, out: str | os.PathLike, *, component: str | None = None,
             progress: bool = False, max_shard_size: int = DEFAULT_SHARD_BYTES, strict: bool = False,
-            log: Callable[[str], None] | None = None, calibration: Any = None, tokenizer: Any = None) -> Path:
+            log: Callable[[str], None] | None = None, calibration: Any = None, tokenizer: Any = None,
+            workers: int = 1) -> Path:
     """Apply ``script`` to the model saved at ``source`` and save the result at ``out``, reading
     and writing one unit (a block) of the model at a time; returns ``out``.
 
@@ -88,24 +92,29 @@ def convert(source: str | os.PathLike, script: Any, out: str | os.PathLike, *, c
     model's blocks (one list of them, called in order): ``lm_head``, fitted on the whole model's
     pass, is refused (add ``except lm_head``).
 
+    ``workers``: with ``N > 1``, the model's units that are whole subtrees (its blocks, its embeddings,
+    its head) are converted in ``N`` worker processes (spawned; each opens the source and plans the
+    script itself and gets a share of this process's torch threads), while this process converts
+    the rest and writes every unit's tensors in order: the output is the one-process output, byte
+    for byte (save id aside).  A statement that learns from calibration data is refused with
+    ``workers > 1`` (its samples are carried from block to block, in order).  The per-statement
+    seconds ``log`` prints are then summed over the processes.  The workers are spawned: a script
+    that calls ``convert(..., workers=N)`` does so under ``if __name__ == "__main__":``.
+
     Not supported: a save in a library's layout (``save(..., format="transformers")``): load
     and save it first.
     """
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise TransformError(f"workers={workers!r}: the number of processes, a whole number from 1")
     source, out = Path(source), Path(out)
     with guard.loading(), SaveDir.open(source) as folder:
         located = _locate(folder, component)
         opened = located.open()
         stamps = opened.files.stamps()
         try:
-            checkpoint = checkpoint_dtype(located.folder.path)
-            if checkpoint is not None:  # the plan counts the bytes the checkpoint holds (its tensors load as they are)
-                meta_parameters_to(opened.skeleton, checkpoint)
-            opened.skeleton.__dict__[WEIGHTS_PENDING] = True
-            try:
-                the_plan = plan(opened.skeleton, script, calibration=calibration is not None,
-                                component=located.name if located.pipeline is not None else None)
-            finally:
-                del opened.skeleton.__dict__[WEIGHTS_PENDING]
+            the_plan = _plan_on(opened, located, script, calibration is not None)
+            if workers > 1:
+                _check_workers(the_plan, workers)
             idle = idle_statements(the_plan)
             if idle and strict:
                 raise TransformError("; ".join(idle) + " (strict: nothing was written)")
@@ -123,6 +132,8 @@ def convert(source: str | os.PathLike, script: Any, out: str | os.PathLike, *, c
                     target = tmp / located.name
                     target.mkdir()
                 stream = _Stream(opened, the_plan, target, max_shard_size, save_id, progress, data)
+                if workers > 1:
+                    stream.workers = (workers, (os.path.abspath(source), component, the_plan.script))
                 stream.run()
                 changed = [name for (name, _, _), before, after in zip(opened.files.opened, stamps,
                                                                         opened.files.stamps()) if before != after]
@@ -136,6 +147,30 @@ def convert(source: str | os.PathLike, script: Any, out: str | os.PathLike, *, c
         finally:
             opened.close()
     return out
+
+
+def _plan_on(opened: OpenedModule, located: _Located, script: Any, calibrated: bool) -> Plan:
+    """The plan of ``script`` on the opened source's skeleton, as ``explain`` prints it (each worker
+    process of ``workers=N`` makes the same one)."""
+    checkpoint = checkpoint_dtype(located.folder.path)
+    if checkpoint is not None:  # the plan counts the bytes the checkpoint holds (its tensors load as they are)
+        meta_parameters_to(opened.skeleton, checkpoint)
+    opened.skeleton.__dict__[WEIGHTS_PENDING] = True
+    try:
+        return plan(opened.skeleton, script, calibration=calibrated,
+                    component=located.name if located.pipeline is not None else None)
+    finally:
+        del opened.skeleton.__dict__[WEIGHTS_PENDING]
+
+
+def _check_workers(the_plan: Plan, workers: int) -> None:
+    """Refuse ``workers > 1`` for what it cannot run, before anything is written."""
+    source = the_plan.script.source
+    for step in the_plan.steps:
+        if step.transform.needs_calibration:
+            raise TransformError(f"line {step.statement.line}: '{step.text(source)}' learns from calibration "
+                                 f"data, which convert carries from block to block in one process: convert it "
+                                 f"without workers={workers} (--workers); nothing was written")
 
 
 def _calibration_data(the_plan: Plan, skeleton: nn.Module, folder: Path, calibration: Any, tokenizer: Any, log):
@@ -450,6 +485,8 @@ class _Stream:
         #: Per statement (by identity): modules changed, bytes of them before and after, seconds.
         self.stats: dict[int, list[float]] = {id(step): [0, 0, 0, 0.0] for step in the_plan.steps}
         self.started = time.perf_counter()
+        #: ``(N, (source, component, script))`` to convert whole-subtree units in N worker processes.
+        self.workers: tuple[int, tuple] | None = None
 
     def summary(self, log: Callable[[str], None]) -> None:
         """One line per statement, as ``apply`` prints them, then the total time."""
@@ -484,12 +521,16 @@ class _Stream:
             if any(step.transform.needs_calibration for step in steps):
                 streams, written = self._start_calibration(units, steps, deferred, records, layout, attributes,
                                                            notes, bar)
-            for index, unit in enumerate(units):
-                if index in written:
-                    continue
-                done = self._unit(unit, steps, deferred, records, layout, attributes, notes, streams)
-                if bar is not None:
-                    bar.update(done)
+            with self._pool(units, written) as workers:
+                for index, unit in enumerate(units):
+                    if index in written:
+                        continue
+                    if workers is not None and index in workers:
+                        done = self._receive(unit, workers.result(index), records, layout, attributes)
+                    else:
+                        done = self._unit(unit, steps, deferred, records, layout, attributes, notes, streams)
+                    if bar is not None:
+                        bar.update(done)
         finally:
             if bar is not None:
                 bar.close()
@@ -550,6 +591,12 @@ class _Stream:
         """Read, transform, write and drop one unit; the source bytes it read.  ``read``: the unit was
         read already (:meth:`_read`'s result)."""
         restore, done = read if read is not None else self._read(unit)
+        self._transform(unit, steps, deferred, records, notes, streams)
+        self._write(unit, restore, layout, attributes)
+        return done
+
+    def _transform(self, unit: Unit, steps, deferred: set[int], records, notes: dict, streams: dict[int, Any]) -> None:
+        """Run the statements on the (read) unit, in order, adding their records."""
         edit = Edit()
         for i, step in enumerate(steps):
             if i in deferred:
@@ -562,8 +609,6 @@ class _Stream:
                 order = list(step.targets).index(targets[0]) if targets else len(step.targets)
                 records[i].append((order, self._apply(step, ctx, targets, stream=stream, blocks=blocks)))
         edit.commit()
-        self._write(unit, restore, layout, attributes)
-        return done
 
     def _read(self, unit: Unit) -> tuple[list, int]:
         """Read the unit's tensors into the skeleton: what :meth:`_write` needs to drop it, and the bytes read."""
@@ -635,6 +680,69 @@ class _Stream:
             return streams, set(outside) | {first}
         return streams, set(outside)
 
+    # ------------------------------------------------------------------- across processes
+
+    def _pool(self, units: list[Unit], written: set[int]):
+        """The worker processes of ``workers=N`` with the units they convert (whole subtrees not
+        written yet), or a null context (one process; nothing for workers to do)."""
+        from .convert_workers import PARTS, pool, threads_per_worker
+
+        if self.workers is None:
+            return contextlib.nullcontext()
+        count, (source, component, script) = self.workers
+        remote = [i for i, unit in enumerate(units) if i not in written and len(unit.parts) == 1
+                  and unit.parts[0][1] and unit.parts[0][0] != ""]
+        if len(remote) < 2:
+            return contextlib.nullcontext()
+        parts = self.directory / PARTS
+        parts.mkdir()
+        plugins = [(cls.__module__, cls.__qualname__) for cls in registry.registered_at_run_time()]
+        start_args = (source, component, script, threads_per_worker(count), plugins, str(parts))
+        return _removing(parts, pool(min(count, len(remote)), _worker_start, start_args, _worker_unit, remote))
+
+    def _receive(self, unit: Unit, part, records, layout: dict, attributes: dict) -> int:
+        """Write a unit a worker converted, as :meth:`_write` would have: its tensors, records and counts;
+        then drop it from this process's skeleton as :meth:`_write` does.  The source bytes it read."""
+        from .convert_workers import read_part
+
+        for i, order, record in part.records:
+            records[i].append((order, record))
+        for i, delta in part.stats.items():
+            stats = self.stats[id(self.plan.steps[i])]
+            for j, value in enumerate(delta):
+                stats[j] += value
+        for key, tensor in read_part(part):
+            self.writer.add({key: tensor})
+            del tensor
+        layout["nonpersistent"].extend(part.layout["nonpersistent"])
+        layout["aliases"].update(part.layout["aliases"])
+        attributes.update(part.layout.get("attributes", {}))
+        self._drop(unit, self._slots(unit))
+        _give_back_freed_memory()
+        return part.read
+
+    def convert_part(self, units: list[Unit], index: int, deferred: set[int]):
+        """In a worker process: read, transform and write unit ``index`` to a part file beside the
+        output, then drop it; the :class:`~transformdsl.convert_workers.Part` to hand back."""
+        from .convert_workers import Part, write_part
+
+        unit = units[index]
+        steps = self.plan.steps
+        for stats in self.stats.values():
+            stats[:] = [0, 0, 0, 0.0]
+        records: list[list[tuple[int, dict]]] = [[] for _ in steps]
+        restore, done = self._read(unit)
+        self._transform(unit, steps, deferred, records, {}, {})
+        out, layout = collect_tensors(self.root, only=unit.has_key)
+        path = self.directory / f"{index:06d}.safetensors"
+        keys = write_part(path, out)
+        del out
+        self._drop(unit, restore)
+        _give_back_freed_memory()
+        return Part(index, str(path), keys, [(i, order, record) for i, pairs in enumerate(records)
+                                             for order, record in pairs],
+                    layout, {i: list(self.stats[id(step)]) for i, step in enumerate(steps)}, done)
+
     def _slots(self, unit: Unit) -> list[tuple[nn.Module, dict, dict]]:
         """The (meta) tensors of the unit's modules as they are before it is read, to put back."""
         slots = []
@@ -688,6 +796,57 @@ def _give_back_freed_memory() -> None:
 
 
 _malloc_trim: Any = None
+
+
+@contextlib.contextmanager
+def _removing(directory: Path, inner):
+    """``inner``'s context, then ``directory`` removed (the workers' parts are not part of the save)."""
+    try:
+        with inner as value:
+            yield value
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+#: A worker process's state: its stream over the source, the units and deferred statements (or the
+#: failure of its start, handed back for every unit).
+_WORKER: dict[str, Any] = {}
+
+
+def _worker_start(source: str, component: str | None, script: Any, threads: int,
+                  plugins: list[tuple[str, str]], parts: str) -> None:
+    """Run once in each worker process: open the source and plan the script as ``convert`` did."""
+    from .convert_workers import failure
+
+    torch.set_num_threads(threads)
+    warnings.simplefilter("ignore")  # the parent has warned
+    try:
+        registry.register_by_name(plugins)
+        stack = contextlib.ExitStack()
+        stack.enter_context(guard.loading())
+        folder = stack.enter_context(SaveDir.open(Path(source)))
+        located = _locate(folder, component)
+        opened = located.open()
+        stack.callback(opened.close)
+        the_plan = _plan_on(opened, located, script, False)
+        stream = _Stream(opened, the_plan, Path(parts), DEFAULT_SHARD_BYTES, "", False)
+        stream.root.eval()
+        units, deferred = plan_units(stream.root, the_plan, stream.aliases)
+        _WORKER.update(stack=stack, stream=stream, units=units, deferred=deferred)
+    except Exception as exc:  # noqa: BLE001 - handed back to the parent with the first unit
+        _WORKER["failure"] = failure(exc)
+
+
+def _worker_unit(index: int):
+    """Convert unit ``index`` in a worker process: its Part, or the Failure that stopped it."""
+    from .convert_workers import failure
+
+    if "failure" in _WORKER:
+        return _WORKER["failure"]
+    try:
+        return _WORKER["stream"].convert_part(_WORKER["units"], index, _WORKER["deferred"])
+    except Exception as exc:  # noqa: BLE001 - raised again in the parent
+        return failure(exc)
 
 
 class _Converted(nn.Module):
