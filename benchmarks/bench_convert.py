@@ -82,7 +82,7 @@ def make_checkpoint(size: str, directory: Path) -> dict:
     return {"params": params, "bytes": sum(p.stat().st_size for p in directory.glob("*.safetensors"))}
 
 
-def _job(way: str, source: str, script: str, out: str, writer) -> None:
+def _job(way: str, source: str, script: str, out: str, writer, threads: int = 1, workers: int = 1) -> None:
     import gc
 
     # Imported before the baseline: what every way needs (the libraries, our passes).
@@ -96,7 +96,7 @@ def _job(way: str, source: str, script: str, out: str, writer) -> None:
     from transformdsl import registry
 
     registry.transforms()
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
@@ -104,7 +104,7 @@ def _job(way: str, source: str, script: str, out: str, writer) -> None:
     base = before["VmRSS"]
     start = time.perf_counter()
     if way == WAYS[0]:
-        transformdsl.convert(source, script, out)
+        transformdsl.convert(source, script, out, workers=workers)
     elif way == WAYS[1]:
         model = transformdsl.load(source)
         transformdsl.transform(model, script)
@@ -122,25 +122,49 @@ def _job(way: str, source: str, script: str, out: str, writer) -> None:
                  "base_file": before["RssFile"]})
 
 
-def run_way(way: str, source: Path, script: str, out: Path, max_rss: int, timeout: float) -> dict:
-    """One job in a fresh process; the watchdog samples RssAnon/RssFile and kills it past ``max_rss``."""
+def _tree_status(pid: int) -> dict[str, int]:
+    """``_status`` summed over the process and its descendants (convert's worker processes)."""
+    total = _status(pid)
+    try:
+        children = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                children += [int(c) for c in f.read().split()]
+    except OSError:
+        return total
+    for child in children:
+        try:
+            for key, value in _tree_status(child).items():
+                total[key] = total.get(key, 0) + value
+        except (OSError, KeyError):
+            continue
+    return total
+
+
+def run_way(way: str, source: Path, script: str, out: Path, max_rss: int, timeout: float, threads: int = 1,
+            workers: int = 1) -> dict:
+    """One job in a fresh process; the watchdog samples RssAnon/RssFile (of the process and its children:
+    ``tree``, their sum) and kills it past ``max_rss``."""
     context = multiprocessing.get_context("spawn")
     reader, writer = context.Pipe(duplex=False)
-    process = context.Process(target=_job, args=(way, str(source), script, str(out), writer), daemon=True)
+    process = context.Process(target=_job, args=(way, str(source), script, str(out), writer, threads, workers),
+                              daemon=workers == 1)  # a daemonic process may not start worker processes
     process.start()
     writer.close()
-    peaks = {"RssAnon": 0, "RssFile": 0}
+    peaks = {"RssAnon": 0, "RssFile": 0, "tree": 0}
     killed = []
 
     def watchdog():
         while process.is_alive():
             try:
                 status = _status(process.pid)
+                tree = _tree_status(process.pid)
             except (OSError, KeyError):
                 return
-            for key in peaks:
+            for key in ("RssAnon", "RssFile"):
                 peaks[key] = max(peaks[key], status.get(key, 0))
-            if status.get("VmRSS", 0) > max_rss:
+            peaks["tree"] = max(peaks["tree"], tree.get("VmRSS", 0))
+            if tree.get("VmRSS", 0) > max_rss:
                 killed.append(status["VmRSS"])
                 process.kill()
                 return
@@ -155,7 +179,7 @@ def run_way(way: str, source: Path, script: str, out: Path, max_rss: int, timeou
     thread.join(1)
     if row is None:
         return {"status": f"killed by the watchdog at {killed[0] / 2**30:.1f} GiB" if killed else "no result"}
-    return {**row, "anon": peaks["RssAnon"], "file": peaks["RssFile"], "status": "ok"}
+    return {**row, "anon": peaks["RssAnon"], "file": peaks["RssFile"], "tree": peaks["tree"], "status": "ok"}
 
 
 def _mib(n: float) -> str:
@@ -365,7 +389,7 @@ def _report_big(args, key: str, rows: list[dict], text: str, forward: str) -> No
 
 
 #: The larger-than-memory runs, in the order their sections appear on the page.
-BIG_RUNS = ("llama_13b", "flux_dev")
+BIG_RUNS = ("llama_13b", "workers_13b", "flux_dev")
 
 
 def _write_big(name: str, rows: list[dict], text: str) -> None:
@@ -476,6 +500,84 @@ def llama_13b(args) -> None:
     _report_big(args, "llama_13b", rows, text, "load + forward (8 tokens)")
 
 
+def _save_digest(directory: Path) -> str:
+    """SHA-256 over a save's files (names and bytes), its save id masked: equal digests, equal saves."""
+    import hashlib
+
+    save_id = json.loads((directory / "transformdsl.json").read_text())["save_id"].encode()
+    digest = hashlib.sha256()
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        digest.update(str(path.relative_to(directory)).encode() + b"\0")
+        with open(path, "rb") as f:
+            head = f.read(1 << 20)  # a shard's save id is in its header, at the start
+            digest.update(head.replace(save_id, b"ID"))
+            while chunk := f.read(1 << 24):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        import platform
+
+        return platform.processor() or platform.machine()
+
+
+def workers_13b(args) -> None:
+    """``convert --workers N`` against one process on the Llama-2-13B shape: wall time, peak RSS of the
+    process tree, and whether the saves are the same bytes."""
+    directory = Path(args.llama_13b)
+    memory = _memory_total()
+    count = args.workers
+    threads = os.cpu_count() or 1
+    rows = []
+    try:
+        made = write_llama(directory / "source", **({"num_hidden_layers": 2} if args.smoke else {}))
+        print(f"wrote {made['bytes'] / 1e9:.1f} GB", flush=True)
+        for script in args.scripts.split(","):
+            results, digests = {}, {}
+            for label, kwargs in (("1 process", {"threads": threads, "workers": 1}),
+                                  (f"{count} workers", {"threads": threads, "workers": count})):
+                out = directory / label.replace(" ", "-")
+                result = run_way("convert", directory / "source", script, out, int(args.max_rss_gb * 2**30),
+                                 args.timeout, **kwargs)
+                print(script, label, result, flush=True)
+                results[label] = result
+                if result["status"] == "ok":
+                    digests[label] = _save_digest(out)
+                shutil.rmtree(out, ignore_errors=True)
+            one, many = results["1 process"], results[f"{count} workers"]
+            ok = one["status"] == many["status"] == "ok"
+            rows.append({
+                "script": script, "source": f"{made['params'] / 1e9:.2f} B params, {made['bytes'] / 1e9:.1f} GB bf16",
+                "1 process s": f"{one['seconds']:.0f}" if one["status"] == "ok" else one["status"],
+                f"{count} workers s": f"{many['seconds']:.0f}" if many["status"] == "ok" else many["status"],
+                "time ÷ 1 process": f"{many['seconds'] / one['seconds']:.2f}" if ok else "",
+                "peak RSS GiB (1 / workers, process tree)": f"{one['tree'] / 2**30:.2f} / {many['tree'] / 2**30:.2f}"
+                if ok else "",
+                "same bytes": str(digests.get("1 process") == digests.get(f"{count} workers")) if ok else "",
+                "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            })
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    text = (f"\n## convert --workers {count} on the Llama-2-13B shape\n\n"
+            f"Measured on this machine ({_cpu_name()}, {threads} cores, {memory / 2**30:.1f} GiB), at the time of each "
+            f"row.  Command: `nice -n 10 .venv/bin/python benchmarks/bench_convert.py --llama-13b /work/bigllama "
+            f"--workers {count}`.  The same source as above (random bf16 weights, written then deleted); each way in "
+            f"a fresh process: one process with all {threads} torch threads, and `workers={count}` (each worker "
+            f"{max(1, threads // count)} thread(s), the parent writing).  Peak RSS: the watchdog's highest sample of "
+            "the process and its children together (file pages of the mapped source counted in each process that "
+            "touched them).  Same bytes: SHA-256 over every file of the two saves, save id masked.\n\n")
+    text += table(rows, list(rows[0])) + "\n"
+    if args.smoke:
+        print(text)
+        return
+    _write_big("workers_13b", rows, text)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="small,medium,1b")
@@ -490,8 +592,14 @@ def main(argv=None) -> None:
                         help="with --llama-13b: the scripts, comma-separated (gptq: GPTQ int4 on calibration ids)")
     parser.add_argument("--smoke", action="store_true",
                         help="with --flux-dev or --llama-13b: two blocks (1-2 GB), to try the run; writes nothing")
+    parser.add_argument("--workers", type=int, default=0,
+                        help="with --llama-13b: compare convert --workers N with one process instead")
     args = parser.parse_args(argv)
-    if args.llama_13b:
+    if args.llama_13b and args.workers:
+        if "--max-rss-gb" not in (argv or sys.argv):
+            args.max_rss_gb = 16.0
+        workers_13b(args)
+    elif args.llama_13b:
         if "--max-rss-gb" not in (argv or sys.argv):
             args.max_rss_gb = 10.0
         llama_13b(args)
