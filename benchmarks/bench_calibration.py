@@ -19,7 +19,6 @@ import argparse
 import ast
 import json
 import math
-import platform
 import subprocess
 import sys
 import sysconfig
@@ -27,6 +26,10 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from common import cpu_model as cpu_name  # noqa: E402
+
 STOCK_PYTHON = ROOT / ".venv-stock" / "bin" / "python"
 CALIBRATION = (16, 256)  # samples x tokens
 HELDOUT = (8, 512)  # windows x tokens
@@ -184,13 +187,6 @@ def run_json(command: list[str], cache: Path) -> dict:
     result = json.loads(run.stdout.strip().splitlines()[-1])
     cache.write_text(json.dumps(result))
     return result
-
-
-def cpu_name() -> str:
-    try:
-        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
 
 
 def main() -> None:

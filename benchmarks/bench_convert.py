@@ -45,7 +45,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(HERE.parent))
 
-from common import RESULTS, header, table, write  # noqa: E402
+from common import RESULTS, cpu_model, header, table, write  # noqa: E402
 
 #: name -> (hidden, intermediate, layers, heads, kv heads, vocab)
 SIZES = {
@@ -122,9 +122,10 @@ def _job(way: str, source: str, script: str, out: str, writer, threads: int = 1,
                  "base_file": before["RssFile"]})
 
 
-def _tree_status(pid: int) -> dict[str, int]:
-    """``_status`` summed over the process and its descendants (convert's worker processes)."""
-    total = _status(pid)
+def _tree_status(pid: int, own: dict[str, int] | None = None) -> dict[str, int]:
+    """``_status`` summed over the process and its descendants (convert's worker processes); ``own``:
+    the process's ``_status``, when the caller has read it already."""
+    total = dict(_status(pid) if own is None else own)
     try:
         children = []
         for task in os.listdir(f"/proc/{pid}/task"):
@@ -158,7 +159,7 @@ def run_way(way: str, source: Path, script: str, out: Path, max_rss: int, timeou
         while process.is_alive():
             try:
                 status = _status(process.pid)
-                tree = _tree_status(process.pid)
+                tree = _tree_status(process.pid, status)
             except (OSError, KeyError):
                 return
             for key in ("RssAnon", "RssFile"):
@@ -516,16 +517,6 @@ def _save_digest(directory: Path) -> str:
     return digest.hexdigest()
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        import platform
-
-        return platform.processor() or platform.machine()
-
-
 def workers_13b(args) -> None:
     """``convert --workers N`` against one process on the Llama-2-13B shape: wall time, peak RSS of the
     process tree, and whether the saves are the same bytes."""
@@ -564,7 +555,7 @@ def workers_13b(args) -> None:
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     text = (f"\n## convert --workers {count} on the Llama-2-13B shape\n\n"
-            f"Measured on this machine ({_cpu_name()}, {threads} cores, {memory / 2**30:.1f} GiB), at the time of each "
+            f"Measured on this machine ({cpu_model()}, {threads} cores, {memory / 2**30:.1f} GiB), at the time of each "
             f"row.  Command: `nice -n 10 .venv/bin/python benchmarks/bench_convert.py --llama-13b /work/bigllama "
             f"--workers {count}`.  The same source as above (random bf16 weights, written then deleted); each way in "
             f"a fresh process: one process with all {threads} torch threads, and `workers={count}` (each worker "

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import cpu_model as cpu_name  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results"
 PROMPT, NEW = 128, 64
 HELDOUT = (4, 256)  # windows x tokens for the KL
@@ -68,16 +70,6 @@ for _ in range(3):
 best = max(times, key=lambda t: t[1])
 print(json.dumps({"logits": logits, "prefill_s": min(t[0] for t in times), "tokens_per_s": best[1], "generated": out}))
 '''
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def kl(ours_logits, theirs_logits) -> tuple[float, float]:

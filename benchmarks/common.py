@@ -46,6 +46,15 @@ def header(title: str, measured_at: float | None = None, threads: int | None = N
             "Every figure below is written by the script that measured it.\n")
 
 
+def cpu_model() -> str:
+    """This CPU's model name (``/proc/cpuinfo``), or what :mod:`platform` says where there is none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
 def table(rows: list[dict], columns: list[str]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:
