@@ -17,6 +17,7 @@ from torch import nn
 import transformdsl
 from transformdsl.errors import TransformError
 from transformdsl.models.builtin import tiny_llama
+from transformdsl.transforms.quantize import gguf_blocks
 from transformdsl.transforms.quantize.gguf_blocks import LAYERS
 
 QTYPES = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}
@@ -61,6 +62,63 @@ def test_block_modes_quantize_llama_within_their_bound_and_reload_exactly(tmp_pa
         assert 0 < (out - reference).abs().max() < (0.05 if kind == "q8_0" else 0.5)
         transformdsl.save(quantized, tmp_path / kind)
         assert torch.equal(transformdsl.load(tmp_path / kind)(TOKENS).logits, out)
+
+
+needs_packed = pytest.mark.skipif(not gguf_blocks.packed_kernel_available(),
+                                  reason="this torch has no packed int4 CPU kernel")
+
+
+def relative_error(out: torch.Tensor, exact: torch.Tensor) -> float:
+    return ((out.double() - exact).norm() / exact.norm()).item()
+
+
+@needs_packed
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("shape", [(48, 128), (1536, 576)])
+def test_block_layers_decode_with_the_packed_kernel_within_bfloat16_rounding(kind, shape):
+    weight = hard_weight() if shape == (48, 128) else torch.randn(*shape, generator=torch.Generator().manual_seed(2))
+    bias = torch.randn(shape[0], generator=torch.Generator().manual_seed(3))
+    layer = LAYERS[kind].build(weight, bias)
+    assert layer.packed_kernel
+    exact_weight = layer.dequantize().double()
+    for rows in (1, gguf_blocks.PACKED_MAX_ROWS):
+        x = torch.randn(2, rows // 2 or 1, shape[1], generator=torch.Generator().manual_seed(rows))
+        exact = x.double() @ exact_weight.t() + bias.double()
+        with torch.no_grad():
+            out = layer(x)
+        assert out.shape == exact.shape and out.dtype == torch.float32
+        # bfloat16 activations and scales inside the layer: a bfloat16 matmul's error, no more
+        assert 1e-5 < relative_error(out, exact) < 5e-3
+        assert relative_error(layer(x.bfloat16()), exact) < 1e-2
+    # past decode sizes, with gradients, and in float16 the layer multiplies the exact blocks
+    x = torch.randn(gguf_blocks.PACKED_MAX_ROWS + 1, shape[1], generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert relative_error(layer(x), x.double() @ exact_weight.t() + bias.double()) < 1e-6
+    x = torch.randn(1, shape[1], generator=torch.Generator().manual_seed(5), requires_grad=True)
+    assert relative_error(layer(x), x.detach().double() @ exact_weight.t() + bias.double()) < 1e-6
+    half = layer.to(torch.float16)
+    x = torch.randn(1, shape[1], generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        out = half(x.half())
+    assert relative_error(out, x.half().double() @ exact_weight.t() + bias.half().double()) < 2e-3
+
+
+@needs_packed
+def test_block_layers_repack_after_a_reload_and_skip_rows_the_kernel_cannot_take(tmp_path):
+    for kind in ("q8_0", "q4_0"):
+        def build():
+            return nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 24))
+
+        torch.manual_seed(0)
+        quantized = transformdsl.transform(build(), f"quantize {kind}")
+        assert quantized[0].packed_kernel and not quantized[1].packed_kernel  # 24 outputs: not a multiple of 16
+        x = torch.randn(1, 64, generator=torch.Generator().manual_seed(7))
+        with torch.no_grad():
+            out = quantized(x)
+            transformdsl.save(quantized, tmp_path / kind)
+            reloaded = transformdsl.load(tmp_path / kind, model=build)
+            assert reloaded[0].packed_kernel and torch.equal(reloaded(x), out)
+        assert "packed_kernel=True" in repr(reloaded[0])
 
 
 def test_block_modes_skip_layers_whose_inputs_are_not_whole_blocks():

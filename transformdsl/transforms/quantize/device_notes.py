@@ -99,6 +99,35 @@ def weight_only_note(device_type: str, dtypes: set[str], bits: int) -> str | Non
     return None
 
 
+def gguf_block_note(device_type: str, dtypes: set[str], mode: str, narrow: int = 0) -> str | None:
+    """How ``quantize q8_0|q4_0`` layers multiply on ``device_type``: decode-sized inputs with the
+    packed int4 CPU kernel (what that rounds, what the packed copy costs), the rest exactly.
+    ``narrow``: how many targets have an ``out_features`` the kernel cannot take."""
+    if device_type != "cpu":
+        return (f"on {device_type} these layers dequantize their GGUF blocks at every call (no block kernel is "
+                "wired there)")
+    if "int4" not in packed_cpu_kernels():
+        return ("this torch has no packed int4 CPU kernel: these layers dequantize their GGUF blocks at every "
+                "call (about the float layer's cost, more for q4_0)")
+    fast = sorted(dtypes & {"float32", "bfloat16"})
+    if not fast:
+        return ("these layers compute in " + "/".join(sorted(dtypes)) + ": the packed int4 CPU kernel takes "
+                "bfloat16 or float32 activations, so they dequantize their GGUF blocks at every call")
+    halves = " as two 4-bit halves" if mode == "q8_0" else ""
+    extra = "1 byte" if mode == "q8_0" else "0.5 byte"
+    text = ("decode-sized inputs (up to 8 rows) take the packed int4 CPU kernel (aten._weight_int4pack_mm_for_cpu"
+            f"{halves}), the activations and the float16 block scales rounded to bfloat16 inside the layer "
+            "(relative error ~0.3%, a bfloat16 matmul's, beside the blocks' own; the stored blocks, and what "
+            "format='gguf' writes, are unchanged); larger inputs multiply the exact blocks; the packed copy "
+            f"takes {extra} per weight of memory beside the stored blocks")
+    if narrow:
+        text += f"; {narrow} layer{'s' if narrow > 1 else ''} with out_features not a multiple of 16 always dequantize"
+    others = sorted(dtypes - {"float32", "bfloat16"})
+    if others:
+        text += f"; {'/'.join(others)} layers always dequantize (the kernel takes bfloat16 or float32)"
+    return text
+
+
 def four_bit_note(device_type: str, compute: str) -> str | None:
     """That 4-bit layers computing in float32 leave a CPU's bfloat16 instructions unused, or None."""
     if device_type != "cpu" or compute != "float32" or not cpu_bf16_matmul():
