@@ -544,6 +544,13 @@ def tune_section() -> str:
                  + "\n\nEvery uniform script, tune's scripts and its Pareto table: "
                  "[results/tune_smollm2.md](results/tune_smollm2.md).\n\n"
                  "![tune on SmolLM2-135M-Instruct, goal size](results/tune_smollm2_size.png)\n")
+    samplers = HERE / "results" / "tune_samplers.md"  # bench_tune_samplers.py: the knapsack against optuna's samplers
+    if samplers.exists():
+        body = samplers.read_text().split("\n", 1)[-1].replace("Every figure below is written by the script that "
+                                                              "measured it.\n", "")
+        body = body.split("\n### tune's script", 1)[0]
+        text += ("\n### Why a knapsack: tune against optuna's samplers, same space, same wall time\n" + body.rstrip("\n")
+                 + "\n\nThe page: [results/tune_samplers.md](results/tune_samplers.md).\n")
     return text
 
 

@@ -121,6 +121,15 @@ def test_block_layers_repack_after_a_reload_and_skip_rows_the_kernel_cannot_take
         assert "packed_kernel=True" in repr(reloaded[0])
 
 
+@needs_packed
+@pytest.mark.parametrize("kind, extra", [("q8_0", "1 byte"), ("q4_0", "0.5 byte")])
+def test_the_plan_says_which_path_block_layers_multiply_with(kind, extra):
+    note = transformdsl.plan(tiny_llama(), f"quantize {kind}").steps[0].device_note
+    assert "packed int4 CPU kernel" in note and "rounded to bfloat16" in note and f"{extra} per weight" in note
+    half = transformdsl.plan(tiny_llama().half(), f"quantize {kind}").steps[0].device_note
+    assert "float16" in half and "dequantize" in half and "up to 8 rows" not in half
+
+
 def test_block_modes_skip_layers_whose_inputs_are_not_whole_blocks():
     model = nn.Sequential(nn.Linear(48, 32), nn.Linear(32, 8))
     plan = transformdsl.plan(model, "quantize q8_0")
