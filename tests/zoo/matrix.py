@@ -61,6 +61,9 @@ SCRIPTS = {
     "fp8 native": "fp8 native",
     "quantize w8a8": "quantize w8a8",
     "quantize int4": "quantize int4 group_size=32",  # the smallest group: the tiny models' layers are narrow
+    # GGUF's grids (blocks of 32 inputs); sample inputs of at most 8 rows take the packed decode kernel
+    "quantize q8_0": "quantize q8_0",
+    "quantize q4_0": "quantize q4_0",
     # Methods that learn from data, calibrated on the cell's generated samples (the test input and the
     # verify samples; the held-out sample stays unseen).
     "quantize int4 method=gptq": "quantize int4 group_size=32 method=gptq",
