@@ -19,7 +19,7 @@ from ...tree import ModuleInfo, ModuleTree
 from . import INT4_GROUP_SIZES
 from . import Int4Quantization as Int4Declaration
 from . import W8A8Quantization as W8A8Declaration
-from .quantization import QuantizeBehaviour, linear_dims, targets_device_type
+from .quantization import QuantizeBehaviour, linear_dims, target_dtypes, targets_device_type
 
 #: Smallest ``in_features`` ``w8a8`` quantizes.
 W8A8_MIN_IN = 16
@@ -42,10 +42,6 @@ def refuse_export(step, out) -> None:
     raise out.refuse(step, why, "save with format='transformdsl' (plain int8/uint8 tensors, any device)")
 
 
-def _target_dtypes(tree: ModuleTree, targets: list[str]) -> set[str]:
-    return {str(tree[p].facts.get("dtype", "torch.float32")).removeprefix("torch.") for p in targets}
-
-
 class W8A8Quantization(QuantizeBehaviour, W8A8Declaration):
     float_weight = True  # Int8DynamicLinear.weight: the dequantized weight
 
@@ -66,7 +62,7 @@ class W8A8Quantization(QuantizeBehaviour, W8A8Declaration):
         from .device_notes import w8a8_note
 
         device = targets_device_type(tree, targets)
-        return w8a8_note(device, _target_dtypes(tree, targets)) if device else None
+        return w8a8_note(device, target_dtypes(tree, targets)) if device else None
 
     @classmethod
     def export(cls, step, out) -> None:
@@ -128,7 +124,7 @@ class Int4Quantization(QuantizeBehaviour, Int4Declaration):
         if device == "cuda":
             return ("on CUDA these layers dequantize their weight at every call (the tinygemm int4 kernel, "
                     "aten._weight_int4pack_mm, is not wired here yet)")
-        return weight_only_note(device, _target_dtypes(tree, targets), 4)
+        return weight_only_note(device, target_dtypes(tree, targets), 4)
 
     @classmethod
     def export(cls, step, out) -> None:

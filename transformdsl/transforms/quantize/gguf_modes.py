@@ -11,7 +11,7 @@ from __future__ import annotations
 from ...tree import ModuleInfo, ModuleTree
 from . import Q4_0Quantization as Q4_0Declaration
 from . import Q8_0Quantization as Q8_0Declaration
-from .quantization import QuantizeBehaviour, linear_dims, targets_device_type
+from .quantization import QuantizeBehaviour, linear_dims, target_dtypes, targets_device_type
 
 
 class GGUFBlockBehaviour(QuantizeBehaviour):
@@ -28,13 +28,13 @@ class GGUFBlockBehaviour(QuantizeBehaviour):
 
     def device_note(self, tree: ModuleTree, targets: list[str]) -> str | None:
         from .device_notes import gguf_block_note
+        from .gguf_blocks import PACKED_OUT_MULTIPLE
 
         device = targets_device_type(tree, targets)
         if device is None:
             return None
-        dtypes = {str(tree[p].facts.get("dtype", "torch.float32")).removeprefix("torch.") for p in targets}
-        narrow = sum(1 for p in targets if (linear_dims(tree[p]) or (0, 0))[1] % 16)
-        return gguf_block_note(device, dtypes, self.mode, narrow)
+        narrow = sum(1 for p in targets if (linear_dims(tree[p]) or (0, 0))[1] % PACKED_OUT_MULTIPLE)
+        return gguf_block_note(device, target_dtypes(tree, targets), self.mode, narrow)
 
     @classmethod
     def export(cls, step, out) -> None:

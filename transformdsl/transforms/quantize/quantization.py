@@ -61,6 +61,11 @@ def linear_dims(info: ModuleInfo) -> tuple[int, int] | None:
     return (in_f, out_f) if isinstance(in_f, int) and isinstance(out_f, int) else None
 
 
+def target_dtypes(tree: ModuleTree, targets: list[str]) -> set[str]:
+    """The dtypes of ``targets`` on the planning snapshot (``"float32"``, ``"bfloat16"``...)."""
+    return {str(tree[p].facts.get("dtype", "torch.float32")).removeprefix("torch.") for p in targets}
+
+
 #: Planning snapshot → its tied weights: one walk per snapshot, not one per candidate.
 def _read_by_parent(info: ModuleInfo, tree: ModuleTree) -> bool:
     """``nn.MultiheadAttention.out_proj`` (SigLIP's and CLIP's pooling heads): the parent passes
@@ -286,8 +291,7 @@ class Int8Quantization(QuantizeBehaviour, Int8Declaration):
 
         device = targets_device_type(tree, targets)
         if device and self.options.weight_only:  # the packed kernel decodes with bfloat16 activations
-            dtypes = {str(tree[p].facts.get("dtype", "torch.float32")).removeprefix("torch.") for p in targets}
-            return weight_only_note(device, dtypes, 8)
+            return weight_only_note(device, target_dtypes(tree, targets), 8)
         return int8_note(device) if device else None
 
     def notes(self, tree: ModuleTree, targets: list[str]) -> list[str]:
