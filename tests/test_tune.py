@@ -311,8 +311,9 @@ def test_the_latency_pick_is_no_slower_than_the_fastest_uniform_script(model, ro
     assert uniform
     ours = latency(result.script)
     assert ours <= api.LATENCY_SLACK * min(uniform.values()), (ours, uniform, result.reason)
-    if result.chosen.chosen:  # a script with statements: measured within the bound and faster than the float model
+    if result.chosen.chosen or result.chosen.statements:  # measured within the bound and faster than the float model
         assert result.value <= 0.05 and result.latency.ratio < 1.0
+        assert set(statements(result.script)) >= set(result.chosen.statements)
     else:
         assert result.reason.endswith("the fastest model is the float model (no statement)")
         assert not statements(result.script)
@@ -320,12 +321,34 @@ def test_the_latency_pick_is_no_slower_than_the_fastest_uniform_script(model, ro
 
 def test_the_latency_goal_measures_against_the_float_model_in_this_process(model, rows):
     result = transformdsl.tune(model, max_kl=0.05, goal="latency", calibration=rows, modes=MODES[:1], rounds=2,
-                               evaluations=2)
+                               evaluations=2, statements=())
     assert result.passed
     if result.chosen.chosen:  # some layer measured faster here: its script was verified end to end
         assert result.latency.rounds == 2 and result.value <= 0.05
     else:
         assert "fastest model is the float model" in result.reason
+
+
+def test_a_whole_model_statement_is_kept_only_when_the_whole_script_measured_faster(model, rows, one_thread):
+    """``fuse qkv`` is tried on the chosen script as one more whole-model evaluation; ``cache`` (a
+    denoiser's) is refused by the planner on a language model, so it is pruned with the planner's reason
+    and never measured."""
+    result = transformdsl.tune(model, max_kl=0.05, goal="latency", calibration=rows, modes=MODES[:1], rounds=3,
+                               evaluations=4, statements=["cache first_block", "fuse qkv"])
+    assert result.passed and not result.partial, result.reason
+    refused = dict(result.pruned)["cache first_block"]
+    assert "a step cache works on a diffusers denoiser" in refused
+    tried = [c for c in result.evaluated if c.statements]
+    assert [c.statements for c in tried] == [["fuse qkv"]]
+    fused = tried[0]
+    assert fused.qualities["kl"] <= 1e-6  # fusing changes no number
+    assert "fuse qkv" in fused.text.splitlines()
+    before = min([c.latency.ratio for c in result.evaluated if not c.statements and c.passed] + [1.0])
+    kept = fused.latency.ratio < (1 - api.LAYER_GAIN) * before
+    assert (result.chosen.statements == ["fuse qkv"]) == kept
+    assert ("fuse qkv" in statements(result.script)) == kept
+    assert result.evaluations <= 4
+    transformdsl.plan(model, result.script)
 
 
 def test_flux_within_an_rms_budget():

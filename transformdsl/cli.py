@@ -362,6 +362,7 @@ def cmd_tune(args) -> int:
     storage = args.storage if args.storage is not None else args.out + ".study.db"
     result = tune(model, goal=args.goal, calibration=calibration, modes=args.mode, budget_s=args.budget,
                   storage=None if storage == "memory" else storage, evaluations=args.evaluations,
+                  statements=None if args.statement is None else [s for s in args.statement if s != "none"],
                   progress=not args.quiet, log=None if args.quiet else _err, **budgets)
     print(result.table())
     print(result)
@@ -486,6 +487,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: FILE.study.db beside --out; memory: none); a tune run again resumes from it")
     p.add_argument("--mode", action="append", metavar="STATEMENT",
                    help="a mode to try, e.g. 'quantize int8 weight_only=true' (repeat; default: every mode declared)")
+    p.add_argument("--statement", action="append", metavar="STATEMENT",
+                   help="with --goal latency: a whole-model statement tried on the chosen script, kept when measured "
+                        "faster (repeat; default: 'fuse qkv' and 'compile'; none: no statement)")
     p.add_argument("--evaluations", type=int, default=5, metavar="N",
                    help="most whole scripts measured after the per-layer pass (default 5)")
     p.add_argument("--check", metavar="FILE",

@@ -45,6 +45,11 @@ GOALS = ("size", "latency")
 #: A layer counts as faster in a mode only when its call measured at least this share faster than
 #: the float layer's (below that, timing noise on a shared machine decides).
 LAYER_GAIN = 0.05
+#: Statements tried on the whole model after the per-layer choice, for ``goal="latency"``: they change
+#: no layer's bytes or rounding one layer at a time, so the knapsack has nothing to weigh them by; each
+#: is kept only when the whole script measured with it is faster by :data:`LAYER_GAIN` and within the
+#: budget.  (``cache`` acts across a denoiser's steps and tune times one forward: not searched.)
+WHOLE_MODEL = ("fuse qkv", "compile")
 #: The machine-readable line of a tuned script (read back by :func:`check`).
 CERTIFICATE = re.compile(r"^#\s*tune:\s*(.*)$", re.M)
 
@@ -69,6 +74,8 @@ class Candidate:
     size_ratio: float | None = None
     latency: Latency | None = None
     passed: bool | None = None
+    #: Whole-model statements after the per-layer ones (``fuse qkv``, ``compile``: :data:`WHOLE_MODEL`).
+    statements: list[str] = field(default_factory=list)
 
     @property
     def measured(self) -> bool:
@@ -79,7 +86,8 @@ class Candidate:
         counts: dict[str, int] = {}
         for mode in self.chosen.values():
             counts[mode] = counts.get(mode, 0) + 1
-        return ", ".join(f"{mode} x{n}" for mode, n in sorted(counts.items(), key=lambda kv: -kv[1])) or "float"
+        layers = ", ".join(f"{mode} x{n}" for mode, n in sorted(counts.items(), key=lambda kv: -kv[1])) or "float"
+        return " + ".join([layers, *self.statements])
 
 
 @dataclass
@@ -276,7 +284,7 @@ def tune(model: Any, *, max_kl: float | None = None, max_rms: float | None = Non
          max_ppl_ratio: float | None = None, goal: str = "size", calibration: Any = None, heldout: Any = None,
          modes: list[str] | None = None, budget_s: float | None = None, storage: str | None = None,
          study: str | None = None, evaluations: int = 5, rounds: int = 5, progress: bool = False,
-         log=None) -> TuneResult:
+         statements: list[str] | tuple[str, ...] | None = None, log=None) -> TuneResult:
     """Find the script whose output stays within the quality budget (exactly one of ``max_kl``,
     ``max_rms``, ``max_ppl_ratio``) with the smallest save (``goal="size"``) or the lowest latency on
     this machine (``goal="latency"``); the model is not changed.
@@ -291,6 +299,9 @@ def tune(model: Any, *, max_kl: float | None = None, max_rms: float | None = Non
     a tune run again resumes without measuring again, and several workers can share it; ``study``:
     its name (default: one derived from the model, the inputs and the modes).  ``evaluations``: the
     most whole scripts measured end to end after the per-layer pass.  ``rounds``: latency rounds.
+    ``statements``: with ``goal="latency"``, the whole-model statements tried on the chosen script
+    within the same ``evaluations`` (default :data:`WHOLE_MODEL`: ``fuse qkv``, ``compile``; ``()``: none),
+    each kept only when measured faster within the budget.
     Ctrl-C stops the search: what was measured is kept in the study and the result is ``partial``.
 
     Raises :class:`TransformError` for a wrong budget, or a model no mode applies to.
@@ -440,7 +451,7 @@ def tune(model: Any, *, max_kl: float | None = None, max_rms: float | None = Non
     calibrated_texts = {m.text for m in measured_modes if m.calibrated}
 
     def evaluate(found: Candidate) -> Candidate:
-        text = script_writer.write(model, found.chosen, universes, [])
+        text = script_writer.write(model, found.chosen, universes, []) + "".join(f"{s}\n" for s in found.statements)
         found.text = text
         uses_data = any(m in calibrated_texts for m in found.chosen.values())
 
@@ -530,6 +541,19 @@ def tune(model: Any, *, max_kl: float | None = None, max_rms: float | None = Non
                   f"the fastest model is the float model (no statement)")
         chosen_candidate = float_model()
 
+    if goal == "latency" and passed and not partial and chosen_candidate is not None:
+        try:
+            chosen_candidate = _whole_model(model, chosen_candidate, WHOLE_MODEL if statements is None else statements,
+                                            evaluate, evaluated, evaluations, pruned, clock, say)
+            if chosen_candidate.statements and not chosen_candidate.chosen:
+                reason = (f"no layer's mode measured faster than the float layer on this machine; within {metric} "
+                          f"<= {bound:g} the fastest model is the float model with "
+                          f"{' and '.join(chosen_candidate.statements)} ({chosen_candidate.latency.text()})")
+        except OutOfTime:
+            partial, reason = True, f"the time budget ({budget_s:g} s) ran out while trying whole-model statements"
+        except KeyboardInterrupt:
+            partial, reason = True, "interrupted (Ctrl-C) while trying whole-model statements; what was measured is kept"
+
     cpu = measure.cpu_name()
     result = TuneResult("", metric, bound, goal,
                         chosen_candidate.qualities.get(metric) if chosen_candidate and chosen_candidate.qualities
@@ -542,6 +566,39 @@ def tune(model: Any, *, max_kl: float | None = None, max_rms: float | None = Non
     if chosen_candidate is not None:
         result.script = _annotated(model, result, chosen_candidate, universes, per_layer, capacity)
     return result
+
+
+def _whole_model(model: Any, base: Candidate, statements, evaluate, evaluated: list[Candidate], evaluations: int,
+                 pruned: list[tuple[str, str]], clock: _Clock, say) -> Candidate:
+    """``base`` with each of ``statements`` added in turn where the planner takes it, it changes something
+    and the whole script measured with it is within the budget and :data:`LAYER_GAIN` faster; each
+    measured one is a whole-model evaluation of the same ``evaluations``."""
+    from ..planner import plan
+
+    for statement in statements:
+        if len(evaluated) >= evaluations:
+            pruned.append((statement, f"no whole-model evaluation left of {evaluations} (evaluations=)"))
+            continue
+        tried = [*base.statements, statement]
+        text = base.text + f"{statement}\n"  # planned with the per-layer statements: they may not combine
+        line = text.count("\n")
+        try:
+            steps = plan(model, text, calibration=True).steps
+        except (ScriptError, TransformError) as exc:
+            pruned.append((statement, str(exc).splitlines()[0]))
+            continue
+        if not any(step.targets for step in steps if step.statement.span and step.statement.span.line == line):
+            pruned.append((statement, "it changes nothing on this model"))
+            continue
+        clock.check()
+        found = evaluate(Candidate(f"{base.label} + {statement}", dict(base.chosen), base.predicted,
+                                   base.predicted_size, statements=tried))
+        before = base.latency.ratio if base.latency is not None else 1.0
+        if found.passed and found.latency.ratio < (1 - LAYER_GAIN) * before:
+            base = found
+        else:
+            say(f"tune: {statement} not kept ({'outside the budget' if not found.passed else 'not faster'})")
+    return base
 
 
 def _annotated(model: Any, result: TuneResult, chosen: Candidate, universes, per_layer, capacity: float) -> str:
@@ -577,7 +634,10 @@ def _annotated(model: Any, result: TuneResult, chosen: Candidate, universes, per
         saved = sum(per_layer[mode][p]["bytes_before"] - per_layer[mode][p]["bytes_after"] for p in paths)
         notes[mode] = (f"{len(paths)} layer(s), saving {human_bytes(saved)}; their {metric} one layer at a time "
                        f"adds up to {_inverse(metric, amp):.3g}")
-    return script_writer.write(model, chosen.chosen, universes, head, notes)
+    text = script_writer.write(model, chosen.chosen, universes, head, notes)
+    for statement in chosen.statements:
+        text += f"# {statement}: kept, the whole script measured {LAYER_GAIN:.0%} or more faster with it\n{statement}\n"
+    return text
 
 
 # --------------------------------------------------------------------------- re-measuring a script
