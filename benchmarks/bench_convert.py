@@ -315,17 +315,19 @@ def _load_and_run(out: str, writer) -> None:
 
 
 def convert_and_run(args, directory: Path, made: dict, source: str, run, forward: str, forward_text,
-                    scripts: tuple[str, ...] = ("quantize nf4", "fp8 storage")) -> list[dict]:
+                    scripts: tuple[str, ...] = ("quantize nf4", "fp8 storage"), threads: int = 1) -> list[dict]:
     """Convert ``directory/source`` with each of ``scripts`` (each in a fresh process under the
     watchdog), load each result and run it in another (``run(out, writer)``): the table rows, the
     forward's column ``forward`` written by ``forward_text(result)``."""
     rows = []
     for script in scripts:
         out = directory / script.splitlines()[-1].replace(" ", "-").replace("=", "")
-        result = run_way("convert", directory / "source", script, out, int(args.max_rss_gb * 2**30), args.timeout)
+        result = run_way("convert", directory / "source", script, out, int(args.max_rss_gb * 2**30), args.timeout,
+                         threads=threads)
         print(script, result, flush=True)
-        row = {"script": script.replace("\n", "; ").replace(str(directory) + "/", ""), "source": source,
-               "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+        row = {"script": script.replace("\n", "; ").replace(str(directory) + "/", "")
+               + (f" ({threads} torch threads)" if threads > 1 else ""), "source": source,
+               "measured": f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {cpu_model()}"}
         if result["status"] != "ok":
             rows.append({**row, "peak RSS GiB": result["status"]})
             continue
@@ -478,7 +480,8 @@ def llama_13b(args) -> None:
             save_file({"input_ids": ids}, str(directory / "calibration.safetensors"))
         rows = convert_and_run(args, directory, made, f"{made['params'] / 1e9:.2f} B params, "
                                f"{made['bytes'] / 1e9:.1f} GB bf16 ({made['bytes'] / memory:.2f}× memory)",
-                               _load_and_run_llama, "load + forward (8 tokens)", _llama_forward_text, scripts)
+                               _load_and_run_llama, "load + forward (8 tokens)", _llama_forward_text, scripts,
+                               threads=args.threads)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     if not args.smoke:  # rows of scripts not run this time are kept from the last run
@@ -487,8 +490,8 @@ def llama_13b(args) -> None:
         ran = {row["script"] for row in rows}
         rows = [{"measured": "2026-12-01 20:31 UTC", **row} for row in previous if row["script"] not in ran] + rows
     text = ("\n## Larger than memory: a Llama-2-13B-shaped model\n\n"
-            f"Measured on this machine ({memory / 2**30:.1f} GiB of memory, 2 cores, one torch thread), at the time "
-            "of each row.  Command: `nice -n 10 .venv/bin/python benchmarks/bench_convert.py --llama-13b "
+            f"Measured on this machine ({memory / 2**30:.1f} GiB of memory, 2 cores), at the time "
+            "of each row, one torch thread unless the row says otherwise.  Command: `nice -n 10 .venv/bin/python benchmarks/bench_convert.py --llama-13b "
             "/work/bigllama [--scripts gptq]` (a transformers checkpoint with Llama-2-13B's "
             "configuration, random bf16 weights, written tensor by tensor, then deleted): larger than the machine's "
             "memory, so it is never all resident at once, and `load → transform → save` would need more still "
@@ -583,6 +586,8 @@ def main(argv=None) -> None:
                         help="with --llama-13b: the scripts, comma-separated (gptq: GPTQ int4 on calibration ids)")
     parser.add_argument("--smoke", action="store_true",
                         help="with --flux-dev or --llama-13b: two blocks (1-2 GB), to try the run; writes nothing")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="with --llama-13b: torch threads of the convert (GPTQ's matrix products use them)")
     parser.add_argument("--workers", type=int, default=0,
                         help="with --llama-13b: compare convert --workers N with one process instead")
     args = parser.parse_args(argv)

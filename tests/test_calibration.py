@@ -120,6 +120,52 @@ def test_gptq_compensates_its_rounding_on_the_inputs_it_was_fitted_on():
         assert torch.equal(grid.fake(fitted), fitted)  # on the grid: the layer stores it exactly
 
 
+def reference_gptq(weight, h, grid, block_size=128, damp=0.01):
+    """GPTQ as the paper's reference code writes it (rank-1 updates over the whole block, no act_order)."""
+    w, h = weight.clone().double(), h.clone().double()
+    h += damp * h.diagonal().mean() * torch.eye(h.shape[0], dtype=h.dtype)
+    upper = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    for start in range(0, w.shape[1], block_size):
+        end = min(start + block_size, w.shape[1])
+        errors = torch.zeros(w.shape[0], end - start, dtype=w.dtype)
+        for i in range(start, end):
+            rounded = grid.fake_column(w[:, i].float(), i).double()
+            error = (w[:, i] - rounded) / upper[i, i]
+            w[:, i] = rounded
+            w[:, i + 1:end] -= error[:, None] * upper[i, i + 1:end][None]
+            errors[:, i - start] = error
+        w[:, end:] -= errors @ upper[start:end, end:]
+    return w.float()
+
+
+@pytest.mark.parametrize("shape, block_size", [((48, 300), 128), ((40, 96), 32), ((16, 70), 16)])
+def test_gptq_equals_the_reference_loop_up_to_float_summation_order(shape, block_size):
+    """Ours holds the weight transposed and rounds 16 columns between small matrix updates (3.5x faster
+    on a 5120-wide layer); the arithmetic is the reference's, summed in another order: every weight the
+    same grid point but for ties flipped by float rounding."""
+    torch.manual_seed(0)
+    weight = torch.randn(*shape)
+    x = torch.randn(4 * shape[1], shape[1]) @ torch.randn(shape[1], shape[1])
+    grid = GroupGrid(weight, 2) if shape[1] % 16 else GroupGrid(weight, 16)
+    ours = gptq(weight, hessian(x), grid, block_size=block_size).weight
+    reference = reference_gptq(weight, hessian(x), grid, block_size)
+    assert (ours != reference).float().mean() < 0.005
+    err = lambda w: float((x @ (w - weight).T).norm())  # noqa: E731
+    assert err(ours) == pytest.approx(err(reference), rel=0.01)
+
+
+def test_the_layers_that_read_one_input_share_one_factor_of_its_hessian():
+    from transformdsl.calibration.gptq import factor
+
+    torch.manual_seed(0)
+    x = torch.randn(256, 64)
+    prepared = factor(hessian(x), act_order=True)
+    for weight in (torch.randn(32, 64), torch.randn(8, 64)):  # q and a narrower k read the same input
+        grid = GroupGrid(weight, 16)
+        assert torch.equal(gptq(weight, None, grid, prepared=prepared).weight,
+                           gptq(weight, hessian(x), grid, act_order=True).weight)
+
+
 def test_a_hessian_that_is_not_positive_definite_is_dampened_further_and_said():
     torch.manual_seed(0)
     weight = torch.randn(8, 32)

@@ -6,7 +6,9 @@ grid's scales are fixed from the weight before any update (``static groups``: th
 has no per-column group index), a dead input channel (never non-zero) is zeroed, the Hessian
 ``H = 2/n Σ xᵀx`` is dampened by ``damp × mean(diag H)`` and inverted through Cholesky, and the
 columns are processed ``block_size`` at a time with the error of a block applied to the rest at
-once (the "lazy batch" update).  ``act_order`` processes columns by decreasing ``diag(H)``.
+once (the "lazy batch" update).  ``act_order`` processes columns by decreasing ``diag(H)``.  The
+Hessian's part (dead channels, order, inverse factor) is computed once per input tensor and shared by
+the layers that read it (:func:`factor`: q, k and v).
 
 A Hessian that is not positive definite after dampening is dampened ten times more, up to
 :data:`MAX_RETRIES` times (said in the result), never a crash; past that the layer is rounded to
@@ -96,29 +98,53 @@ def _inverse_cholesky(h: torch.Tensor, damp: float) -> tuple[torch.Tensor | None
     return None, damp
 
 
-def gptq(weight: torch.Tensor, h: torch.Tensor, grid: Grid, *, damp: float = 0.01, block_size: int = 128,
-         act_order: bool = False) -> Result:
-    """``weight`` (out x in) rounded onto ``grid`` by GPTQ with Hessian ``h`` (in x in); neither is changed."""
-    w = weight.detach().float().clone()
+@dataclass
+class Factor:
+    """What GPTQ derives from a Hessian alone, shared by the layers that read one input (q, k and v)."""
+
+    #: Input channels never non-zero (their weights are zeroed).
+    dead: torch.Tensor
+    #: The column order (``act_order``: by decreasing ``diag(H)``), or None for the weight's own.
+    order: torch.Tensor | None
+    #: The upper Cholesky factor of the dampened Hessian's inverse, or None where Cholesky failed.
+    upper: torch.Tensor | None
+    #: The dampening fraction used.
+    damp: float
+
+
+def factor(h: torch.Tensor, *, damp: float = 0.01, act_order: bool = False) -> Factor:
+    """The Hessian's part of GPTQ (``h`` is not changed)."""
     h = h.detach().float().clone()
-    columns = w.shape[1]
     dead = h.diagonal() == 0
     if dead.any():
         h[dead, dead] = 1.0
-        w[:, dead] = 0.0
     order = torch.argsort(h.diagonal(), descending=True) if act_order else None
     if order is not None:
-        w, h = w[:, order], h[order][:, order]
+        h = h[order][:, order]
     upper, used = _inverse_cholesky(h, damp)
-    del h
-    if upper is None:
-        return Result(grid.fake(weight.detach().float()), used, rounded=True)
-    index = order.tolist() if order is not None else list(range(columns))
-    with single_thread():
-        _rounded_columns(w, upper, grid, index, block_size)
+    return Factor(dead, order, upper, used)
+
+
+def gptq(weight: torch.Tensor, h: torch.Tensor | None, grid: Grid, *, damp: float = 0.01, block_size: int = 128,
+         act_order: bool = False, prepared: Factor | None = None) -> Result:
+    """``weight`` (out x in) rounded onto ``grid`` by GPTQ with Hessian ``h`` (in x in), or with the
+    ``prepared`` :func:`factor` of it (then ``h``, ``damp`` and ``act_order`` are not read); neither
+    ``weight`` nor ``h`` is changed."""
+    if prepared is None:
+        prepared = factor(h, damp=damp, act_order=act_order)
+    if prepared.upper is None:
+        return Result(grid.fake(weight.detach().float()), prepared.damp, rounded=True)
+    w = weight.detach().float().clone()
+    if prepared.dead.any():
+        w[:, prepared.dead] = 0.0
+    order = prepared.order
+    if order is not None:
+        w = w[:, order]
+    index = order.tolist() if order is not None else list(range(w.shape[1]))
+    w = _rounded_columns(w, prepared.upper, grid, index, block_size)
     if order is not None:
         w = w[:, torch.argsort(order)]
-    return Result(w, used)
+    return Result(w.contiguous(), prepared.damp)
 
 
 @contextmanager
@@ -136,22 +162,43 @@ def single_thread() -> Iterator[None]:
             torch.set_num_threads(threads)
 
 
-def _rounded_columns(w: torch.Tensor, upper: torch.Tensor, grid: Grid, index: list[int], block_size: int) -> None:
-    """GPTQ's loop over ``w``'s columns (in place), ``block_size`` at a time."""
-    columns = w.shape[1]
+#: Columns rounded one by one between two small matrix updates inside a block (a second level of GPTQ's
+#: lazy batch): the rank-1 updates then touch at most this many columns.
+SUB_BLOCK = 16
+
+
+def _rounded_columns(w: torch.Tensor, upper: torch.Tensor, grid: Grid, index: list[int],
+                     block_size: int) -> torch.Tensor:
+    """GPTQ's loop over ``w``'s columns, ``block_size`` at a time; returns the rounded weight (out x in).
+
+    The weight is held transposed, so a column is a contiguous row and every update a contiguous range;
+    inside a block, columns are rounded ``SUB_BLOCK`` at a time with rank-1 updates, the rest of the block
+    updated once per sub-block by a small matrix product (one thread), and the columns after the block by
+    one matrix product with every thread.  3.5x faster than rank-1 updates over the whole block on a
+    5120 x 5120 layer (5.7 s against 1.6 s, one thread); the same arithmetic, summed in another order.
+    """
+    wt = w.T.contiguous()
+    del w
+    columns = wt.shape[0]
     for start in range(0, columns, block_size):
         end = min(start + block_size, columns)
-        block = w[:, start:end].clone()
+        block = wt[start:end]
         errors = torch.empty_like(block)
         inverse = upper[start:end, start:end]
-        for i in range(end - start):
-            column = block[:, i]
-            rounded = grid.fake_column(column, index[start + i])
-            error = (column - rounded) / inverse[i, i]
-            block[:, i] = rounded
-            if i + 1 < end - start:  # a rank-1 update in place: no temporary of the block's size
-                block[:, i + 1:].addr_(error, inverse[i, i + 1:], alpha=-1.0)
-            errors[:, i] = error
-        w[:, start:end] = block
+        width = end - start
+        with single_thread():
+            for first in range(0, width, SUB_BLOCK):
+                last = min(first + SUB_BLOCK, width)
+                for i in range(first, last):
+                    column = block[i]
+                    rounded = grid.fake_column(column, index[start + i])
+                    error = (column - rounded) / inverse[i, i]
+                    block[i] = rounded
+                    if i + 1 < last:  # a rank-1 update in place: no temporary of the sub-block's size
+                        block[i + 1:last].addr_(inverse[i, i + 1:last], error, alpha=-1.0)
+                    errors[i] = error
+                if last < width:
+                    block[last:].addmm_(inverse[first:last, last:].T, errors[first:last], alpha=-1.0)
         if end < columns:
-            w[:, end:].addmm_(errors, upper[start:end, end:], alpha=-1.0)
+            wt[end:].addmm_(upper[start:end, end:].T, errors, alpha=-1.0)
+    return wt.T

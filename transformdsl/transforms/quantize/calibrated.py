@@ -133,9 +133,10 @@ class GPTQ:
     def finish(self, unit, weights: dict[str, torch.Tensor] | None = None) -> None:
         """Round the unit's members (``weights``: float weights to round instead of their own,
         e.g. smoothed ones)."""
-        from ...calibration.gptq import gptq
+        from ...calibration.gptq import factor, gptq
 
         for group, hessian in zip(unit.groups, self.hessians):
+            prepared = None  # one factor of the Hessian for every member that reads it (q, k and v)
             for path in group.paths:
                 weight = (weights or {}).get(path)
                 if weight is None:
@@ -145,8 +146,9 @@ class GPTQ:
                     self.layers.notes.append(f"{path} read no calibration input; rounded to nearest")
                     continue
                 grid = self.transform.calibration_grid(self.options, weight)
-                result = gptq(weight, hessian.matrix, grid, damp=self.options.damp,
-                              block_size=self.options.block_size, act_order=self.options.act_order)
+                if prepared is None:
+                    prepared = factor(hessian.matrix, damp=self.options.damp, act_order=self.options.act_order)
+                result = gptq(weight, None, grid, block_size=self.options.block_size, prepared=prepared)
                 if result.rounded:
                     self.layers.notes.append(f"{path}: its Hessian is not positive definite even dampened "
                                              f"{result.damp:g}; rounded to nearest")
