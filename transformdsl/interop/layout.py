@@ -11,7 +11,14 @@ stored otherwise, how to get it back:
   rows], ...]``, zero rows inserted at those positions of the concatenation (the fused bias of a
   projection that has none, Whisper's ``k_proj``);
 - ``{"key": ours, "from": [saved, ...], "op": "same"}``: equal copies, one kept (a per-tensor
-  scale or format tag stored once per unfused projection).
+  scale or format tag stored once per unfused projection);
+- ``{"key": ours, "from": [saved], "op": "view", "dtype": "uint8", "shape": [...]}``: the same bytes
+  read as another dtype (int4 nibbles stored as compressed-tensors' int32 ``weight_packed``);
+- ``{"key": ours, "from": [saved], "op": "cast", "dtype": "bfloat16"}``: the values in another dtype,
+  refused unless the cast is exact (a bfloat16 scale stored as float32);
+- ``{"key": ours, "from": [saved], "op": "zeros", "dtype": ..., "shape": [...]}``: zeros of the model's
+  own shape for that tensor, the saved one dropped (int4's zero points of a symmetric layer, which
+  compressed-tensors does not store; ``saved`` is its ``weight_shape``).
 
 Every operation is exact: reloading gives our tensors bit for bit.
 """
@@ -24,7 +31,10 @@ import torch
 
 from ..errors import LoadError
 
-OPS = ("rename", "cat", "same")
+OPS = ("rename", "cat", "same", "view", "cast", "zeros")
+#: The dtypes a ``view``/``cast``/``zeros`` entry may name.
+DTYPES = {"uint8": torch.uint8, "int8": torch.int8, "int32": torch.int32, "bfloat16": torch.bfloat16,
+          "float16": torch.float16, "float32": torch.float32}
 
 
 def check(path: Path, layout: object) -> list[dict]:
@@ -40,10 +50,12 @@ def check(path: Path, layout: object) -> list[dict]:
             ok = entry["op"] == "cat" and isinstance(zeros, list) and all(
                 isinstance(z, list) and len(z) == 2 and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
                                                             for v in z) for z in zeros)
-        if ok and entry["op"] == "rename":
+        if ok and entry["op"] in ("rename", "view", "zeros"):
             shape = entry.get("shape")
             ok = len(entry["from"]) == 1 and isinstance(shape, list) and all(
                 isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+        if ok and entry["op"] in ("view", "cast", "zeros"):
+            ok = len(entry["from"]) == 1 and entry.get("dtype") in DTYPES
         if not ok:
             raise LoadError(f"{path}: malformed 'tensors.layout' entry: {str(entry)[:200]}")
     return layout  # type: ignore[return-value]
@@ -71,6 +83,27 @@ def to_own(tensors: dict[str, torch.Tensor], layout: list[dict], directory: Path
                 raise LoadError(f"{directory}: tensor '{sources[0]}' has {parts[0].numel()} values; "
                                 f"'{key}' needs shape {list(shape)}")
             tensors[key] = parts[0].reshape(shape)
+        elif op == "view":
+            shape, dtype = tuple(entry["shape"]), DTYPES[entry["dtype"]]
+            part = parts[0].contiguous()
+            if part.numel() * part.element_size() != _numel(shape) * dtype.itemsize:
+                raise LoadError(f"{directory}: tensor '{sources[0]}' has {part.numel() * part.element_size()} bytes; "
+                                f"'{key}' needs shape {list(shape)} of {entry['dtype']}")
+            tensors[key] = part.reshape(-1).view(torch.uint8).view(dtype).reshape(shape)
+        elif op == "cast":
+            dtype = DTYPES[entry["dtype"]]
+            cast = parts[0].to(dtype)
+            if not torch.equal(cast.to(parts[0].dtype), parts[0]):
+                raise LoadError(f"{directory}: tensor '{sources[0]}' does not hold {entry['dtype']} values exactly "
+                                f"(it should, as '{key}')")
+            tensors[key] = cast
+        elif op == "zeros":
+            shape, want = tuple(entry["shape"]), (expected or {}).get(key)
+            if want is None or tuple(want) != shape:
+                raise LoadError(f"{directory}: 'tensors.layout' builds '{key}' as zeros of {list(shape)}"
+                                + (f"; the model expects {list(want)}" if want is not None else
+                                   ", a tensor the model does not have") + "; refusing to allocate it")
+            tensors[key] = torch.zeros(shape, dtype=DTYPES[entry["dtype"]], device=parts[0].device)
         elif op == "cat":
             if len({(p.dtype, p.shape[1:]) for p in parts}) != 1 or any(p.dim() == 0 for p in parts):
                 raise LoadError(f"{directory}: tensors {sources} cannot be concatenated into '{key}'")

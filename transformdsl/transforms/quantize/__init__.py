@@ -200,6 +200,9 @@ class Int4Options(CalibratedOptions):
     awq_grid: int = option(20, "AWQ: points of its scale search and of its clipping search", min=2, max=100)
     group_size: int = option(128, "weights per (scale, zero) group along a row's inputs", choices=INT4_GROUP_SIZES)
     weight_only: bool = option(True, "int4 weights, bfloat16 activations (W4A16); false is not supported")
+    symmetric: bool = option(False, "symmetric groups: zero point 0, scale = largest magnitude / 7.5 "
+                             "(llm-compressor's W4A16, which format='compressed-tensors' writes); false: "
+                             "asymmetric groups with a float zero (torchao's scheme, less error)")
     compute: str = option("bfloat16", "dtype the matmul runs in, and of the groups' scales and zeros (bfloat16: "
                           "the packed CPU kernel; float32: exact scales, the model's precision, a dequantized "
                           "matmul)", kind="dtype")

@@ -142,13 +142,14 @@ class Int4Quantization(QuantizeBehaviour, Int4Declaration):
             raise LoadError(f"'{cls.key()}': the record's layer '{(layer or {}).get('path')}' has in_features "
                             f"{weight.shape[1]}, which group_size={options.group_size} does not divide (int4 groups "
                             "never straddle rows: a tampered record?)")
-        return backend.Int4WeightOnlyLinear.build(weight, bias, options.group_size, DTYPES[options.compute])
+        return backend.Int4WeightOnlyLinear.build(weight, bias, options.group_size, DTYPES[options.compute],
+                                                  options.symmetric)
 
     @classmethod
     def calibration_grid(cls, options, weight, low=None, high=None):
         from .int4 import GroupGrid
 
-        return GroupGrid(weight, options.group_size, low, high, DTYPES[options.compute])
+        return GroupGrid(weight, options.group_size, low, high, DTYPES[options.compute], options.symmetric)
 
     @classmethod
     def build_on_grid(cls, backend, options, grid, weight, bias, weight_dtype):

@@ -7,6 +7,10 @@ group), as a plain ``nn.Module``.  For each group of ``group_size`` inputs of a 
     q     = clamp(round((w - min) / scale), 0, 15)               (min = zero - 8 * scale)
     w    ~= (q - 8) * scale + zero
 
+``symmetric=True`` (llm-compressor's W4A16 scheme, which compressed-tensors' ``pack-quantized``
+format stores): ``scale = max(|min|, |max|) / 7.5``, ``zero = 0``, so ``w ~= (q - 8) * scale`` with
+``q - 8`` in -8..7; the same layer, kernel and save (its zeros are all 0).
+
 Saved as plain tensors, the same on every device: ``weight`` (uint8, out x in/2: two values per
 byte, the even input in the low nibble), ``weight_scale`` and ``weight_zero`` (in the compute
 dtype: bfloat16 by default, float32 with ``compute=float32``; out x in/group_size) and ``bias``.
@@ -37,10 +41,17 @@ _EPS = 1e-6
 _CHUNK_ELEMENTS = 1 << 22
 
 
-def group_parameters(low: torch.Tensor, high: torch.Tensor,
-                     dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+#: A symmetric group's scale: its largest magnitude over half the 4-bit range (llm-compressor's rule).
+SYMMETRIC_RANGE = 7.5
+
+
+def group_parameters(low: torch.Tensor, high: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
+                     symmetric: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(scale, zero)`` in ``dtype`` (the layer's compute dtype) of groups whose values span
-    ``[low, high]`` (float32)."""
+    ``[low, high]`` (float32); ``symmetric``: zero 0, the scale from the larger magnitude."""
+    if symmetric:
+        s = (torch.maximum(low.abs(), high.abs()) / SYMMETRIC_RANGE).clamp(min=_EPS).to(dtype)
+        return s, torch.zeros_like(s)
     s = ((high - low) / QMAX).clamp(min=_EPS).to(dtype)
     return s, (low + s.float() * MID).to(dtype)
 
@@ -51,8 +62,8 @@ def group_codes(chunk: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) ->
     return torch.round((chunk - minimum[..., None]) / scale.float()[..., None]).clamp_(0, QMAX)
 
 
-def quantize_groups(weight: torch.Tensor, group_size: int,
-                    dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_groups(weight: torch.Tensor, group_size: int, dtype: torch.dtype = torch.bfloat16,
+                    symmetric: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(values uint8 (out, in) in 0..15, scale (out, groups), zero (out, groups))``, scales and
     zeros in ``dtype``."""
     rows, cols = weight.shape
@@ -65,7 +76,7 @@ def quantize_groups(weight: torch.Tensor, group_size: int,
     step = max(1, _CHUNK_ELEMENTS // max(cols, 1))
     for start in range(0, rows, step):
         chunk = weight[start:start + step].detach().float().reshape(-1, groups, group_size)
-        s, z = group_parameters(chunk.amin(dim=2), chunk.amax(dim=2), dtype)
+        s, z = group_parameters(chunk.amin(dim=2), chunk.amax(dim=2), dtype, symmetric)
         values[start:start + step] = group_codes(chunk, s, z).reshape(-1, cols).to(torch.uint8)
         scale[start:start + step] = s
         zero[start:start + step] = z
@@ -78,13 +89,13 @@ class GroupGrid:
     update).  ``low``/``high`` (rows x groups) narrow the groups' ranges (AWQ's clipping)."""
 
     def __init__(self, weight: torch.Tensor, group_size: int, low: torch.Tensor | None = None,
-                 high: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16):
+                 high: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16, symmetric: bool = False):
         rows, cols = weight.shape
         self.group_size = group_size
         if low is None or high is None:
             grouped = weight.float().reshape(rows, cols // group_size, group_size)
             low, high = grouped.amin(dim=2), grouped.amax(dim=2)
-        self.scale, self.zero = group_parameters(low, high, dtype)
+        self.scale, self.zero = group_parameters(low, high, dtype, symmetric)
         self._s, self._z = self.scale.float(), self.zero.float()
         self._minimum = self._z - self._s * MID
 
@@ -161,8 +172,8 @@ class Int4WeightOnlyLinear(StoredWeight):
 
     @classmethod
     def build(cls, weight: torch.Tensor, bias: torch.Tensor | None, group_size: int,
-              compute: torch.dtype = torch.bfloat16) -> Int4WeightOnlyLinear:
-        values, scale, zero = quantize_groups(weight, group_size, compute)
+              compute: torch.dtype = torch.bfloat16, symmetric: bool = False) -> Int4WeightOnlyLinear:
+        values, scale, zero = quantize_groups(weight, group_size, compute, symmetric)
         return cls(pack_nibbles(values), scale, zero, bias, group_size, compute, weight.dtype)
 
     @property
