@@ -45,7 +45,7 @@ zoo: $(STAMP)
 # Stock llm-compressor in its own environment (it pins transformers <= 5.17), for benchmarks/bench_calibration.py.
 stock-env:
 	$(PYTHON) -m venv .venv-stock
-	.venv-stock/bin/python -m pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+	.venv-stock/bin/python -m pip install -q torch==2.13.0
 	.venv-stock/bin/python -m pip install -q -r requirements/stock-llmcompressor.txt
 
 lint: $(STAMP)

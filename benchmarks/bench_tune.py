@@ -39,6 +39,7 @@ from common import RESULTS, header, table, write  # noqa: E402
 
 import transformdsl  # noqa: E402
 from tests import trained  # noqa: E402
+from transformdsl.tune.api import WHOLE_MODEL  # noqa: E402
 from transformdsl.tune.candidates import declared_modes, parse_modes  # noqa: E402
 from transformdsl.tune.measure import cpu_name, saved_bytes  # noqa: E402
 from transformdsl.verification import measure  # noqa: E402
@@ -139,8 +140,10 @@ def main() -> None:
         results[goal] = {"result": result, "seconds": time.time() - t0}
         print(f"tune goal {goal} ({results[goal]['seconds']:.0f} s):\n{result}", flush=True)
         result.plot(RESULTS / f"{stem}_{goal}.png")
+    # For latency, the whole-model statements tune tries (fuse qkv, compile) are uniform scripts too.
+    whole = list(WHOLE_MODEL) if "latency" in results else []
     uniform = {}
-    for text in mode_texts:
+    for text in mode_texts + whole:
         try:
             uniform[text] = measured(text)
         except Exception as exc:  # a mode that does not plan on this model
@@ -158,7 +161,8 @@ def main() -> None:
         result, pick = results[goal]["result"], picks[goal]
         rows_out.append({
             "goal": goal,
-            "tune's pick": (result.chosen.summary() if result.chosen and result.chosen.chosen else
+            "tune's pick": (result.chosen.summary() if result.chosen and (result.chosen.chosen or
+                                                                          result.chosen.statements) else
                             "no statement (the float model)") if result.chosen else "-",
             "KL (re-measured)": f"{pick['kl']:.4f}",
             "goal's figure (re-measured)": f"{key} {pick[key]:.3f}×",
@@ -191,6 +195,8 @@ def main() -> None:
             f"\nCPU: {cpu_name()}.  Command: `{command}` ({time.time() - started:.0f} s).\n\n"
             f"Model: {described}.  Modes tried by tune, and the uniform scripts measured: "
             + (", ".join(f"`{m}`" for m in mode_texts) if args.modes else "every mode the registry declares")
+            + (f"; for latency also the whole-model statements tune tries on its pick, each alone as a uniform "
+               f"script: {', '.join(f'`{s}`' for s in whole)}" if whole else "")
             + ".\n\n"
             f"Budget: KL <= {args.max_kl} on the held-out rows (the last {len(held)} of {args.rows} windows of "
             f"{args.tokens} tokens); every figure re-measured by this script on the same rows: sizes are the saved "

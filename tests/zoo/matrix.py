@@ -61,6 +61,8 @@ SCRIPTS = {
     "fp8 native": "fp8 native",
     "quantize w8a8": "quantize w8a8",
     "quantize int4": "quantize int4 group_size=32",  # the smallest group: the tiny models' layers are narrow
+    # llm-compressor's W4A16 groups (what format='compressed-tensors' writes)
+    "quantize int4 symmetric": "quantize int4 group_size=32 symmetric=true",
     # GGUF's grids (blocks of 32 inputs); sample inputs of at most 8 rows take the packed decode kernel
     "quantize q8_0": "quantize q8_0",
     "quantize q4_0": "quantize q4_0",

@@ -31,10 +31,7 @@ def export_compressed(step: AppliedStep, out: Exported) -> None:
     """A ``w8a8`` or ``int4 symmetric=true`` step under a compressed-tensors ``quantization_config``."""
     if step.key == "quantize int4":
         return _export_int4(step, out)
-    other = sorted({layer.get("source") for layer in step.record["layers"]} - {"Linear"})
-    if other:
-        raise out.refuse(step, f"compressed-tensors quantizes nn.Linear layers, not {', '.join(map(str, other))}",
-                         f"exclude them ('except {other[0]}'), or save with format='transformdsl'")
+    _linear_only(step, out)
     paths = {layer["path"] for layer in step.record["layers"]}
     for path in sorted(paths):
         key = f"{path}.weight_scale"
@@ -57,6 +54,13 @@ def export_compressed(step: AppliedStep, out: Exported) -> None:
                                                conv1d=False, config=config))
 
 
+def _linear_only(step: AppliedStep, out: Exported) -> None:
+    other = sorted({layer.get("source") for layer in step.record["layers"]} - {"Linear"})
+    if other:
+        raise out.refuse(step, f"compressed-tensors quantizes nn.Linear layers, not {', '.join(map(str, other))}",
+                         f"exclude them ('except {other[0]}'), or save with format='transformdsl'")
+
+
 def _export_int4(step: AppliedStep, out: Exported) -> None:
     if not step.options.get("symmetric"):
         raise out.refuse(step, "its groups are asymmetric with a float zero point (torchao's tinygemm scheme), "
@@ -67,10 +71,7 @@ def _export_int4(step: AppliedStep, out: Exported) -> None:
     if sys.byteorder != "little":  # weight_packed's words are the nibble bytes read little-endian
         raise out.refuse(step, "this machine is big-endian; compressed-tensors' int32 words are little-endian",
                          "save with format='transformdsl'")
-    other = sorted({layer.get("source") for layer in step.record["layers"]} - {"Linear"})
-    if other:
-        raise out.refuse(step, f"compressed-tensors quantizes nn.Linear layers, not {', '.join(map(str, other))}",
-                         f"exclude them ('except {other[0]}'), or save with format='transformdsl'")
+    _linear_only(step, out)
     group_size = int(step.options["group_size"])
     paths = {layer["path"] for layer in step.record["layers"]}
     for path in sorted(paths):
