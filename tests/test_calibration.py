@@ -435,3 +435,60 @@ def test_convert_refuses_calibration_it_cannot_stream_before_writing(tmp_path, n
         warnings.simplefilter("ignore")
         transformdsl.convert(tmp_path / "source", script, tmp_path / "out", calibration=data)
     assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------- activations past a budget
+
+
+@pytest.mark.parametrize("script", ["quantize int4 group_size=32 method=gptq", "quantize int4 group_size=32 method=awq",
+                                    "quantize w8a8 smooth=0.5"])
+def test_activations_spilled_to_a_file_fit_the_same_layers_bit_for_bit(script, text, tmp_path, monkeypatch):
+    """``calibrate ... activations=disk`` keeps the samples' activations between blocks in an unlinked
+    temporary file (memory-mapped tensors): the layers fitted are those fitted in memory, byte for byte."""
+    from transformdsl.calibration import activations
+
+    ids = torch.cat(text[0][:8])
+    save_file({"input_ids": ids}, str(tmp_path / "ids.safetensors"))
+    kept = []
+    real = activations.ActivationStore.keep
+
+    def keep(self, samples, of=None):
+        out = real(self, samples, of)
+        kept.extend(t for s in out for t in activations._tensors(s))
+        return out
+
+    monkeypatch.setattr(activations.ActivationStore, "keep", keep)
+    models = {}
+    for policy in ("memory", "disk"):
+        kept.clear()
+        model = load_model()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # 8 samples: fewer than a fit wants, enough to compare two runs
+            transformdsl.transform(model, f'calibrate "{tmp_path / "ids.safetensors"}" samples=8 '
+                                          f"activations={policy}\n{script}")
+        models[policy] = model
+        hidden = [t for t in kept if t.dim() == 3 and t.shape[-1] == model.config.hidden_size]
+        assert hidden  # the blocks' hidden states went through the store...
+        mapped = [not t.untyped_storage().resizable() for t in hidden]  # from_numpy of a mapping: fixed storage
+        assert all(mapped) if policy == "disk" else not any(mapped)  # ...and lived in a file only when asked
+    memory, disk = (dict(models[p].state_dict()) for p in ("memory", "disk"))
+    assert memory.keys() == disk.keys()
+    assert all(torch.equal(memory[k], disk[k]) for k in memory)
+
+
+def test_the_auto_budget_keeps_a_small_set_in_memory_and_spills_a_large_one():
+    from transformdsl.calibration.activations import AUTO_FLOOR, ActivationStore
+
+    store = ActivationStore("auto")
+    assert store.budget >= AUTO_FLOOR
+    small = [((torch.randn(1, 64, 128),), {})]
+    assert store.keep(small) is small and store.note() is None
+    tight = ActivationStore("disk")
+    shared = torch.randn(1, 64, 1024)
+    samples = [((torch.randn(1, 64, 1024),), {"positions": shared}) for _ in range(3)]
+    kept = tight.keep(samples)
+    assert all(torch.equal(a[0][0], b[0][0]) for a, b in zip(samples, kept))
+    assert kept[0][1]["positions"].data_ptr() == kept[2][1]["positions"].data_ptr()  # a shared tensor written once
+    assert tight.spilled == 4 * 64 * 1024 * 4 and "activations=disk" in tight.note()
+    with pytest.raises(ValueError, match="activations='tape': one of auto, memory, disk"):
+        ActivationStore("tape")

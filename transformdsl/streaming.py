@@ -643,7 +643,7 @@ class _Stream:
         streams, and the units written."""
         from .calibration.sequential import BlockStream, trace_link
 
-        streams = {i: BlockStream(self.root, list(step.targets), self.data.samples)
+        streams = {i: BlockStream(self.root, list(step.targets), self.data.samples, self.data.activations)
                    for i, step in enumerate(steps) if step.transform.needs_calibration and i not in deferred}
         blocks = next((s.blocks for s in streams.values() if s.blocks), [])
         outside = [i for i, unit in enumerate(units) if not any(unit.covers(b) for b in blocks)]

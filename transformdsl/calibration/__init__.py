@@ -65,6 +65,7 @@ def for_run(the_plan, components: dict, calibration: Any = None, tokenizer: Any 
         options = step.transform.options
         result = calibration_data.from_path(step.statement.argument.text, options.samples, options.seqlen,
                                             component, tokenizer, options.seed)
+        result.activations = options.activations
     result.samples = [_with_defaults(component, s) for s in result.samples]
     result.check_for(component)
     return result

@@ -62,6 +62,8 @@ class CalibrationData:
     heldout: list[Sample] = field(default_factory=list)
     #: Bytes of the source (a file's size; the tensors' bytes for the API).
     source_bytes: int = 0
+    #: Where the samples' activations wait between blocks (``calibrate ... activations=``).
+    activations: str = "auto"
 
     @property
     def tokens(self) -> int:

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from ..errors import TransformError
+from .activations import ActivationStore
 from .data import Sample
 
 
@@ -236,13 +237,16 @@ def _trace_blocks(root: nn.Module, blocks: list[str], sample: Sample) -> tuple[l
     return order, links
 
 
-def capture_inputs(root: nn.Module, block: str, samples: list[Sample]) -> list[Sample]:
-    """Each sample's arguments to ``block``, by running the model up to it."""
+def capture_inputs(root: nn.Module, block: str, samples: list[Sample],
+                   store: ActivationStore | None = None) -> list[Sample]:
+    """Each sample's arguments to ``block``, by running the model up to it (kept by ``store``)."""
     module = root.get_submodule(block)
     captured: list[Sample] = []
+    store = store or ActivationStore("memory")
 
     def hook(module, args, kwargs):
-        captured.append((tuple(_detached(a) for a in args), {k: _detached(v) for k, v in kwargs.items()}))
+        sample = (tuple(_detached(a) for a in args), {k: _detached(v) for k, v in kwargs.items()})
+        captured.extend(store.keep([sample], of=len(samples)))
         raise _Stop
 
     with _hooks([module.register_forward_pre_hook(hook, with_kwargs=True)]):
@@ -355,10 +359,13 @@ class Report:
 
 
 def calibrate(root: nn.Module, targets: list[str], samples: list[Sample], method: Method, *,
-              progress: Callable = lambda it, **kw: it, desc: str = "calibrating") -> Report:
-    """Fit ``method`` on ``targets`` (paths below ``root``) block by block over ``samples``."""
+              progress: Callable = lambda it, **kw: it, desc: str = "calibrating",
+              activations: str = "auto") -> Report:
+    """Fit ``method`` on ``targets`` (paths below ``root``) block by block over ``samples``;
+    ``activations``: where the samples' activations wait between blocks (:mod:`.activations`)."""
     started = time.perf_counter()
     report = Report()
+    store = ActivationStore(activations)
     blocks, by_block, rest = split_into_blocks(root, targets)
     device = next((p.device for p in root.parameters()), torch.device("cpu"))
     samples = [_to_device(s, device) for s in samples]
@@ -375,18 +382,20 @@ def calibrate(root: nn.Module, targets: list[str], samples: list[Sample], method
         for position in progress(range(last + 1), total=last + 1, desc=desc):
             block = order[position]
             if inputs is None:
-                inputs = capture_inputs(root, block, samples)
+                inputs = capture_inputs(root, block, samples, store)
                 report.captures += 1
             if by_block.get(block):
                 _fit_block(root, block, by_block[block], inputs, method)
                 report.blocks += 1
             if position == last:
                 break
-            inputs = _next_inputs(root, block, inputs, links.get(order[position + 1]))
+            inputs = _next_inputs(root, block, inputs, links.get(order[position + 1]), store)
         if rest:
             groups = input_groups(root, "", rest, root, samples[0])
             _run_unit(Unit(root, "", root, groups, samples), method)
     report.seconds = time.perf_counter() - started
+    if store.note():
+        report.notes.append(store.note())
     return report
 
 
@@ -397,16 +406,19 @@ def _fit_block(root: nn.Module, block: str, targets: list[str], inputs: list[Sam
     _run_unit(Unit(root, block, module, groups, inputs), method)
 
 
-def _next_inputs(root: nn.Module, block: str, inputs: list[Sample], link: Link | None) -> list[Sample] | None:
+def _next_inputs(root: nn.Module, block: str, inputs: list[Sample], link: Link | None,
+                 store: ActivationStore | None = None) -> list[Sample] | None:
     """The next block's inputs: ``block`` (as it is now: quantized) run on ``inputs``, its outputs
-    passed on by ``link`` (None: not derivable, captured again by running the model)."""
+    passed on by ``link`` (None: not derivable, captured again by running the model), each kept by
+    ``store`` as it is made."""
     module = root.get_submodule(block)
-    outputs = []
+    following: list[Sample] = []
     for index, sample in enumerate(inputs):
         output = _call(module, sample)
         _check_finite(output, block, index)
-        outputs.append(output)
-    return None if link is None else [link(s, o) for s, o in zip(inputs, outputs)]
+        if link is not None:
+            following.extend((store or ActivationStore("memory")).keep([link(sample, output)], of=len(inputs)))
+    return None if link is None else following
 
 
 def _to_device(sample: Sample, device: torch.device) -> Sample:
@@ -462,8 +474,9 @@ class BlockStream:
     The blocks are those of one list, called in the list's order, each on what the one before
     it returns (checked on the first two, by :func:`trace_link`); every target is in a block."""
 
-    def __init__(self, root: nn.Module, targets: list[str], samples: list[Sample]):
+    def __init__(self, root: nn.Module, targets: list[str], samples: list[Sample], activations: str = "auto"):
         self.root = root
+        self.store = ActivationStore(activations)
         self.blocks, self.by_block, self.rest = split_into_blocks(root, targets)
         self.samples = samples
         todo = [b for b in self.blocks if self.by_block.get(b)]
@@ -475,7 +488,7 @@ class BlockStream:
         """Capture the first block's inputs: the modules that run before it must be loaded."""
         if self.last >= 0:
             with evaluating(self.root):
-                self.inputs = capture_inputs(self.root, self.blocks[0], self.samples)
+                self.inputs = capture_inputs(self.root, self.blocks[0], self.samples, self.store)
 
     def advance(self, block: str, method: Callable[[], Method]) -> None:
         """Block ``block`` (loaded, the statements before this one applied to it): its targets fitted
@@ -486,4 +499,5 @@ class BlockStream:
         with evaluating(self.root):
             if self.by_block.get(block):
                 _fit_block(self.root, block, self.by_block[block], self.inputs, method())
-            self.inputs = None if position == self.last else _next_inputs(self.root, block, self.inputs, self.link)
+            self.inputs = None if position == self.last else _next_inputs(self.root, block, self.inputs, self.link,
+                                                                          self.store)

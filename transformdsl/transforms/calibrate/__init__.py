@@ -20,6 +20,9 @@ class CalibrateOptions:
                           min=1, max=100_000)
     seqlen: int = option(512, "tokens per window of text (ignored for a tensor file)", min=1, max=1 << 20)
     seed: int = option(0, "which windows of the text are taken (a seeded random choice)", min=0, max=2**31 - 1)
+    activations: str = option("auto", "where the samples' activations wait between blocks: auto (in memory up to "
+                              "1/8 of the machine's, then an unlinked temporary file), memory, disk",
+                              choices=("auto", "memory", "disk"))
 
 
 class Calibrate(Transform):

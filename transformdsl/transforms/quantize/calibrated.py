@@ -66,7 +66,8 @@ def apply_calibrated(transform, ctx: ApplyContext, targets: list[str]) -> dict:
     layers = _Layers(transform, ctx)
     method = _method(transform, layers)
     report = calibrate(ctx.root, targets, data.samples, method, progress=ctx.progress,
-                       desc=f"{transform.key()} {getattr(transform.options, 'method', '')}".strip())
+                       desc=f"{transform.key()} {getattr(transform.options, 'method', '')}".strip(),
+                       activations=data.activations)
     for path in targets:  # a target the pass never reached (it ran on no sample): to nearest, said
         if path not in layers.entries:
             layers.rounded(path)
