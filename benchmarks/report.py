@@ -574,7 +574,13 @@ def calibration_section() -> str:
         return heading + ("\nNot yet measured: `benchmarks/bench_calibration.py` writes "
                           "`benchmarks/results/calibration.md`.\n")
     body = page.read_text().split("\n", 1)[-1]
-    return heading + body.rstrip("\n") + "\n\nThe page: [results/calibration.md](results/calibration.md).\n"
+    text = heading + body.rstrip("\n") + "\n\nThe page: [results/calibration.md](results/calibration.md).\n"
+    spilled = HERE / "results" / "calibration_activations.md"  # bench_activations.py: activations=memory vs disk
+    if spilled.exists():
+        text += ("\n### The samples' activations: in memory or in a file\n"
+                 + spilled.read_text().split("\n", 1)[-1].rstrip("\n")
+                 + "\n\nThe page: [results/calibration_activations.md](results/calibration_activations.md).\n")
+    return text
 
 
 QUIET_INTRO = """### Our overhead, 21 rounds
