@@ -551,6 +551,12 @@ def tune_section() -> str:
         body = body.split("\n### tune's script", 1)[0]
         text += ("\n### Why a knapsack: tune against optuna's samplers, same space, same wall time\n" + body.rstrip("\n")
                  + "\n\nThe page: [results/tune_samplers.md](results/tune_samplers.md).\n")
+    builtins = HERE / "results" / "tune_builtins.md"  # bench_tune_builtins.py: the search's cost on the built-ins
+    if builtins.exists():
+        body = builtins.read_text().split("\n", 1)[-1].replace("Every figure below is written by the script that "
+                                                               "measured it.\n", "")
+        text += ("\n### What a tune costs: the built-in Llama and Flux, every declared mode\n" + body.rstrip("\n")
+                 + "\n\nThe page: [results/tune_builtins.md](results/tune_builtins.md).\n")
     return text
 
 
