@@ -195,7 +195,10 @@ def main() -> None:
     parser.add_argument("--work", default=None, help="folder for the checkpoint, token ids and each variant's "
                         "figures (default: temporary; given, a re-run measures only what is missing)")
     parser.add_argument("--no-stock", action="store_true", help="skip llm-compressor even where .venv-stock exists")
+    parser.add_argument("--only", action="append", default=[], metavar="VARIANT",
+                        help="measure only the variants whose names start with this (repeatable), e.g. 'GPTQ int4 g64'")
     args = parser.parse_args()
+    variants = [v for v in VARIANTS if not args.only or any(v[0].startswith(o) for o in args.only)]
 
     import torch
     from safetensors.torch import save_file
@@ -230,7 +233,7 @@ def main() -> None:
 
     stock_ready = STOCK_PYTHON.exists() and not args.no_stock
     ours, stock = {}, {}
-    for name, script, method, group, *order in VARIANTS:
+    for name, script, method, group, *order in variants:
         order = order[0] if order else 0
         ours[name] = run_json([sys.executable, "-c", OURS, str(checkpoint), str(ids_path), str(reference), script,
                                str(order)], work / f"ours-{name}.json")
@@ -253,12 +256,13 @@ def main() -> None:
              f"CPU: {cpu_name()}, {torch.get_num_threads()} threads; torch {torch.__version__}. Calibration "
              f"{n_cal}x{l_cal} tokens, held-out {n_out}x{l_out} tokens (stdlib docstrings, disjoint). lm_head kept "
              "in float everywhere. Every cell is its own process (peak RSS is that process's). "
-             "Command: `.venv/bin/python -m benchmarks.bench_calibration`.", "",
+             "Command: `.venv/bin/python -m benchmarks.bench_calibration"
+             + "".join(f" --only '{o}'" for o in args.only) + "`.", "",
              f"Float perplexity {base:.3f}. Perplexity (÷ float); KL: mean over held-out tokens of KL(float ‖ "
              "quantized) of the next-token distribution; seconds: the transform (ours) or oneshot (stock); MB: peak RSS.",
              "", "| variant | ours ppl | ours KL | ours s | ours MB | stock ppl | stock KL | stock s | stock MB |",
              "|---|---|---|---|---|---|---|---|---|"]
-    for name, *_ in VARIANTS:
+    for name, *_ in variants:
         lines.append(f"| {name} |{cells(ours[name])[1:]}{cells(stock.get(name))[1:]}")
     ratios = []
     for name in ("GPTQ int4 g64", "AWQ int4 g64", "GPTQ int4 g32 (the checkpoint's own grid)", "RTN int4 g64",
@@ -276,13 +280,13 @@ def main() -> None:
                       f"(mean {sum(theirs) / len(theirs):.3f}): mean ÷ mean "
                       f"{sum(mine) / sum(theirs):.3f}× (GPTQ's rounding flips with the order of the Hessian's sums, "
                       "and the flips compound block by block)")
-    rtn = ours["RTN int4 g64"]
+    rtn = ours.get("RTN int4 g64", {"error": "not measured"})
     for name in ("GPTQ int4 g64", "AWQ int4 g64"):
-        if "error" not in ours[name] and "error" not in rtn:
+        if "error" not in ours.get(name, {"error": 1}) and "error" not in rtn:
             ratios.append(f"- {name} closes {(rtn['ppl'] - ours[name]['ppl']) / (rtn['ppl'] - base):.0%} of "
                           "round-to-nearest's perplexity gap to float")
     lines += ["", "Ratios (ours ÷ stock):", *ratios] if ratios else []
-    lines += ["", "Reading:", *NOTES]
+    lines += ["", "Reading:", *NOTES] if not args.only else []
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

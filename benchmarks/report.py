@@ -581,6 +581,11 @@ def calibration_section() -> str:
                           "`benchmarks/results/calibration.md`.\n")
     body = page.read_text().split("\n", 1)[-1]
     text = heading + body.rstrip("\n") + "\n\nThe page: [results/calibration.md](results/calibration.md).\n"
+    again = HERE / "results" / "calibration_gptq.md"  # bench_calibration.py --only 'GPTQ int4 g64' on another day/CPU
+    if again.exists():
+        text += ("\n### GPTQ again, after its column loop was made faster (the same benchmark, GPTQ rows only)\n"
+                 + again.read_text().split("\n", 1)[-1].rstrip("\n")
+                 + "\n\nThe page: [results/calibration_gptq.md](results/calibration_gptq.md).\n")
     spilled = HERE / "results" / "calibration_activations.md"  # bench_activations.py: activations=memory vs disk
     if spilled.exists():
         text += ("\n### The samples' activations: in memory or in a file\n"
