@@ -40,7 +40,7 @@ from common import RESULTS, header, table, write  # noqa: E402
 import transformdsl  # noqa: E402
 from tests import trained  # noqa: E402
 from transformdsl.tune.api import WHOLE_MODEL  # noqa: E402
-from transformdsl.tune.candidates import declared_modes, parse_modes  # noqa: E402
+from transformdsl.tune.candidates import calibrated_script, declared_modes, parse_modes  # noqa: E402
 from transformdsl.tune.measure import cpu_name, saved_bytes  # noqa: E402
 from transformdsl.verification import measure  # noqa: E402
 
@@ -125,10 +125,13 @@ def main() -> None:
     float_bytes = saved_bytes(base)
     print(f"{title}: loaded in {time.time() - started:.0f} s; modes: {', '.join(mode_texts)}", flush=True)
 
+    fit = rows[:len(rows) - len(held)]  # what tune calibrates on: the rows it does not hold out
+
     def measured(script: str) -> dict:
         model = load()
-        if statements(script):
-            transformdsl.transform(model, script, strict=True)  # a script that changes nothing is refused
+        if statements(script):  # a script that changes nothing is refused (strict)
+            calibration = {"calibration": fit} if calibrated_script(script) else {}
+            transformdsl.transform(model, script, strict=True, **calibration)
         return {"kl": kl_of(model, reference, held), "size": saved_bytes(model) / float_bytes,
                 "latency": latency(base, model, held, args.rounds)}
 

@@ -546,9 +546,9 @@ def tune(model: Any, *, max_kl: float | None = None, max_rms: float | None = Non
             chosen_candidate = _whole_model(model, chosen_candidate, WHOLE_MODEL if statements is None else statements,
                                             evaluate, evaluated, evaluations, pruned, clock, say)
             if chosen_candidate.statements and not chosen_candidate.chosen:
-                reason = (f"no layer's mode measured faster than the float layer on this machine; within {metric} "
-                          f"<= {bound:g} the fastest model is the float model with "
-                          f"{' and '.join(chosen_candidate.statements)} ({chosen_candidate.latency.text()})")
+                reason = (f"within {metric} <= {bound:g} the fastest model measured is the float model with "
+                          f"{' and '.join(chosen_candidate.statements)} ({chosen_candidate.latency.text()}): no "
+                          f"layer's mode made it {LAYER_GAIN:.0%} faster")
         except OutOfTime:
             partial, reason = True, f"the time budget ({budget_s:g} s) ran out while trying whole-model statements"
         except KeyboardInterrupt:
@@ -598,6 +598,21 @@ def _whole_model(model: Any, base: Candidate, statements, evaluate, evaluated: l
             base = found
         else:
             say(f"tune: {statement} not kept ({'outside the budget' if not found.passed else 'not faster'})")
+    if base.statements and base.chosen and len(evaluated) < evaluations:
+        # The per-layer modes were chosen on the float forward; under the whole-model statements (a
+        # compiled graph) their gain may vanish: the statements alone are measured too, and the layers'
+        # modes kept only if they still make the model LAYER_GAIN faster.
+        clock.check()
+        try:
+            alone = evaluate(Candidate(f"the float model + {' + '.join(base.statements)}", {}, 0.0, 1.0,
+                                       statements=list(base.statements)))
+        except (ScriptError, TransformError) as exc:
+            say(f"tune: {' + '.join(base.statements)} alone did not apply ({str(exc).splitlines()[0]})")
+            return base
+        if alone.passed and base.latency.ratio >= (1 - LAYER_GAIN) * alone.latency.ratio:
+            say(f"tune: the per-layer modes not kept: {alone.summary()} measured {alone.latency.text()}, "
+                f"with them {base.latency.text()}")
+            base = alone
     return base
 
 
