@@ -17,9 +17,6 @@ The budget (``calibrate ... activations=``): ``auto`` (the default) keeps a set 
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 import os
 import tempfile
 from typing import Any
@@ -79,16 +76,6 @@ def _replace(value: Any, mapped: dict[int, torch.Tensor]) -> Any:
     return value
 
 
-@functools.cache
-def _malloc_trim():
-    """glibc's ``malloc_trim`` (None elsewhere)."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return libc.malloc_trim
-    except (OSError, AttributeError):
-        return None
-
-
 class ActivationStore:
     """Keeps sets of samples' activations within ``policy``'s budget (module docstring)."""
 
@@ -139,15 +126,6 @@ class ActivationStore:
             mapped[id(tensor)] = raw.view(tensor.dtype).reshape(tensor.shape)
         self.spilled += end
         return [_replace(sample, mapped) for sample in samples]
-
-    def release(self) -> None:
-        """After a block's pass, once anything was spilled: give the heap's free pages back to the system.
-        glibc raises its mmap threshold as large blocks are freed, after which freed activations stay in
-        its heap as the process's memory; without this a spilled pass kept as much as one in memory
-        (benchmarks/results/calibration_activations.md)."""
-        trim = _malloc_trim() if self.spilled else None
-        if trim is not None:
-            trim(0)
 
     def note(self) -> str | None:
         """What the pass did with the activations, for the run's notes (None: all stayed in memory)."""

@@ -390,7 +390,6 @@ def calibrate(root: nn.Module, targets: list[str], samples: list[Sample], method
             if position == last:
                 break
             inputs = _next_inputs(root, block, inputs, links.get(order[position + 1]), store)
-            store.release()
         if rest:
             groups = input_groups(root, "", rest, root, samples[0])
             _run_unit(Unit(root, "", root, groups, samples), method)
@@ -502,4 +501,3 @@ class BlockStream:
                 _fit_block(self.root, block, self.by_block[block], self.inputs, method())
             self.inputs = None if position == self.last else _next_inputs(self.root, block, self.inputs, self.link,
                                                                           self.store)
-            self.store.release()
