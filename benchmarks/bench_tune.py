@@ -109,9 +109,12 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--stem", default=None, help="the page's name (default: the model's, e.g. tune_smollm2): "
+                        "a run of one goal written beside the page of both")
     args = parser.parse_args()
     started = time.time()
     stem, title, described = MODELS[args.model]
+    stem = args.stem or stem
     if args.model == "trained":
         load = trained.load_model
         rows = [trained.text_inputs(args.tokens, offset=i * args.tokens)[0][0] for i in range(args.rows)]
@@ -187,13 +190,12 @@ def main() -> None:
                        + (["--modes " + " ".join(f"'{m}'" for m in args.modes)] if args.modes else [])
                        + (["--storage STUDY.db"] if args.storage else [])
                        + [f"--max-kl {args.max_kl} --rows {args.rows} --tokens {args.tokens}"]
-                       + ([f"--rounds {args.rounds}"] if args.rounds != 7 else []))
+                       + ([f"--rounds {args.rounds}"] if args.rounds != 7 else [])
+                       + ([f"--stem {args.stem}"] if args.stem else []))
     shared = ("  The goals shared one study (`--storage`): the later goal read the per-layer qualities back "
               "instead of measuring them again, so its tune time is the latency pass and its evaluations only."
               if args.storage and len(results) > 1 else "")
-    noise = ("timing noise on a shared machine: ±20%" if args.model == "trained" else
-             "this 2-core machine ran other work (a C++ build on one core) during part of the run, so the "
-             "latency figures are noisy: read them as indications, not measurements")
+    noise = "timing noise on a shared machine: ±20%"
     text = (header(f"tune against the best uniform script ({title})") +
             f"\nCPU: {cpu_name()}.  Command: `{command}` ({time.time() - started:.0f} s).\n\n"
             f"Model: {described}.  Modes tried by tune, and the uniform scripts measured: "

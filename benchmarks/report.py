@@ -544,6 +544,14 @@ def tune_section() -> str:
                  + "\n\nEvery uniform script, tune's scripts and its Pareto table: "
                  "[results/tune_smollm2.md](results/tune_smollm2.md).\n\n"
                  "![tune on SmolLM2-135M-Instruct, goal size](results/tune_smollm2_size.png)\n")
+    again = HERE / "results" / "tune_smollm2_latency.md"  # bench_tune.py --model smollm2 --goal latency --stem ...
+    if again.exists():
+        body = again.read_text().split("\n", 1)[-1].replace("Every figure below is written by the script that "
+                                                            "measured it.\n", "")
+        body = body.split("\n### Every uniform script", 1)[0]
+        text += ("\n### SmolLM2-135M-Instruct, goal latency again, with the whole-model statements\n" + body.rstrip("\n")
+                 + "\n\nEvery uniform script, tune's script and its Pareto table: "
+                 "[results/tune_smollm2_latency.md](results/tune_smollm2_latency.md).\n")
     samplers = HERE / "results" / "tune_samplers.md"  # bench_tune_samplers.py: the knapsack against optuna's samplers
     if samplers.exists():
         body = samplers.read_text().split("\n", 1)[-1].replace("Every figure below is written by the script that "
