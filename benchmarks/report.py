@@ -523,6 +523,21 @@ def cache_section() -> str:
             "each table).\n" + body.rstrip("\n") + "\n")
 
 
+def _subsection(name: str, title: str, *, cut: str | None = None, link: str = "The page", extra: str = "",
+                strip_note: bool = True) -> str:
+    """A result page below its section (``### title``, the page without its own title line, ``cut``
+    and what follows it dropped, then a link to it), or "" where the page does not exist yet."""
+    page = HERE / "results" / name
+    if not page.exists():
+        return ""
+    body = page.read_text().split("\n", 1)[-1]
+    if strip_note:
+        body = body.replace("Every figure below is written by the script that measured it.\n", "")
+    if cut:
+        body = body.split(cut, 1)[0]
+    return f"\n### {title}\n" + body.rstrip("\n") + f"\n\n{link}: [results/{name}](results/{name}).\n" + extra
+
+
 def tune_section() -> str:
     """tune's pick against the best uniform script (``benchmarks/bench_tune.py`` writes ``results/tune.md``):
     the page's measurement lines and its table of ratios."""
@@ -535,36 +550,18 @@ def tune_section() -> str:
     body = body.split("\n### Every uniform script", 1)[0]
     text = (heading + body.rstrip("\n") + "\n\nEvery uniform script, tune's scripts and its Pareto table: "
             "[results/tune.md](results/tune.md).\n\n![tune, goal size](results/tune_size.png)\n")
-    shipped = HERE / "results" / "tune_smollm2.md"  # the shipped pretrained model (bench_tune.py --model smollm2)
-    if shipped.exists():
-        body = shipped.read_text().split("\n", 1)[-1].replace("Every figure below is written by the script that "
-                                                             "measured it.\n", "")
-        body = body.split("\n### Every uniform script", 1)[0]
-        text += ("\n### On a shipped pretrained model: SmolLM2-135M-Instruct\n" + body.rstrip("\n")
-                 + "\n\nEvery uniform script, tune's scripts and its Pareto table: "
-                 "[results/tune_smollm2.md](results/tune_smollm2.md).\n\n"
-                 "![tune on SmolLM2-135M-Instruct, goal size](results/tune_smollm2_size.png)\n")
-    again = HERE / "results" / "tune_smollm2_latency.md"  # bench_tune.py --model smollm2 --goal latency --stem ...
-    if again.exists():
-        body = again.read_text().split("\n", 1)[-1].replace("Every figure below is written by the script that "
-                                                            "measured it.\n", "")
-        body = body.split("\n### Every uniform script", 1)[0]
-        text += ("\n### SmolLM2-135M-Instruct, goal latency again, with the whole-model statements\n" + body.rstrip("\n")
-                 + "\n\nEvery uniform script, tune's script and its Pareto table: "
-                 "[results/tune_smollm2_latency.md](results/tune_smollm2_latency.md).\n")
-    samplers = HERE / "results" / "tune_samplers.md"  # bench_tune_samplers.py: the knapsack against optuna's samplers
-    if samplers.exists():
-        body = samplers.read_text().split("\n", 1)[-1].replace("Every figure below is written by the script that "
-                                                              "measured it.\n", "")
-        body = body.split("\n### tune's script", 1)[0]
-        text += ("\n### Why a knapsack: tune against optuna's samplers, same space, same wall time\n" + body.rstrip("\n")
-                 + "\n\nThe page: [results/tune_samplers.md](results/tune_samplers.md).\n")
-    builtins = HERE / "results" / "tune_builtins.md"  # bench_tune_builtins.py: the search's cost on the built-ins
-    if builtins.exists():
-        body = builtins.read_text().split("\n", 1)[-1].replace("Every figure below is written by the script that "
-                                                               "measured it.\n", "")
-        text += ("\n### What a tune costs: the built-in Llama and Flux, every declared mode\n" + body.rstrip("\n")
-                 + "\n\nThe page: [results/tune_builtins.md](results/tune_builtins.md).\n")
+    text += _subsection("tune_smollm2.md", "On a shipped pretrained model: SmolLM2-135M-Instruct",
+                        cut="\n### Every uniform script", link="Every uniform script, tune's scripts and its Pareto table",
+                        extra="\n![tune on SmolLM2-135M-Instruct, goal size](results/tune_smollm2_size.png)\n")
+    # bench_tune.py --model smollm2 --goal latency --stem tune_smollm2_latency
+    text += _subsection("tune_smollm2_latency.md", "SmolLM2-135M-Instruct, goal latency again, with the whole-model "
+                        "statements", cut="\n### Every uniform script",
+                        link="Every uniform script, tune's script and its Pareto table")
+    # bench_tune_samplers.py: the knapsack against optuna's samplers
+    text += _subsection("tune_samplers.md", "Why a knapsack: tune against optuna's samplers, same space, same wall time",
+                        cut="\n### tune's script")
+    # bench_tune_builtins.py: the search's cost on the built-ins
+    text += _subsection("tune_builtins.md", "What a tune costs: the built-in Llama and Flux, every declared mode")
     return text
 
 
@@ -589,16 +586,12 @@ def calibration_section() -> str:
                           "`benchmarks/results/calibration.md`.\n")
     body = page.read_text().split("\n", 1)[-1]
     text = heading + body.rstrip("\n") + "\n\nThe page: [results/calibration.md](results/calibration.md).\n"
-    again = HERE / "results" / "calibration_gptq.md"  # bench_calibration.py --only 'GPTQ int4 g64' on another day/CPU
-    if again.exists():
-        text += ("\n### GPTQ again, after its column loop was made faster (the same benchmark, GPTQ rows only)\n"
-                 + again.read_text().split("\n", 1)[-1].rstrip("\n")
-                 + "\n\nThe page: [results/calibration_gptq.md](results/calibration_gptq.md).\n")
-    spilled = HERE / "results" / "calibration_activations.md"  # bench_activations.py: activations=memory vs disk
-    if spilled.exists():
-        text += ("\n### The samples' activations: in memory or in a file\n"
-                 + spilled.read_text().split("\n", 1)[-1].rstrip("\n")
-                 + "\n\nThe page: [results/calibration_activations.md](results/calibration_activations.md).\n")
+    # bench_calibration.py --only 'GPTQ int4 g64', on another day or CPU
+    text += _subsection("calibration_gptq.md", "GPTQ again, after its column loop was made faster (the same benchmark, "
+                        "GPTQ rows only)", strip_note=False)
+    # bench_activations.py: activations=memory against disk
+    text += _subsection("calibration_activations.md", "The samples' activations: in memory or in a file",
+                        strip_note=False)
     return text
 
 

@@ -412,12 +412,13 @@ def _next_inputs(root: nn.Module, block: str, inputs: list[Sample], link: Link |
     passed on by ``link`` (None: not derivable, captured again by running the model), each kept by
     ``store`` as it is made."""
     module = root.get_submodule(block)
+    store = store or ActivationStore("memory")
     following: list[Sample] = []
     for index, sample in enumerate(inputs):
         output = _call(module, sample)
         _check_finite(output, block, index)
         if link is not None:
-            following.extend((store or ActivationStore("memory")).keep([link(sample, output)], of=len(inputs)))
+            following.extend(store.keep([link(sample, output)], of=len(inputs)))
     return None if link is None else following
 
 
