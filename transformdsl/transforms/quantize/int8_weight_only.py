@@ -121,6 +121,21 @@ class RowGrid:
         return (weight.float() / self._amax[:, None] * QMAX).round_().clamp_(-QMAX, QMAX).to(torch.int8)
 
 
+class _KernelScale:
+    """The scales in bfloat16 for the packed kernel, made when the layer is built, loaded or moved (not
+    a tensor attribute of the module: never saved).  Converting them inside ``forward`` cost a pass per
+    call and, under ``compile``, made inductor's lowering of the kernel fail (its scale operand must be
+    a stored tensor, not a computed one)."""
+
+    def __init__(self):
+        self.source: torch.Tensor | None = None
+        self.value: torch.Tensor | None = None
+
+    def update(self, layer: nn.Module) -> None:
+        self.source = layer._buffers["weight_scale"]
+        self.value = None if self.source is None else self.source.to(torch.bfloat16)
+
+
 class Int8WeightOnlyLinear(StoredWeight):
     """A linear layer with an int8 weight and float activations (drop-in for ``nn.Linear``).
 
@@ -147,6 +162,9 @@ class Int8WeightOnlyLinear(StoredWeight):
         #: Whether bfloat16 inputs of few rows take ``aten._weight_int8pack_mm`` on a CPU (a plain
         #: attribute: compile guards on it).
         self.packed_kernel = self.in_features % PACKED_IN_MULTIPLE == 0 and packed_kernel_available()
+        self._kernel_scale = _KernelScale()
+        self.register_load_state_dict_post_hook(lambda module, _: module._kernel_scale.update(module))
+        self._kernel_scale.update(self)
 
     @classmethod
     def build(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> Int8WeightOnlyLinear:
@@ -178,17 +196,20 @@ class Int8WeightOnlyLinear(StoredWeight):
         probe = fn(torch.empty(0, dtype=self.weight_dtype, device=self._buffers["weight"].device))
         if probe.is_floating_point():
             self.weight_dtype = probe.dtype
+        self._kernel_scale.update(self)
         return self
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002  (nn.Linear.forward's name)
         x = input
+        if not torch.compiler.is_compiling() and self._kernel_scale.source is not self._buffers["weight_scale"]:
+            self._kernel_scale.update(self)  # the scales were replaced (a loader that assigns them directly)
         if (self.packed_kernel and x.dtype in PACKED_INPUTS and x.device.type == "cpu"
                 and x.numel() <= PACKED_MAX_ROWS * self.in_features
                 and not (torch.is_grad_enabled() and x.requires_grad)):  # the kernel has no derivative
             # decoding: int8 weights read once, no float copy (the scales are applied by the kernel);
             # float32 activations are rounded to bfloat16 for it (PACKED_INPUTS says why)
             out = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features).to(torch.bfloat16),
-                                                     self.int8_weight, self.weight_scale.to(torch.bfloat16))
+                                                     self.int8_weight, self._kernel_scale.value)
             out = out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
             return out if self.bias is None else out + self.bias.to(x.dtype)
         scale = self.weight_scale
