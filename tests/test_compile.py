@@ -159,3 +159,54 @@ def test_quantized_and_compiled_saves_reloads_and_runs(tmp_path):
     loaded = transformdsl.load(tmp_path / "q")
     assert compiled_paths(loaded) == ["model.layers.0", "model.layers.1"]
     torch.testing.assert_close(models.run(loaded), got, rtol=1e-4, atol=1e-4)
+
+
+# --------------------------------------------------------------------------- kv_cache=static: generate's decode step
+
+
+def test_kv_cache_static_is_refused_where_transformers_cannot_run_it():
+    with pytest.raises(ScriptError, match="not a transformers model that generates"):
+        transformdsl.plan(models.tiny_flux(), "compile kv_cache=static")
+    with pytest.raises(ScriptError, match="use 'compile kv_cache=static' instead of the regional form"):
+        transformdsl.plan(models.tiny_llama(), "compile regional in *DecoderLayer kv_cache=static")
+
+
+@pytest.mark.slow
+def test_kv_cache_static_compiles_the_decode_step_and_generates_the_same_tokens(tmp_path):
+    """The decode-sized int8 layers take the packed kernel that inductor lowers itself (it crashed before)."""
+    torch.manual_seed(0)
+    model = models.tiny_llama().eval()
+    transformdsl.transform(model, "quantize int8 weight_only=true")
+    ids = torch.randint(0, model.config.vocab_size, (1, 12))
+    with torch.inference_mode():
+        want = model.generate(ids, max_new_tokens=6, do_sample=False)
+    the_plan = transformdsl.plan(model, "compile kv_cache=static")
+    assert any("decode step" in note for note in the_plan.steps[0].notes)
+    transformdsl.transform(model, "compile kv_cache=static")
+    assert compiled_paths(model) == []  # direct calls stay eager: only generate's decode step is compiled
+    assert model.generation_config.cache_implementation == "static"
+    graphs = unique_graphs()
+    with torch.inference_mode():
+        assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False), want)
+    assert unique_graphs() > graphs and hasattr(model, "_compiled_call")
+    transformdsl.save(model, tmp_path / "m")
+    loaded = transformdsl.load(tmp_path / "m")
+    config = loaded.generation_config
+    assert config.cache_implementation == "static" and config.compile_config.mode == "default"
+    assert config.compile_config.dynamic is False
+
+
+def test_kv_cache_static_is_rolled_back_with_the_rest(monkeypatch):
+    model = models.tiny_llama()
+    before = dict(vars(model.generation_config))
+    real = compile_pass.static_decode
+
+    def then_fail(module, options, edit):
+        real(module, options, edit)
+        assert module.generation_config.cache_implementation == "static"
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(compile_pass, "static_decode", then_fail)
+    with pytest.raises(transformdsl.TransformError, match="injected failure"):
+        transformdsl.transform(model, "compile kv_cache=static")
+    assert vars(model.generation_config) == before

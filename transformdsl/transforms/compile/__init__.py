@@ -20,6 +20,8 @@ class CompileOptions:
     mode: str = option("default", "torch.compile mode", choices=MODES)
     dynamic: str = option("auto", "dynamic shapes: auto, true or false", choices=("auto", "true", "false"))
     backend: str = option("inductor", "torch.compile backend", choices=("inductor", "eager", "aot_eager"))
+    kv_cache: str = option("dynamic", "static: generate() runs its decode step compiled on a fixed-size KV cache "
+                           "(a transformers LM)", choices=("dynamic", "static"))
 
 
 class Compile(RuntimeTransform):

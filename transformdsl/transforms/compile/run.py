@@ -41,6 +41,36 @@ def compile_kwargs(options: Any) -> dict:
     return kwargs
 
 
+def generates_with_static_cache(cls: type) -> str | None:
+    """None if ``cls`` is a transformers model whose ``generate`` can run on a static KV cache and compile
+    its decode step, else why not."""
+    if not callable(getattr(cls, "can_generate", None)) or not cls.can_generate():
+        return f"{cls.__name__} is not a transformers model that generates (kv_cache=static is generate's)"
+    if not getattr(cls, "_can_compile_fullgraph", False):
+        return (f"transformers does not run {cls.__name__} on a static KV cache (its _can_compile_fullgraph is "
+                "false); use kv_cache=dynamic")
+    return None
+
+
+def static_decode(module: nn.Module, options: Any, edit) -> None:
+    """What ``kv_cache=static`` attaches: ``module.generate`` runs on a static KV cache and, on every device,
+    compiles its decode step (transformers' ``compile_config``; the prefill stays eager, as transformers runs
+    it), through the edit log so a rollback restores the generation config."""
+    from transformers import CompileConfig
+
+    kwargs = compile_kwargs(options)
+    if kwargs["dynamic"] is None:
+        kwargs["dynamic"] = False  # a decode step on a static cache has one shape: transformers' default
+    config = CompileConfig(**{"mode": "default", **kwargs})
+    config._compile_all_devices = True  # transformers compiles generate's decode step on GPUs only otherwise
+    generation = module.generation_config
+    for name, value in (("cache_implementation", "static"), ("compile_config", config), ("disable_compile", False)):
+        if edit is None:
+            setattr(generation, name, value)
+        else:
+            edit.setattr(generation, name, value)
+
+
 def is_compiled(module: nn.Module) -> bool:
     """Whether ``module.compile()`` was called on this module."""
     return module.__dict__.get("_compiled_call_impl") is not None
@@ -82,6 +112,13 @@ class CompileBehaviour:
     def check(self, info: ModuleInfo, tree: ModuleTree) -> str | None:
         if self.options.mode != "default" and self.options.backend != "inductor":
             return f"mode={self.options.mode} needs backend=inductor"
+        if self.options.kv_cache == "static":
+            if self.mode == "regional":
+                return ("kv_cache=static compiles the decode step of the whole model's generate(); use "
+                        "'compile kv_cache=static' instead of the regional form")
+            why = generates_with_static_cache(info.cls)
+            if why:
+                return why
         if self.options.fullgraph:
             cache = _cache_of(tree)
             if cache:
@@ -92,6 +129,10 @@ class CompileBehaviour:
     def notes(self, tree: ModuleTree, targets: list[str]) -> list[str]:
         if not targets:
             return []
+        if self.options.kv_cache == "static":
+            return ["generate() runs on a static KV cache and compiles its decode step (the prefill and direct "
+                    "calls of the model stay eager); the first generate() pays the compile time, and one that "
+                    "needs a longer cache compiles again"]
         return ["compiles lazily: the first call after transform() (or load()) pays the compile time"]
 
     # Compiled code is not portable: nothing is stored, and loading compiles the recorded modules again.
@@ -99,9 +140,22 @@ class CompileBehaviour:
     after_from_pretrained = "call torch.compile after from_pretrained; transformdsl.load compiles again"
 
     @classmethod
+    def export(cls, step, out) -> None:
+        if step.options.get("kv_cache") != "static":
+            return super().export(step, out)
+        out.notes.append(f"{out.where(step)}: not stored ({cls.not_stored.format(library=out.library)}); after "
+                         "from_pretrained set model.generation_config.cache_implementation = 'static' and its "
+                         "compile_config (transformers' CompileConfig); transformdsl.load does it again")
+
+    @classmethod
     def attach(cls, module: nn.Module, path: str, options: Any, edit) -> None:
         """Compile ``module`` in place (the saved ``__dict__`` of :meth:`touches` undoes it: a rollback
-        removes ``_compiled_call_impl``)."""
+        removes ``_compiled_call_impl``); with ``kv_cache=static``, arm generate's compiled decode step instead."""
+        if isinstance(options, dict):
+            options = CompileOptions(**options)
+        if options.kv_cache == "static":
+            static_decode(module, options, edit)
+            return
         compile_in_place(module, compile_kwargs(options))
 
 
