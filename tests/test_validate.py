@@ -63,7 +63,8 @@ def test_valid(text):
                                    "threshold": 6.0, "weight_only": False}),
     ("quantize hqq bits=8 group_size=32 axis=0", {"bits": 8, "group_size": 32, "axis": 0, "compute": "float32"}),
     ("compile mode=max-autotune fullgraph=true",
-     {"fullgraph": True, "mode": "max-autotune", "dynamic": "auto", "backend": "inductor"}),
+     {"fullgraph": True, "mode": "max-autotune", "dynamic": "auto", "backend": "inductor",
+      "kv_cache": "dynamic"}),
 ])
 def test_options_are_typed_and_canonical(text, options):
     (step,) = check_text(text).steps
