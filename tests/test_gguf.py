@@ -688,3 +688,95 @@ def test_gguf_export_finds_the_tokenizer_of_a_hub_id_in_the_hub_cache(tmp_path, 
     transformdsl.save(model, tmp_path / "out", format="gguf")
     fields = tokenizer_fields(tmp_path / "out" / "model.gguf")
     assert fields["tokenizer.ggml.model"][0] == "gpt2" and len(fields["tokenizer.ggml.tokens"][0]) == 601
+
+
+# --------------------------------------------------------------------------- Q4_K: kept as read from a file
+
+
+def q4_k_bytes(rows: int, cols: int, seed: int) -> np.ndarray:
+    """Random, valid Q4_K super-blocks for a (rows, cols) weight: small positive float16 ``d``/``dmin``,
+    any 6-bit scales and mins, any 4-bit values (what llama.cpp's quantizer could write)."""
+    generator = np.random.default_rng(seed)
+    supers = cols // gguf_blocks.SUPER
+    d = (generator.uniform(0.5, 2.0, (rows, supers, 2)) * [1e-3, 2e-3]).astype(np.float16).view(np.uint8)
+    rest = generator.integers(0, 256, (rows, supers, gguf_blocks.Q4_K_BYTES - 4), dtype=np.uint8)
+    return np.concatenate((d.reshape(rows, supers, 4), rest), axis=-1).reshape(rows, -1)
+
+
+def wide_llama():
+    """A Llama whose projections take whole Q4_K super-blocks (inputs 256 and 512)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def q4_k_file(tmp_path_factory):
+    """A GGUF of the wide Llama whose projections are Q4_K (as llama.cpp's Q4_K_S writes them)."""
+    directory = tmp_path_factory.mktemp("q4k")
+    transformdsl.save(wide_llama(), directory / "float", format="gguf")
+    q4k = gguf.GGMLQuantizationType.Q4_K
+    written = {}
+
+    def convert(name, floats, kind, raw):
+        if re.search(r"\.(attn_[qkvo]|attn_output|ffn_(gate|up|down))\.weight$", name):
+            written[name] = q4_k_bytes(*floats.shape, seed=len(written))
+            return written[name], q4k
+        return raw, kind
+
+    _rewrite(directory / "float" / "model.gguf", directory / "q4k.gguf", convert)
+    return directory / "q4k.gguf", written
+
+
+def test_gguf_import_keeps_q4_k_super_blocks_as_the_file_holds_them(q4_k_file, tmp_path):
+    path, written = q4_k_file
+    loaded = transformdsl.load(path)
+    layers = {p: m for p, m in loaded.named_modules() if isinstance(m, gguf_blocks.Q4_KLinear)}
+    assert len(layers) == len(written) == 14
+    down = loaded.model.layers[1].mlp.down_proj
+    assert isinstance(down, gguf_blocks.Q4_KLinear) and down.in_features == 512
+    # the layer's bytes are the file's, and it dequantizes as gguf's reference code does, bit for bit
+    assert np.array_equal(down.gguf_bytes(), written["blk.1.ffn_down.weight"])
+    reference = gguf.quants.dequantize(written["blk.1.ffn_down.weight"], gguf.GGMLQuantizationType.Q4_K)
+    assert np.array_equal(down.dequantize().numpy(), reference.reshape(down.dequantize().shape))
+    # in memory about the file's size; stock transformers (which dequantizes every tensor) gives our logits
+    held = sum(t.numel() * t.element_size() for t in loaded.state_dict().values())
+    assert 0.95 < held / path.stat().st_size < 1.05
+    from transformers import AutoModelForCausalLM
+
+    stock = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    with torch.no_grad():
+        ours = loaded(TOKENS).logits  # 24 rows a call: the exact blocks, not the packed kernel
+        torch.testing.assert_close(ours, stock(TOKENS).logits, atol=1e-5, rtol=1e-5)
+    # recorded as the import-only statement; saved and reloaded bit-exactly; written back byte for byte
+    assert [s.key for s in transformdsl.history.history_of(loaded).steps] == ["quantize q4_k"]
+    transformdsl.save(loaded, tmp_path / "ours")
+    again = transformdsl.load(tmp_path / "ours")
+    with torch.no_grad():
+        assert torch.equal(again(TOKENS).logits, ours)
+    transformdsl.save(again, tmp_path / "back", format="gguf")
+    reader = gguf.GGUFReader(tmp_path / "back" / "model.gguf")
+    for tensor in reader.tensors:
+        if tensor.name in written:
+            assert tensor.tensor_type == gguf.GGMLQuantizationType.Q4_K
+            assert np.array_equal(np.asarray(tensor.data).reshape(written[tensor.name].shape), written[tensor.name])
+
+
+@needs_packed
+def test_q4_k_layers_decode_with_the_packed_kernel_within_bfloat16_rounding(q4_k_file):
+    path, _ = q4_k_file
+    layer = transformdsl.load(path).model.layers[0].mlp.down_proj
+    assert layer.packed_kernel
+    exact_weight = layer.dequantize().double()
+    x = torch.randn(1, layer.in_features, generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        out = layer(x)
+    assert 1e-6 < relative_error(out, x.double() @ exact_weight.t()) < 5e-3
+
+
+def test_quantize_q4_k_is_refused_on_a_float_model_naming_what_fits():
+    with pytest.raises(transformdsl.ScriptError, match="no Q4_K quantizer here.*'quantize q4_0'"):
+        transformdsl.plan(wide_llama(), "quantize q4_k")

@@ -11,7 +11,8 @@ What it holds (spec.md "Interchange", GGUF):
 - float weights as they are: F32, F16 or BF16 (1-D tensors, norms and biases, in F32 as llama.cpp's
   converter writes them: exact);
 - ``quantize q8_0`` / ``q4_0`` layers as GGUF Q8_0 / Q4_0 blocks, byte for byte the layer's own
-  values and scales (lossless: the model verified here is the model llama.cpp runs).
+  values and scales (lossless: the model verified here is the model llama.cpp runs), and the Q4_K
+  layers of an imported GGUF file (``quantize q4_k``) as the Q4_K super-blocks they were read from.
 
 Any other applied statement is refused before anything is written, naming the mode that fits
 (``quantize int8 weight_only=true`` → ``quantize q8_0``, ``quantize int4`` → ``quantize q4_0``);
@@ -37,7 +38,7 @@ from .gguf_read import GGUF_FILE, WRITTEN_KEY, is_our_save  # noqa: F401  (impor
 #: Steps that store nothing a GGUF reader would use: dropped (with a note).
 _NOTHING_STORED = ("compile", "compile regional")
 #: The quantize modes GGUF holds exactly.
-_BLOCK_MODES = ("quantize q8_0", "quantize q4_0")
+_BLOCK_MODES = ("quantize q8_0", "quantize q4_0", "quantize q4_k")
 
 
 def refuse(step: AppliedStep, why: str) -> TransformError:
@@ -120,12 +121,13 @@ def gguf_tensors(model: nn.Module, arch: gguf_layout.Architecture) -> list[tuple
     config = model.config
     names = gguf_layout.tensor_names(arch, config.num_hidden_layers)
     quantized = {path: module for path, module in model.named_modules() if isinstance(module, BlockQuantizedLinear)}
-    kinds = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}
+    kinds = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
+             "q4_k": gguf.GGMLQuantizationType.Q4_K}
     tied = bool(getattr(config, "tie_word_embeddings", False))
     out = []
     for key, tensor in model.state_dict(keep_vars=False).items():
         path, _, leaf = key.rpartition(".")
-        if path in quantized and leaf == "weight_scale":
+        if path in quantized and leaf in ("weight_scale", "weight_sub"):
             continue
         if tied and key == "lm_head.weight":
             continue
@@ -155,7 +157,8 @@ def _file_type(entries) -> int:
              gguf.GGMLQuantizationType.F16: gguf.LlamaFileType.MOSTLY_F16,
              gguf.GGMLQuantizationType.BF16: gguf.LlamaFileType.MOSTLY_BF16,
              gguf.GGMLQuantizationType.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0,
-             gguf.GGMLQuantizationType.Q4_0: gguf.LlamaFileType.MOSTLY_Q4_0}
+             gguf.GGMLQuantizationType.Q4_0: gguf.LlamaFileType.MOSTLY_Q4_0,
+             gguf.GGMLQuantizationType.Q4_K: gguf.LlamaFileType.MOSTLY_Q4_K_S}
     return int(types[kind])
 
 

@@ -1,13 +1,13 @@
-"""``load("file.gguf")``: a llama.cpp checkpoint as a transformers model, its Q8_0/Q4_0 blocks kept.
+"""``load("file.gguf")``: a llama.cpp checkpoint as a transformers model, its Q8_0/Q4_0/Q4_K blocks kept.
 
 The file is read with the bounded reader (:mod:`.gguf_read`); its architecture (``llama``, ``qwen2``, ``qwen3``:
 :mod:`.gguf_layout`) and metadata give the transformers configuration, built on the meta device once
 the tensor table agrees with it (so a file's counts never size a model its tensors do not fill).  Then:
 
-- a linear layer stored as Q8_0 or Q4_0 becomes our ``quantize q8_0`` / ``q4_0`` layer holding those
+- a linear layer stored as Q8_0, Q4_0 or Q4_K becomes our ``quantize q8_0`` / ``q4_0`` / ``q4_k`` layer holding those
   very bytes (no dequantize-requantize: ``bytes in memory`` ≈ the file's), recorded as that statement
   so that a further script applies and :func:`transformdsl.save` writes and reloads it exactly;
-- any other quantized tensor (Q4_K, Q6_K..., an embedding in Q8_0) is dequantized with the ``gguf``
+- any other quantized tensor (Q6_K, Q5_K..., an embedding in Q8_0) is dequantized with the ``gguf``
   package's reference code into float32;
 - float tensors (F32, F16, BF16) are read as float32 (exact); the model is float32.
 
@@ -31,8 +31,8 @@ from . import gguf_layout
 from .gguf_read import GGUFFile, TensorInfo
 from .gguf_vocab import KEPT_ATTRIBUTE
 
-#: GGML type numbers kept as our layers (``gguf.GGMLQuantizationType``: Q4_0 = 2, Q8_0 = 8).
-KEPT = {8: "q8_0", 2: "q4_0"}
+#: GGML type numbers kept as our layers (``gguf.GGMLQuantizationType``: Q4_0 = 2, Q8_0 = 8, Q4_K = 12).
+KEPT = {8: "q8_0", 2: "q4_0", 12: "q4_k"}
 #: Float types read as they are (F32, F16, BF16).
 FLOATS = {0: np.float32, 1: np.float16}
 BF16 = 30
@@ -149,7 +149,7 @@ def load_gguf(path: str | Path) -> nn.Module:
                                 f"missing {', '.join(missing[:5])}" if missing else "",
                                 f"not part of it: {', '.join(extra[:5])}" if extra else "") if part))
         tensors: dict[str, torch.Tensor] = {}
-        layers: dict[str, list[dict]] = {"q8_0": [], "q4_0": []}
+        layers: dict[str, list[dict]] = {kind: [] for kind in KEPT.values()}
         modules = dict(model.named_modules())
         for name, key in wanted.items():
             info = gf.tensors[name]
@@ -166,8 +166,7 @@ def load_gguf(path: str | Path) -> nn.Module:
                 raw = gf.data(info)
                 if heads:
                     raw = gguf_layout.unpermute_rows(raw, heads)
-                values, scale = from_block_bytes(raw, kind, *info.shape)
-                layers[kind].append({"path": module_path, "values": values, "scale": scale})
+                layers[kind].append({"path": module_path, "stored": from_block_bytes(raw, kind, *info.shape)})
                 continue
             data = _float(gf, info)
             if heads:
@@ -190,12 +189,12 @@ def _assemble(model: nn.Module, tensors: dict, layers: dict, path: Path) -> nn.M
         for entry in entries:
             bias_key = f"{entry['path']}.bias"
             bias = tensors.pop(bias_key, None)
-            layer = LAYERS[kind](entry["values"], entry["scale"], bias, torch.float32)
+            layer = LAYERS[kind](*entry["stored"], bias, torch.float32)
             parent_path, _, child = entry["path"].rpartition(".")
             setattr(model.get_submodule(parent_path) if parent_path else model, child, layer)
             records.append({"path": entry["path"], "in": layer.in_features, "out": layer.out_features,
                             "dtype": "float32", "bias": None if bias is None else "float32", "source": "Linear"})
-        byte_count = sum(e["values"].numel() * e["values"].element_size() + e["scale"].numel() * 2 for e in entries)
+        byte_count = sum(t.numel() * t.element_size() for e in entries for t in e["stored"])
         statement = f"quantize {kind}"
         steps.append(AppliedStep(key=f"quantize {kind}", line=len(statements) + 2, statement=statement, options={},
                                  common={}, record={"layers": records, "imported": True, "bytes_before": 0,

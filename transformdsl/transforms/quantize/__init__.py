@@ -258,3 +258,11 @@ class Q4_0Quantization(GGUFBlockQuantization):
     #: As int4's (4 bits per weight, symmetric blocks of 32: finer than nf4's 64).
     error_bound = {"kl": 1.2, "top1": 0.5, "rms": 0.4, "max": 0.4}
     implementation = ".gguf_modes:Q4_0Quantization"
+
+
+class Q4_KQuantization(GGUFBlockQuantization):
+    mode = "q4_k"
+    summary = "GGUF Q4_K: the 4-bit super-blocks of a GGUF file, kept as read (no quantizer: import only)"
+    block_size = 256
+    error_bound = {"kl": 1.2, "top1": 0.5, "rms": 0.4, "max": 0.4}
+    implementation = ".gguf_modes:Q4_KQuantization"

@@ -41,6 +41,10 @@ from ..common.stored_weight import StoredWeight
 BLOCK = 32
 #: Bytes per block in a GGUF file: the float16 scale, then the values.
 BLOCK_BYTES = {"q8_0": 2 + BLOCK, "q4_0": 2 + BLOCK // 2}
+#: Q4_K's super-block: 256 inputs in 8 sub-blocks of 32, stored in 144 bytes (float16 ``d`` and
+#: ``dmin``, 12 bytes of 6-bit sub-block scales and mins, 128 bytes of 4-bit values).
+SUPER = 256
+Q4_K_BYTES = 4 + 12 + SUPER // 2
 #: Rows quantized at a time: bounds the float32 working copy.
 _CHUNK_ELEMENTS = 1 << 22
 #: Inputs of at most this many rows (decoding) take the packed int4 CPU kernel.  Measured against
@@ -126,8 +130,13 @@ def block_bytes(values: torch.Tensor, scale: torch.Tensor) -> np.ndarray:
     return torch.cat((d, data), dim=-1).reshape(rows, -1).numpy()
 
 
-def from_block_bytes(data: np.ndarray, kind: str, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The inverse of :func:`block_bytes`: ``(values, scale)`` as a ``kind`` layer stores them."""
+def from_block_bytes(data: np.ndarray, kind: str, rows: int, cols: int) -> tuple[torch.Tensor, ...]:
+    """The inverse of :func:`block_bytes` (and of :meth:`Q4_KLinear.gguf_bytes`): the tensors a ``kind``
+    layer stores, in its constructor's order (``values, scale`` and, for Q4_K, ``sub``)."""
+    if kind == "q4_k":
+        raw = torch.from_numpy(np.ascontiguousarray(data, dtype=np.uint8).reshape(rows, cols // SUPER, Q4_K_BYTES).copy())
+        scale = raw[..., :4].contiguous().view(torch.float16).reshape(rows, cols // SUPER, 2)
+        return raw[..., 16:].contiguous().reshape(rows, cols // 2), scale, raw[..., 4:16].contiguous()
     per = BLOCK_BYTES[kind]
     raw = torch.from_numpy(np.ascontiguousarray(data, dtype=np.uint8).reshape(rows, cols // BLOCK, per).copy())
     scale = raw[..., :2].contiguous().view(torch.float16).reshape(rows, cols // BLOCK)
@@ -321,5 +330,100 @@ class Q4_0Linear(BlockQuantizedLinear):
         return (_int4pack(unpack_q4_0(self.stored_weight), d, torch.zeros_like(d)),)
 
 
+def q4_k_scales(sub: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 6-bit sub-block scales and mins ``(sc, m)``, each (..., 8) uint8, from Q4_K's 12 packed bytes
+    (..., 12): ggml's ``get_scale_min_k4``, as ``gguf.quants.Q4_K.get_scale_min`` unpacks them."""
+    d, m, md = sub[..., 0:4], sub[..., 4:8], sub[..., 8:12]
+    sc = torch.cat((d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)), dim=-1)
+    mins = torch.cat((m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)), dim=-1)
+    return sc, mins
+
+
+class Q4_KLinear(BlockQuantizedLinear):
+    """GGUF Q4_K, as a GGUF file holds it (llama.cpp's ``Q4_K_M``/``Q4_K_S`` files are mostly Q4_K).
+
+    Each row is cut into super-blocks of 256 inputs, each into 8 sub-blocks of 32 that stand for
+    ``d * sc * q - dmin * m`` (``q`` 0..15; ``sc``, ``m`` 6-bit per sub-block; ``d``, ``dmin`` float16 per
+    super-block).  Stored as GGUF orders them: ``weight`` uint8 (out x in/2: each super-block's 128 value
+    bytes, byte ``j`` of a 32-byte chunk holding sub-block ``2c``'s ``q[j]`` low and ``2c+1``'s high),
+    ``weight_scale`` float16 (out x in/256 x 2: ``d``, ``dmin``), ``weight_sub`` uint8 (out x in/256 x 12).
+
+    These layers come from a GGUF file (``load("file.gguf")``) and are written back byte for byte; there is
+    no Q4_K quantizer here (llama.cpp's searches each sub-block's scale and min), so ``quantize q4_k`` on a
+    float model is refused at planning.
+    """
+
+    kind = "q4_k"
+    weight_sub: torch.Tensor
+
+    def __init__(self, values: torch.Tensor, scale: torch.Tensor, sub: torch.Tensor, bias: torch.Tensor | None,
+                 weight_dtype: torch.dtype = torch.float32):
+        nn.Module.__init__(self)
+        self.out_features, supers, _ = scale.shape
+        self.in_features = supers * SUPER
+        self.weight_dtype = weight_dtype
+        self.register_buffer("weight", values)  # saved under the key "weight"
+        self.register_buffer("weight_scale", scale)
+        self.register_buffer("weight_sub", sub)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self._packed = _PackedLayout()
+        self.register_load_state_dict_post_hook(lambda module, _: module.repack())
+        self.repack()
+
+    @classmethod
+    def build(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> Q4_KLinear:
+        """On meta, the empty structure (what loading a save rebuilds); a float weight has no quantizer."""
+        rows, cols = weight.shape
+        if not weight.is_meta:
+            raise NotImplementedError("Q4_K layers are read from a GGUF file; there is no Q4_K quantizer")
+        with torch.device("meta"):
+            return cls(torch.empty(rows, cols // 2, dtype=torch.uint8),
+                       torch.empty(rows, cols // SUPER, 2, dtype=torch.float16),
+                       torch.empty(rows, cols // SUPER, 12, dtype=torch.uint8), bias, weight.dtype)
+
+    def _codes(self, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """Rows ``start:end`` of the 4-bit values, (rows, in/256, 8, 32) uint8 in input order."""
+        packed = self.stored_weight[start:end]
+        chunks = packed.reshape(packed.shape[0], -1, 4, 1, BLOCK)
+        return torch.cat((chunks & 0xF, chunks >> 4), dim=3).reshape(packed.shape[0], -1, 8, BLOCK)
+
+    def _scales(self, start: int = 0, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``start:end``: each sub-block's multiplier ``d * sc`` and offset ``dmin * m``, float32
+        (rows, in/256, 8), computed as ggml (and the gguf package) computes them."""
+        sc, mins = q4_k_scales(self.weight_sub[start:end])
+        scale = self.weight_scale[start:end].float()
+        return scale[..., :1] * sc.float(), scale[..., 1:] * mins.float()
+
+    def dequantize(self, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """Rows ``start:end`` of the float32 weight: ``(d * sc) * q - dmin * m``, sub-block by sub-block."""
+        end = self.out_features if end is None else end
+        multiplier, offset = self._scales(start, end)
+        out = multiplier[..., None] * self._codes(start, end).float() - offset[..., None]
+        return out.reshape(end - start, self.in_features)
+
+    def values(self, start=0, end=None):
+        raise NotImplementedError("Q4_K values have an offset per sub-block; use dequantize()")
+
+    def pack(self):
+        # the kernel multiplies by (q - 8) * scale + zero: scale = d * sc, zero = 8 * d * sc - dmin * m
+        multiplier, offset = self._scales()
+        scale = multiplier.reshape(self.out_features, -1)
+        codes = self._codes().reshape(self.out_features, self.in_features)
+        return (_int4pack(codes, scale, 8 * scale - offset.reshape(self.out_features, -1)),)
+
+    def gguf_bytes(self) -> np.ndarray:
+        """The weight as the GGUF tensor's bytes: per super-block ``d``, ``dmin``, the 12 scale bytes, the
+        128 value bytes."""
+        rows, supers, _ = self.weight_scale.shape
+        d = self.weight_scale.detach().cpu().contiguous().view(torch.uint8).reshape(rows, supers, 4)
+        values = self.stored_weight.detach().cpu().reshape(rows, supers, SUPER // 2)
+        return torch.cat((d, self.weight_sub.detach().cpu(), values), dim=-1).reshape(rows, -1).numpy()
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, weight=q4_k (GGUF super-blocks of {SUPER}), "
+                f"packed_kernel={self.packed_kernel}")
+
+
 #: Layer class per mode.
-LAYERS = {"q8_0": Q8_0Linear, "q4_0": Q4_0Linear}
+LAYERS = {"q8_0": Q8_0Linear, "q4_0": Q4_0Linear, "q4_k": Q4_KLinear}

@@ -1,4 +1,4 @@
-"""``quantize q8_0`` and ``quantize q4_0`` (implementation): the quantize family's planning, apply
+"""``quantize q8_0``, ``quantize q4_0`` and the import-only ``quantize q4_k`` (implementation): the quantize family's planning, apply
 and reload (:mod:`.quantization`) with the GGUF block layers of :mod:`.gguf_blocks`.
 
 A layer whose ``in_features`` is not a multiple of 32 (GGUF's block) is a near miss.  In a
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ...tree import ModuleInfo, ModuleTree
 from . import Q4_0Quantization as Q4_0Declaration
+from . import Q4_KQuantization as Q4_KDeclaration
 from . import Q8_0Quantization as Q8_0Declaration
 from .quantization import QuantizeBehaviour, linear_dims, target_dtypes, targets_device_type
 
@@ -53,10 +54,10 @@ class GGUFBlockBehaviour(QuantizeBehaviour):
 
     @classmethod
     def estimate_bytes(cls, options, in_features, out_features, bias, dtype):
-        from .gguf_blocks import BLOCK, BLOCK_BYTES
+        from .gguf_blocks import BLOCK, BLOCK_BYTES, Q4_K_BYTES, SUPER
 
-        return (in_features // BLOCK * out_features * BLOCK_BYTES[cls.mode]
-                + (out_features * dtype.itemsize if bias else 0))
+        per_row = in_features // SUPER * Q4_K_BYTES if cls.mode == "q4_k" else in_features // BLOCK * BLOCK_BYTES[cls.mode]
+        return per_row * out_features + (out_features * dtype.itemsize if bias else 0)
 
 
 class Q8_0Quantization(GGUFBlockBehaviour, Q8_0Declaration):
@@ -65,3 +66,13 @@ class Q8_0Quantization(GGUFBlockBehaviour, Q8_0Declaration):
 
 class Q4_0Quantization(GGUFBlockBehaviour, Q4_0Declaration):
     pass
+
+
+class Q4_KQuantization(GGUFBlockBehaviour, Q4_KDeclaration):
+    """Import only: the layers ``load("file.gguf")`` makes of a file's Q4_K tensors (saved and reloaded as
+    this step); on a float model the statement is refused before anything runs."""
+
+    def check(self, info: ModuleInfo, tree: ModuleTree) -> str | None:
+        return ("'quantize q4_k' holds the Q4_K super-blocks of a GGUF file as load('file.gguf') reads them; "
+                "there is no Q4_K quantizer here (llama.cpp searches each sub-block's scale and min): use "
+                "'quantize q4_0' (GGUF's Q4_0, written exactly) or 'quantize int4'")
