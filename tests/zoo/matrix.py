@@ -77,6 +77,9 @@ SCRIPTS = {
     "fuse bias_dropout_residual": "fuse bias_dropout_residual kernel=eager",
     "fuse bias_dropout_residual_layernorm": "fuse bias_dropout_residual_layernorm kernel=eager",
     "compile": "compile",
+    # generate()'s decode step on a static KV cache (transformers LMs): the forward the cell runs stays
+    # eager, so the column checks which models transformers can run so, the plan, and that load() sets it again
+    "compile kv_cache=static": "compile kv_cache=static",
     # {lora}: a LoRA file written for the cell's model (lora_file: every Linear, random weights)
     "lora": 'lora "{lora}"',
     # Step caches (diffusers denoisers only): one call in a fresh cache context, as verify and the
@@ -100,7 +103,8 @@ SCRIPTS = {
 
 #: Columns that run on one library's models only (a statement of the other library is a plan error).
 LIBRARY_ONLY = {**{name: "diffusers" for name in SCRIPTS if name.startswith("cache ")},
-                "attention": "diffusers", "attention (transformers)": "transformers"}
+                "attention": "diffusers", "attention (transformers)": "transformers",
+                "compile kv_cache=static": "transformers"}
 
 #: Models the (slow) ``compile`` column runs on (the tiny UNet and Flux took over 5 min a cell on a
 #: loaded 2-core machine: compilation, then recompilation for the reloaded model).

