@@ -573,7 +573,12 @@ def serving_section() -> str:
     if not page.exists():
         return heading + "\nNot yet measured: `benchmarks/bench_serving.py` writes `benchmarks/results/serving.md`.\n"
     body = page.read_text().split("\n", 1)[-1]
-    return heading + body.rstrip("\n") + "\n\nThe page: [results/serving.md](results/serving.md).\n"
+    text = heading + body.rstrip("\n") + "\n\nThe page: [results/serving.md](results/serving.md).\n"
+    # bench_gguf_kquant.py: llama.cpp's own Q4_K_M file read by our import
+    text += _subsection("serving_kquant.md", "A GGUF file a user already has: llama.cpp's Q4_K_M, read by our import")
+    # the same benchmark on the AMD EPYC, before compile kv_cache=static existed
+    text += _subsection("serving-epyc.md", "Earlier, on an AMD EPYC (eager only)")
+    return text
 
 
 def calibration_section() -> str:

@@ -777,6 +777,36 @@ def test_q4_k_layers_decode_with_the_packed_kernel_within_bfloat16_rounding(q4_k
     assert 1e-6 < relative_error(out, x.double() @ exact_weight.t()) < 5e-3
 
 
-def test_quantize_q4_k_is_refused_on_a_float_model_naming_what_fits():
-    with pytest.raises(transformdsl.ScriptError, match="no Q4_K quantizer here.*'quantize q4_0'"):
-        transformdsl.plan(wide_llama(), "quantize q4_k")
+def test_q4_k_bytes_are_llama_cpps_reference_quantizers():
+    """tests/golden/q4_k_reference.npz: 48 rows of 512 (normal, cubed, positive, negative, tiny, huge, zero,
+    constant rows, outliers) and the bytes ggml's ``quantize_row_q4_K_ref`` (llama-cpp-python 0.3.36's
+    libggml-base) wrote for them; the gguf package has no Q4_K quantizer to compare with."""
+    golden = np.load(Path(__file__).parent / "golden" / "q4_k_reference.npz")
+    layer = gguf_blocks.Q4_KLinear.build(torch.from_numpy(golden["weight"]), None)
+    assert np.array_equal(layer.gguf_bytes(), golden["blocks"])
+    # and it holds what gguf's reference dequantizer reads from those bytes
+    reference = gguf.quants.dequantize(golden["blocks"], gguf.GGMLQuantizationType.Q4_K)
+    assert np.array_equal(layer.dequantize().numpy(), reference.reshape(48, 512))
+
+
+def test_quantize_q4_k_on_a_float_model_exports_what_stock_transformers_reads(tmp_path):
+    model = wide_llama()
+    with torch.no_grad():
+        want = model(TOKENS).logits
+    the_plan = transformdsl.plan(model, "quantize q4_k")
+    assert len(the_plan.steps[0].targets) == 14  # every projection: inputs 256 and 512
+    transformdsl.transform(model, "quantize q4_k")
+    with torch.no_grad():
+        got = model(TOKENS).logits
+    assert 1e-4 < kl_per_token(want, got).mean() < 0.05
+    transformdsl.save(model, tmp_path / "gguf", format="gguf")
+    from transformers import AutoModelForCausalLM
+
+    stock = AutoModelForCausalLM.from_pretrained(tmp_path / "gguf", gguf_file="model.gguf", dtype=torch.float32)
+    with torch.no_grad():
+        assert kl_per_token(got, stock(TOKENS).logits).max() <= 1e-4
+    transformdsl.save(model, tmp_path / "ours")
+    with torch.no_grad():
+        assert torch.equal(transformdsl.load(tmp_path / "ours")(TOKENS).logits, got)
+    narrow = transformdsl.plan(tiny_llama(), "quantize q4_k").steps[0]
+    assert not narrow.targets and "not a multiple of GGUF's block of 256" in str(narrow.skipped)

@@ -12,7 +12,7 @@ What it holds (spec.md "Interchange", GGUF):
   converter writes them: exact);
 - ``quantize q8_0`` / ``q4_0`` layers as GGUF Q8_0 / Q4_0 blocks, byte for byte the layer's own
   values and scales (lossless: the model verified here is the model llama.cpp runs), and the Q4_K
-  layers of an imported GGUF file (``quantize q4_k``) as the Q4_K super-blocks they were read from.
+  layers (``quantize q4_k``, or a GGUF file's Q4_K read by ``load``) as Q4_K super-blocks.
 
 Any other applied statement is refused before anything is written, naming the mode that fits
 (``quantize int8 weight_only=true`` → ``quantize q8_0``, ``quantize int4`` → ``quantize q4_0``);
@@ -60,7 +60,8 @@ def check_steps(history: History) -> list[str]:
                                "float16 scale per 32 inputs, GGUF's Q8_0, written exactly")
         if key == "quantize int4":
             raise refuse(step, "its asymmetric bfloat16 (scale, zero) groups are no GGUF block type; "
-                               "'quantize q4_0' (4-bit, a float16 scale per 32 inputs, GGUF's Q4_0) is written exactly")
+                               "'quantize q4_0' (4-bit, a float16 scale per 32 inputs, GGUF's Q4_0) or 'quantize "
+                               "q4_k' (llama.cpp's Q4_K) is written exactly")
         if key.startswith("quantize ") or key.startswith("fp8 "):
             raise refuse(step, "its grid is no GGUF block type, and re-quantizing would change the model; use "
                                "'quantize q8_0' (8-bit) or 'quantize q4_0' (4-bit), which GGUF holds exactly")

@@ -262,7 +262,8 @@ class Q4_0Quantization(GGUFBlockQuantization):
 
 class Q4_KQuantization(GGUFBlockQuantization):
     mode = "q4_k"
-    summary = "GGUF Q4_K: the 4-bit super-blocks of a GGUF file, kept as read (no quantizer: import only)"
+    summary = "GGUF Q4_K: 4-bit weights in sub-blocks of 32 with 6-bit scales and mins per super-block of 256 (llama.cpp's grid)"
     block_size = 256
+    #: As q4_0's (4 bits per weight, asymmetric sub-blocks of 32 whose scale and min are searched).
     error_bound = {"kl": 1.2, "top1": 0.5, "rms": 0.4, "max": 0.4}
     implementation = ".gguf_modes:Q4_KQuantization"

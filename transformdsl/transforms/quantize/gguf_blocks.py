@@ -330,6 +330,135 @@ class Q4_0Linear(BlockQuantizedLinear):
         return (_int4pack(unpack_q4_0(self.stored_weight), d, torch.zeros_like(d)),)
 
 
+def _nearest_int(x: torch.Tensor) -> torch.Tensor:
+    """ggml's ``nearest_int``, bit for bit: add 1.5 * 2^23 in float32 and read the low mantissa bits
+    (round half to even within 2^22; past that, the same bits ggml gets)."""
+    bits = (x + 12582912.0).view(torch.int32)
+    return (bits & 0x007FFFFF) - 0x00400000
+
+
+def _over(value: float, tensor: torch.Tensor) -> torch.Tensor:
+    """``value / tensor`` divided in float32 as C divides (torch computes a scalar over a tensor as a
+    reciprocal times the scalar, which differs in the last bit for a quarter of the values)."""
+    return torch.full_like(tensor, value) / tensor
+
+
+def _make_qkx2_quants(x: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ggml's ``make_qkx2_quants(32, 15, x, weights, L, &the_min, Laux, -1, 0.1, 20, false)`` for every
+    sub-block at once (``x``, ``weights``: (B, 32) float32): ``(scale (B,), the_min (B,), L (B, 32) int32)``.
+
+    Every sum runs in ggml's order, one input at a time, each product and sum rounded to float32 as C
+    computes it (ggml-base is built without FMA contraction), so the search picks what ggml picks.  The
+    inputs are held transposed, (32, B): input ``i`` of every sub-block is one contiguous row."""
+    x, weights = x.t().contiguous(), weights.t().contiguous()
+    n = x.shape[0]
+    low, high = x[0].clone(), x[0].clone()
+    sum_w = weights[0].clone()
+    sum_x = sum_w * x[0]
+    for i in range(1, n):
+        xi, w = x[i], weights[i]
+        low = torch.where(xi < low, xi, low)
+        high = torch.where(xi > high, xi, high)
+        sum_w = sum_w + w
+        sum_x = sum_x + w * xi
+    low = torch.where(low > 0, torch.zeros_like(low), low)
+    flat = high == low
+    spread = torch.where(flat, torch.ones_like(high), high - low)
+    iscale = _over(15.0, spread)
+    scale = _over(1.0, iscale)
+    levels = _nearest_int(iscale * (x - low)).clamp_(0, 15)
+    best = torch.zeros_like(scale)
+    for i in range(n):
+        diff = scale * levels[i].float() + low - x[i]
+        best = best + weights[i] * (diff * diff)
+    for step in range(21):
+        # ggml divides by ``max - min`` with the best ``min`` found so far, not the first one
+        spread = torch.where(flat, torch.ones_like(high), high - low)
+        factor = np.float32(-1.0) + np.float32(0.1) * np.float32(step) + np.float32(15.0)
+        aux = _nearest_int(_over(float(factor), spread) * (x - low)).clamp_(0, 15)
+        levels_f = aux.float()
+        sum_l = torch.zeros_like(scale)
+        sum_l2 = torch.zeros_like(scale)
+        sum_xl = torch.zeros_like(scale)
+        for i in range(n):
+            w_l = weights[i] * levels_f[i]
+            sum_l = sum_l + w_l
+            sum_l2 = sum_l2 + w_l * levels_f[i]
+            sum_xl = sum_xl + w_l * x[i]
+        det = sum_w * sum_l2 - sum_l * sum_l
+        this_scale = (sum_w * sum_xl - sum_x * sum_l) / det
+        this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det
+        positive = this_min > 0
+        this_min = torch.where(positive, torch.zeros_like(this_min), this_min)
+        this_scale = torch.where(positive, sum_xl / sum_l2, this_scale)
+        error = torch.zeros_like(scale)
+        for i in range(n):
+            diff = this_scale * levels_f[i] + this_min - x[i]
+            error = error + weights[i] * (diff * diff)
+        better = (det > 0) & (error < best)
+        levels = torch.where(better, aux, levels)
+        best = torch.where(better, error, best)
+        scale = torch.where(better, this_scale, scale)
+        low = torch.where(better, this_min, low)
+    levels = torch.where(flat, torch.zeros_like(levels), levels)
+    scale = torch.where(flat, torch.zeros_like(scale), scale)
+    return scale, -low, levels.t()
+
+
+def quantize_q4_k(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(values uint8 (out, in/2), d and dmin float16 (out, in/256, 2), packed 6-bit scales uint8
+    (out, in/256, 12))`` for an ``(out, in)`` float weight, ``in`` a multiple of 256: ggml's reference
+    quantizer (``quantize_row_q4_K_ref``, what llama.cpp's ``llama-quantize`` runs without an importance
+    matrix), step for step in float32.  On meta, empty tensors of those shapes."""
+    rows, cols = weight.shape
+    supers = cols // SUPER
+    values = torch.empty(rows, cols // 2, dtype=torch.uint8, device=weight.device)
+    scale = torch.empty(rows, supers, 2, dtype=torch.float16, device=weight.device)
+    sub = torch.empty(rows, supers, 12, dtype=torch.uint8, device=weight.device)
+    if weight.is_meta:
+        return values, scale, sub
+    step = max(1, (_CHUNK_ELEMENTS // 4) // max(cols, 1))
+    for start in range(0, rows, step):
+        x = weight[start:start + step].detach().to(torch.float32).reshape(-1, BLOCK)  # (sub-blocks, 32)
+        count = x.shape[0] // (SUPER // BLOCK)
+        sum_x2 = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
+        for i in range(BLOCK):
+            sum_x2 = sum_x2 + x[:, i] * x[:, i]
+        # sqrtf, correctly rounded: torch's float32 sqrt is not (seen 1 ulp off), a float64 one rounded is
+        weights = torch.sqrt((sum_x2 / 32).double()).float()[:, None] + x.abs()
+        scales, mins, levels = _make_qkx2_quants(x, weights)
+        scales, mins = scales.reshape(count, 8), mins.reshape(count, 8)
+        # C starts both at +0 and takes a value only if it is larger: never -0, never below 0
+        max_scale = scales.amax(dim=1)
+        max_scale = torch.where(max_scale > 0, max_scale, torch.zeros_like(max_scale))
+        max_min = mins.amax(dim=1)
+        max_min = torch.where(max_min > 0, max_min, torch.zeros_like(max_min))
+        inv_scale = torch.where(max_scale > 0, _over(63.0, max_scale), torch.zeros_like(max_scale))
+        inv_min = torch.where(max_min > 0, _over(63.0, max_min), torch.zeros_like(max_min))
+        # uint8 of an int, then at most 63, as C's ``uint8_t ls = nearest_int(...); ls = MIN(63, ls)``
+        ls = (_nearest_int(inv_scale[:, None] * scales) & 0xFF).clamp_(max=63)
+        lm = (_nearest_int(inv_min[:, None] * mins) & 0xFF).clamp_(max=63)
+        d = (max_scale / 63.0).to(torch.float16)
+        dmin = (max_min / 63.0).to(torch.float16)
+        packed = torch.empty(count, 12, dtype=torch.int32, device=x.device)
+        packed[:, 0:4] = ls[:, :4] | ((ls[:, 4:] >> 4) << 6)
+        packed[:, 4:8] = lm[:, :4] | ((lm[:, 4:] >> 4) << 6)
+        packed[:, 8:12] = (ls[:, 4:] & 0xF) | ((lm[:, 4:] & 0xF) << 4)
+        # the final values on the rounded scales; a sub-block whose scale rounds to 0 keeps the search's
+        multiplier = d.float()[:, None] * ls.float()
+        offset = dmin.float()[:, None] * lm.float()
+        blocks = x.reshape(count, 8, BLOCK)
+        final = _nearest_int((blocks + offset[..., None]) / multiplier[..., None]).clamp_(0, 15)
+        levels = torch.where((multiplier != 0)[..., None], final, levels.reshape(count, 8, BLOCK))
+        pairs = levels.reshape(count, 4, 2, BLOCK)
+        nibbles = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).to(torch.uint8)
+        end = start + count // supers
+        values[start:end] = nibbles.reshape(end - start, cols // 2)
+        scale[start:end] = torch.stack((d, dmin), dim=-1).reshape(end - start, supers, 2)
+        sub[start:end] = packed.to(torch.uint8).reshape(end - start, supers, 12)
+    return values, scale, sub
+
+
 def q4_k_scales(sub: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The 6-bit sub-block scales and mins ``(sc, m)``, each (..., 8) uint8, from Q4_K's 12 packed bytes
     (..., 12): ggml's ``get_scale_min_k4``, as ``gguf.quants.Q4_K.get_scale_min`` unpacks them."""
@@ -348,9 +477,8 @@ class Q4_KLinear(BlockQuantizedLinear):
     bytes, byte ``j`` of a 32-byte chunk holding sub-block ``2c``'s ``q[j]`` low and ``2c+1``'s high),
     ``weight_scale`` float16 (out x in/256 x 2: ``d``, ``dmin``), ``weight_sub`` uint8 (out x in/256 x 12).
 
-    These layers come from a GGUF file (``load("file.gguf")``) and are written back byte for byte; there is
-    no Q4_K quantizer here (llama.cpp's searches each sub-block's scale and min), so ``quantize q4_k`` on a
-    float model is refused at planning.
+    Built by :func:`quantize_q4_k` (llama.cpp's reference quantizer, byte for byte) or read from a GGUF
+    file (``load("file.gguf")``); either way ``format="gguf"`` writes the bytes as they are.
     """
 
     kind = "q4_k"
@@ -372,14 +500,9 @@ class Q4_KLinear(BlockQuantizedLinear):
 
     @classmethod
     def build(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> Q4_KLinear:
-        """On meta, the empty structure (what loading a save rebuilds); a float weight has no quantizer."""
-        rows, cols = weight.shape
-        if not weight.is_meta:
-            raise NotImplementedError("Q4_K layers are read from a GGUF file; there is no Q4_K quantizer")
-        with torch.device("meta"):
-            return cls(torch.empty(rows, cols // 2, dtype=torch.uint8),
-                       torch.empty(rows, cols // SUPER, 2, dtype=torch.float16),
-                       torch.empty(rows, cols // SUPER, 12, dtype=torch.uint8), bias, weight.dtype)
+        """Quantize an ``(out, in)`` float weight (left untouched) with ggml's reference quantizer; on
+        meta, the empty structure."""
+        return cls(*quantize_q4_k(weight), bias, weight.dtype)
 
     def _codes(self, start: int = 0, end: int | None = None) -> torch.Tensor:
         """Rows ``start:end`` of the 4-bit values, (rows, in/256, 8, 32) uint8 in input order."""

@@ -1,7 +1,7 @@
-"""``quantize q8_0``, ``quantize q4_0`` and the import-only ``quantize q4_k`` (implementation): the quantize family's planning, apply
+"""``quantize q8_0``, ``quantize q4_0`` and ``quantize q4_k`` (implementation): the quantize family's planning, apply
 and reload (:mod:`.quantization`) with the GGUF block layers of :mod:`.gguf_blocks`.
 
-A layer whose ``in_features`` is not a multiple of 32 (GGUF's block) is a near miss.  In a
+A layer whose ``in_features`` is not a multiple of the block (32; Q4_K's super-block, 256) is a near miss.  In a
 transformers/diffusers layout these layers are refused (no stock loader reads GGUF blocks from
 safetensors): ``save(..., format="gguf")`` writes them as they are.
 """
@@ -69,10 +69,4 @@ class Q4_0Quantization(GGUFBlockBehaviour, Q4_0Declaration):
 
 
 class Q4_KQuantization(GGUFBlockBehaviour, Q4_KDeclaration):
-    """Import only: the layers ``load("file.gguf")`` makes of a file's Q4_K tensors (saved and reloaded as
-    this step); on a float model the statement is refused before anything runs."""
-
-    def check(self, info: ModuleInfo, tree: ModuleTree) -> str | None:
-        return ("'quantize q4_k' holds the Q4_K super-blocks of a GGUF file as load('file.gguf') reads them; "
-                "there is no Q4_K quantizer here (llama.cpp searches each sub-block's scale and min): use "
-                "'quantize q4_0' (GGUF's Q4_0, written exactly) or 'quantize int4'")
+    pass
