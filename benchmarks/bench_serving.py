@@ -43,11 +43,12 @@ import numpy as np
 from llama_cpp import Llama
 
 path, ids_path, threads, prompt_len, new = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+decode_only = len(sys.argv) > 6 and sys.argv[6] == "decode-only"
 ids = json.loads(open(ids_path).read())
 llm = Llama(model_path=path, n_ctx=1024, n_threads=threads, n_threads_batch=threads, n_batch=512,
             logits_all=True, verbose=False)
 logits = []
-for window in ids["heldout"]:
+for window in ([] if decode_only else ids["heldout"]):
     llm.reset()
     llm.eval(window)
     logits.append(np.asarray(llm.scores[: len(window)], dtype=np.float32).tolist())
@@ -82,23 +83,81 @@ def kl(ours_logits, theirs_logits) -> tuple[float, float]:
 
 
 def decode_speed(model, prompt, new: int) -> tuple[float, float, list[int]]:
-    """(prefill seconds, decoded tokens per second, the tokens) for greedy ``generate``; the best of 3."""
+    """(prefill seconds, decoded tokens per second, the tokens) of greedy ``generate``; the best of 3.
+
+    Timed inside the one ``generate`` call: a logits processor notes the clock each time a token is
+    chosen, so the prefill is the start to the first token and the rate is the ``new - 1`` steps after
+    it (a compiled model's prompt graph or its static cache would make a separate prefill call differ)."""
     import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class Clock(LogitsProcessor):
+        def __init__(self):
+            self.times = []
+
+        def __call__(self, input_ids, scores):
+            self.times.append(time.perf_counter())
+            return scores
 
     best = None
     with torch.inference_mode():
         for _ in range(3):
+            clock = Clock()
             start = time.perf_counter()
-            model(prompt, use_cache=False)
-            prefill = time.perf_counter() - start
-            start = time.perf_counter()
-            out = model.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False)
-            total = time.perf_counter() - start
-            # generate = one prefill + new-1 single-token steps: take the prefill out
-            rate = (new - 1) / max(total - prefill, 1e-9)
+            out = model.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                 logits_processor=LogitsProcessorList([clock]))
+            prefill = clock.times[0] - start
+            rate = (new - 1) / (clock.times[-1] - clock.times[0])
             if best is None or rate > best[1]:
                 best = (prefill, rate, out[0, prompt.shape[1]:].tolist())
     return best
+
+
+#: Decode rows: name -> (the llama.cpp file it is compared with, dtype, script, exact blocks only).
+VARIANTS = {
+    "float32": ("F32", "float32", "", False),
+    "bfloat16": ("F32", "bfloat16", "", False),
+    "int8 weight-only (float32 model)": ("Q8_0", "float32", "quantize int8 weight_only=true", False),
+    "int4 group_size=64 (bfloat16 compute)": ("Q4_0", "float32", "quantize int4 group_size=64", False),
+    "q8_0": ("Q8_0", "float32", "quantize q8_0", False),
+    "q4_0": ("Q4_0", "float32", "quantize q4_0", False),
+    "q8_0, exact blocks only": ("Q8_0", "float32", "quantize q8_0", True),
+    "q4_0, exact blocks only": ("Q4_0", "float32", "quantize q4_0", True),
+    "float32 + compile": ("F32", "float32", "compile", False),
+    "float32 + compile kv_cache=static": ("F32", "float32", "compile kv_cache=static", False),
+    "bfloat16 + compile kv_cache=static": ("F32", "bfloat16", "compile kv_cache=static", False),
+    "int8 weight-only + compile kv_cache=static": ("Q8_0", "float32", "quantize int8 weight_only=true\ncompile kv_cache=static", False),
+    "int4 group_size=64 + compile kv_cache=static": ("Q4_0", "float32", "quantize int4 group_size=64\ncompile kv_cache=static", False),
+    "q8_0 + compile kv_cache=static": ("Q8_0", "float32", "quantize q8_0\ncompile kv_cache=static", False),
+    "q4_0 + compile kv_cache=static": ("Q4_0", "float32", "quantize q4_0\ncompile kv_cache=static", False),
+}
+
+
+def measure_variant(name: str, threads: int) -> dict:
+    """One decode row, in this (fresh) process: the model built, its first ``generate`` timed apart (a
+    compiled row compiles there), then :func:`decode_speed`."""
+    import torch
+    from transformers import AutoTokenizer
+
+    import transformdsl
+    from benchmarks.bench_calibration import smollm2_gguf, stdlib_text
+
+    torch.set_num_threads(threads)
+    _, dtype, script, exact = VARIANTS[name]
+    source = smollm2_gguf()
+    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    prompt = torch.tensor(tokenizer(stdlib_text())["input_ids"])[:PROMPT][None]
+    model = transformdsl.load(source).to(getattr(torch, dtype)).eval()
+    if script:
+        transformdsl.transform(model, script)
+    if exact:
+        exact_blocks(model)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(prompt, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+    first = time.perf_counter() - start
+    prefill, rate, tokens = decode_speed(model, prompt, NEW)
+    return {"prefill": prefill, "rate": rate, "tokens": tokens, "first": first if "compile" in script else None}
 
 
 def exact_blocks(model):
@@ -121,7 +180,11 @@ def main() -> None:
     parser.add_argument("--llama-build", default="CMAKE_ARGS as pip's default build",
                         help="how llama-cpp-python was built (said in the page)")
     parser.add_argument("--only", nargs="*", help="decode rows whose name contains one of these (default: all)")
+    parser.add_argument("--variant", help=argparse.SUPPRESS)  # one decode row, in a child process
     args = parser.parse_args()
+    if args.variant:
+        print(json.dumps(measure_variant(args.variant, args.threads)))
+        return
 
     import torch
     from transformers import AutoTokenizer
@@ -145,7 +208,7 @@ def main() -> None:
         return transformdsl.load(source).float().eval()
 
     exports = {"F32": "", "Q8_0": "quantize q8_0", "Q4_0": "quantize q4_0"}
-    rows_kl, llama_speed, ours_models = [], {}, {}
+    rows_kl, llama_speed = [], {}
     for name, script in exports.items():
         model = fresh()
         if script:
@@ -164,7 +227,7 @@ def main() -> None:
         rows_kl.append({"export": name, "statement": script or "(float)", "gguf MB": gguf_file.stat().st_size / 1e6,
                         "KL mean": mean, "KL max": worst})
         llama_speed[name] = theirs
-        ours_models[name] = model
+        del model
         print(rows_kl[-1], {"llama.cpp tok/s": theirs["tokens_per_s"]}, flush=True)
 
     # The reference: llama.cpp on the package's own Q4_1 file against our exact import of it (the same
@@ -182,46 +245,30 @@ def main() -> None:
                     "gguf MB": source.stat().st_size / 1e6, "KL mean": mean, "KL max": worst})
     del imported
 
-    def compiled(model, script="compile kv_cache=static"):
-        return transformdsl.transform(model, script)
-
-    # built one at a time (each is a whole model): name -> (llama.cpp file, a function making ours)
-    variants = {
-        "float32": ("F32", lambda: ours_models.pop("F32")),
-        "bfloat16": ("F32", lambda: fresh().to(torch.bfloat16)),
-        "int8 weight-only (float32 model)": ("Q8_0", lambda: transformdsl.transform(fresh(), "quantize int8 weight_only=true")),
-        "int4 group_size=64 (bfloat16 compute)": ("Q4_0", lambda: transformdsl.transform(fresh(), "quantize int4 group_size=64")),
-        "q8_0": ("Q8_0", lambda: ours_models.pop("Q8_0")),
-        "q4_0": ("Q4_0", lambda: ours_models.pop("Q4_0")),
-        "q8_0, exact blocks only": ("Q8_0", lambda: exact_blocks(transformdsl.transform(fresh(), "quantize q8_0"))),
-        "q4_0, exact blocks only": ("Q4_0", lambda: exact_blocks(transformdsl.transform(fresh(), "quantize q4_0"))),
-        "float32 + compile": ("F32", lambda: compiled(fresh(), "compile")),
-        "float32 + compile kv_cache=static": ("F32", lambda: compiled(fresh())),
-        "bfloat16 + compile kv_cache=static": ("F32", lambda: compiled(fresh().to(torch.bfloat16))),
-        "int8 weight-only + compile kv_cache=static": ("Q8_0", lambda: compiled(transformdsl.transform(fresh(), "quantize int8 weight_only=true"))),
-        "int4 group_size=64 + compile kv_cache=static": ("Q4_0", lambda: compiled(transformdsl.transform(fresh(), "quantize int4 group_size=64"))),
-        "q8_0 + compile kv_cache=static": ("Q8_0", lambda: compiled(transformdsl.transform(fresh(), "quantize q8_0"))),
-        "q4_0 + compile kv_cache=static": ("Q4_0", lambda: compiled(transformdsl.transform(fresh(), "quantize q4_0"))),
-    }
-    if args.only:
-        variants = {name: v for name, v in variants.items() if any(o in name for o in args.only)}
+    # One fresh process per row: rows measured one after another in a process that had loaded a dozen
+    # models varied by up to 30% from a run alone (seen on the compiled rows).
+    names = [name for name in VARIANTS if not args.only or any(o in name for o in args.only)]
     rows_speed = []
-    for name, (against, make) in variants.items():
-        model = make()
-        start = time.perf_counter()
-        if "compile" in name:  # the first generate compiles: timed apart, then the best of 3 as for the others
-            with torch.inference_mode():
-                model.generate(prompt, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
-        first = time.perf_counter() - start
-        prefill, rate, tokens = decode_speed(model, prompt, NEW)
-        del model
-        theirs = llama_speed[against]
-        rows_speed.append({"ours": name, "ours tok/s": rate, "ours prefill ms": prefill * 1e3,
-                           "first generate s": first if "compile" in name else None,
-                           "llama.cpp": against, "llama.cpp tok/s": theirs["tokens_per_s"],
-                           "llama.cpp prefill ms": theirs["prefill_s"] * 1e3,
-                           "ours ÷ llama.cpp (tok/s)": rate / theirs["tokens_per_s"],
-                           "same greedy tokens": tokens == theirs["generated"]})
+    for name in names:
+        against = VARIANTS[name][0]
+        done = subprocess.run([sys.executable, __file__, "--variant", name, "--threads", str(args.threads)],
+                              capture_output=True, text=True, timeout=3600)
+        if done.returncode != 0:
+            sys.exit(f"row {name!r} failed:\n{done.stderr[-3000:]}")
+        ours = json.loads(done.stdout.strip().splitlines()[-1])
+        # llama.cpp's decode again, right after ours: this machine's memory bandwidth (what decoding a
+        # float32 model is bound by) drifted by up to 30% within an hour, so each ratio is of a pair
+        done = subprocess.run([args.llama_python, "-c", LLAMA_CPP, str(work / f"export-{against}" / "model.gguf"),
+                               str(ids_file), str(args.threads), str(PROMPT), str(NEW), "decode-only"],
+                              capture_output=True, text=True, timeout=1800)
+        if done.returncode != 0:
+            sys.exit(f"llama.cpp failed on {against}:\n{done.stderr[-3000:]}")
+        theirs = json.loads(done.stdout.strip().splitlines()[-1])
+        rows_speed.append({"ours": name, "ours tok/s": ours["rate"], "ours prefill ms": ours["prefill"] * 1e3,
+                           "first generate s": ours["first"], "llama.cpp": against,
+                           "llama.cpp tok/s": theirs["tokens_per_s"], "llama.cpp prefill ms": theirs["prefill_s"] * 1e3,
+                           "ours ÷ llama.cpp (tok/s)": ours["rate"] / theirs["tokens_per_s"],
+                           "same greedy tokens": ours["tokens"] == theirs["generated"]})
         print(rows_speed[-1], flush=True)
 
     llama_version = subprocess.run([args.llama_python, "-c", "import llama_cpp; print(llama_cpp.__version__)"],
@@ -244,13 +291,17 @@ def main() -> None:
     for r in rows_kl:
         lines.append(f"| {r['export']} | `{r['statement']}` | {r['gguf MB']:.1f} | {r['KL mean']:.2e} | {r['KL max']:.2e} |")
     lines += ["", f"## Decode: greedy `generate`, {NEW} new tokens after {PROMPT}; best of 3", "",
-              "Ours: eager PyTorch `model.generate` (prefill = one forward of the prompt). llama.cpp: `eval` of the "
+              "Ours: `model.generate`, timed inside the call (a logits processor notes the clock at each token: "
+              "prefill = start to the first token, rate = the steps after it). llama.cpp: `eval` of the "
               "prompt, then one token at a time (argmax), on our export of the same bits. `q8_0`/`q4_0` decode "
               "with the packed int4 CPU kernel (bfloat16 activations inside the layer); the rows 'exact blocks "
               "only' are the same layers with it switched off (every call dequantizes the blocks). '+ compile' "
               "rows: `compile` (the whole forward, dynamic KV cache) or `compile kv_cache=static` (generate's "
               "decode step compiled on a static KV cache, prefill eager); their first `generate` (compile time "
-              "included) is the 'first s' column, the rate is the best of 3 after it.", "",
+              "included) is the 'first s' column, the rate is the best of 3 after it. Each row runs in a fresh "
+              "process, and llama.cpp's decode is measured again right after it (its columns are that run's): "
+              "this machine's memory bandwidth drifted by up to 30% within an hour, so each ratio is of a pair "
+              "measured back to back.", "",
               "| ours | tok/s | prefill ms | first s | llama.cpp file | tok/s | prefill ms | ours ÷ llama.cpp | same tokens |",
               "|---|---|---|---|---|---|---|---|---|"]
     for r in rows_speed:

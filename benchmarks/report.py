@@ -576,8 +576,6 @@ def serving_section() -> str:
     text = heading + body.rstrip("\n") + "\n\nThe page: [results/serving.md](results/serving.md).\n"
     # bench_gguf_kquant.py: llama.cpp's own Q4_K_M file read by our import
     text += _subsection("serving_kquant.md", "A GGUF file a user already has: llama.cpp's Q4_K_M, read by our import")
-    # the same benchmark on the AMD EPYC, before compile kv_cache=static existed
-    text += _subsection("serving-epyc.md", "Earlier, on an AMD EPYC (eager only)")
     return text
 
 

@@ -172,11 +172,13 @@ def test_kv_cache_static_is_refused_where_transformers_cannot_run_it():
 
 
 @pytest.mark.slow
-def test_kv_cache_static_compiles_the_decode_step_and_generates_the_same_tokens(tmp_path):
-    """The decode-sized int8 layers take the packed kernel that inductor lowers itself (it crashed before)."""
+@pytest.mark.parametrize("quantize", ["quantize int8 weight_only=true", "quantize q4_0"])
+def test_kv_cache_static_compiles_the_decode_step_and_generates_the_same_tokens(tmp_path, quantize):
+    """Decode-sized inputs take the packed kernels, which inductor lowers itself (the int8 one crashed
+    before its scales were kept in bfloat16)."""
     torch.manual_seed(0)
     model = models.tiny_llama().eval()
-    transformdsl.transform(model, "quantize int8 weight_only=true")
+    transformdsl.transform(model, quantize)
     ids = torch.randint(0, model.config.vocab_size, (1, 12))
     with torch.inference_mode():
         want = model.generate(ids, max_new_tokens=6, do_sample=False)
