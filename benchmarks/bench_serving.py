@@ -133,6 +133,26 @@ VARIANTS = {
 }
 
 
+def held_out_text(work: Path):
+    """``(the SmolLM2 GGUF, held-out windows, the prompt, a JSON file of both for llama.cpp in work)``: the
+    stdlib docstrings tokenized by the model's own tokenizer, the last :data:`HELDOUT` windows held out."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from benchmarks.bench_calibration import smollm2_gguf, stdlib_text
+
+    work.mkdir(parents=True, exist_ok=True)
+    source = smollm2_gguf()
+    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    text_ids = torch.tensor(tokenizer(stdlib_text())["input_ids"])
+    n, length = HELDOUT
+    heldout = text_ids[-n * length:].view(n, length)
+    prompt = text_ids[:PROMPT][None]
+    ids_file = work / "ids.json"
+    ids_file.write_text(json.dumps({"heldout": heldout.tolist(), "prompt": prompt[0].tolist()}))
+    return source, heldout, prompt, ids_file
+
+
 def measure_variant(name: str, threads: int) -> dict:
     """One decode row, in this (fresh) process: the model built, its first ``generate`` timed apart (a
     compiled row compiles there), then :func:`decode_speed`."""
@@ -187,22 +207,13 @@ def main() -> None:
         return
 
     import torch
-    from transformers import AutoTokenizer
 
     import transformdsl
-    from benchmarks.bench_calibration import smollm2_gguf, stdlib_text
 
     torch.set_num_threads(args.threads)
-    source = smollm2_gguf()
     work = Path(args.work or tempfile.mkdtemp(prefix="bench-serving-"))
-    work.mkdir(parents=True, exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
-    text_ids = torch.tensor(tokenizer(stdlib_text())["input_ids"])
+    source, heldout, prompt, ids_file = held_out_text(work)
     n, length = HELDOUT
-    heldout = text_ids[-n * length:].view(n, length)
-    prompt = text_ids[:PROMPT][None]
-    ids_file = work / "ids.json"
-    ids_file.write_text(json.dumps({"heldout": heldout.tolist(), "prompt": prompt[0].tolist()}))
 
     def fresh():
         return transformdsl.load(source).float().eval()
