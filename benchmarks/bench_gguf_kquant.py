@@ -20,7 +20,6 @@ One run, one CPU (named in the page); llama.cpp runs in a subprocess, one thing 
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import tempfile
@@ -30,7 +29,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_serving import HELDOUT, LLAMA_CPP, NEW, PROMPT, decode_speed, held_out_text, kl  # noqa: E402
+from benchmarks.bench_serving import (  # noqa: E402
+    HELDOUT,
+    NEW,
+    PROMPT,
+    decode_speed,
+    held_out_text,
+    kl,
+    llama_cpp,
+    llama_cpp_version,
+)
 from benchmarks.common import cpu_model as cpu_name  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -98,11 +106,7 @@ def main() -> None:
         stock_logits = torch.cat([stock(w[None], use_cache=False).logits[0] for w in heldout])
     del stock
     stock_kl = kl(stock_logits, ours_logits)
-    done = subprocess.run([args.llama_python, "-c", LLAMA_CPP, str(path), str(ids_file), str(args.threads),
-                           str(PROMPT), str(NEW)], capture_output=True, text=True, timeout=1800)
-    if done.returncode != 0:
-        sys.exit(f"llama.cpp failed on {path} ({done.returncode}):\n{done.stderr[-3000:]}")
-    theirs = json.loads(done.stdout.strip().splitlines()[-1])
+    theirs = llama_cpp(args.llama_python, path, ids_file, args.threads)
     llama_kl = kl(ours_logits, torch.tensor(theirs["logits"]).reshape(ours_logits.shape))
 
     rows = []
@@ -116,19 +120,14 @@ def main() -> None:
         first = time.perf_counter() - start
         prefill, rate, tokens = decode_speed(model, prompt, NEW)
         # llama.cpp's decode right after ours: a pair measured back to back (bench_serving says why)
-        done = subprocess.run([args.llama_python, "-c", LLAMA_CPP, str(path), str(ids_file), str(args.threads),
-                               str(PROMPT), str(NEW), "decode-only"], capture_output=True, text=True, timeout=1800)
-        if done.returncode != 0:
-            sys.exit(f"llama.cpp failed on {path} ({done.returncode}):\n{done.stderr[-3000:]}")
-        pair = json.loads(done.stdout.strip().splitlines()[-1])
+        pair = llama_cpp(args.llama_python, path, ids_file, args.threads, decode_only=True)
         rows.append({"ours": name, "tok/s": rate, "prefill ms": prefill * 1e3, "first s": first,
                      "llama tok/s": pair["tokens_per_s"], "ratio": rate / pair["tokens_per_s"],
                      "same tokens": tokens == pair["generated"]})
         print(rows[-1], flush=True)
         del model
 
-    version = subprocess.run([args.llama_python, "-c", "import llama_cpp; print(llama_cpp.__version__)"],
-                             capture_output=True, text=True).stdout.strip()
+    version = llama_cpp_version(args.llama_python)
     lines = ["# A GGUF file a user already has: llama.cpp's Q4_K_M, read by our import", "",
              f"CPU: {cpu_name()}, {args.threads} thread(s) for both; torch {torch.__version__}, llama-cpp-python "
              f"{version}. The file: our F32 export of SmolLM2-135M-Instruct quantized by llama.cpp's own "

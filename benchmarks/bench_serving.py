@@ -133,18 +133,40 @@ VARIANTS = {
 }
 
 
-def held_out_text(work: Path):
-    """``(the SmolLM2 GGUF, held-out windows, the prompt, a JSON file of both for llama.cpp in work)``: the
-    stdlib docstrings tokenized by the model's own tokenizer, the last :data:`HELDOUT` windows held out."""
+def llama_cpp(python: str, gguf_file: Path, ids_file: Path, threads: int, new: int = NEW,
+              decode_only: bool = False) -> dict:
+    """:data:`LLAMA_CPP` run on ``gguf_file`` in llama-cpp-python's environment (``python``): its logits on the
+    held-out windows (none when ``decode_only``) and its greedy decode of ``new`` tokens; exits on a failure."""
+    command = [python, "-c", LLAMA_CPP, str(gguf_file), str(ids_file), str(threads), str(PROMPT), str(new)]
+    done = subprocess.run(command + (["decode-only"] if decode_only else []), capture_output=True, text=True,
+                          timeout=1800)
+    if done.returncode != 0:
+        sys.exit(f"llama.cpp failed on {gguf_file} ({done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def llama_cpp_version(python: str) -> str:
+    return subprocess.run([python, "-c", "import llama_cpp; print(llama_cpp.__version__)"],
+                          capture_output=True, text=True).stdout.strip()
+
+
+def smollm2_ids():
+    """``(the SmolLM2 GGUF, the stdlib docstrings as its tokenizer's ids)``: the text of every measurement here."""
     import torch
     from transformers import AutoTokenizer
 
     from benchmarks.bench_calibration import smollm2_gguf, stdlib_text
 
-    work.mkdir(parents=True, exist_ok=True)
     source = smollm2_gguf()
     tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
-    text_ids = torch.tensor(tokenizer(stdlib_text())["input_ids"])
+    return source, torch.tensor(tokenizer(stdlib_text())["input_ids"])
+
+
+def held_out_text(work: Path):
+    """``(the SmolLM2 GGUF, held-out windows, the prompt, a JSON file of both for llama.cpp in work)``: the
+    stdlib docstrings tokenized by the model's own tokenizer, the last :data:`HELDOUT` windows held out."""
+    work.mkdir(parents=True, exist_ok=True)
+    source, text_ids = smollm2_ids()
     n, length = HELDOUT
     heldout = text_ids[-n * length:].view(n, length)
     prompt = text_ids[:PROMPT][None]
@@ -157,16 +179,13 @@ def measure_variant(name: str, threads: int) -> dict:
     """One decode row, in this (fresh) process: the model built, its first ``generate`` timed apart (a
     compiled row compiles there), then :func:`decode_speed`."""
     import torch
-    from transformers import AutoTokenizer
 
     import transformdsl
-    from benchmarks.bench_calibration import smollm2_gguf, stdlib_text
 
     torch.set_num_threads(threads)
     _, dtype, script, exact = VARIANTS[name]
-    source = smollm2_gguf()
-    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
-    prompt = torch.tensor(tokenizer(stdlib_text())["input_ids"])[:PROMPT][None]
+    source, text_ids = smollm2_ids()
+    prompt = text_ids[:PROMPT][None]
     model = transformdsl.load(source).to(getattr(torch, dtype)).eval()
     if script:
         transformdsl.transform(model, script)
@@ -227,11 +246,7 @@ def main() -> None:
         target = work / f"export-{name}"
         transformdsl.save(model, target, format="gguf")
         gguf_file = target / "model.gguf"
-        done = subprocess.run([args.llama_python, "-c", LLAMA_CPP, str(gguf_file), str(ids_file), str(args.threads),
-                               str(PROMPT), str(NEW)], capture_output=True, text=True, timeout=1800)
-        if done.returncode != 0:
-            sys.exit(f"llama.cpp failed on {gguf_file}:\n{done.stderr[-3000:]}")
-        theirs = json.loads(done.stdout.strip().splitlines()[-1])
+        theirs = llama_cpp(args.llama_python, gguf_file, ids_file, args.threads)
         with torch.inference_mode():
             ours_logits = torch.cat([model(w[None], use_cache=False).logits[0] for w in heldout])
         mean, worst = kl(ours_logits, torch.tensor(theirs["logits"]).reshape(ours_logits.shape))
@@ -243,11 +258,7 @@ def main() -> None:
 
     # The reference: llama.cpp on the package's own Q4_1 file against our exact import of it (the same
     # weights, dequantized exactly): how far llama.cpp's quantized arithmetic is from exact, whoever wrote the file.
-    done = subprocess.run([args.llama_python, "-c", LLAMA_CPP, str(source), str(ids_file), str(args.threads),
-                           str(PROMPT), "2"], capture_output=True, text=True, timeout=1800)
-    if done.returncode != 0:
-        sys.exit(f"llama.cpp failed on {source}:\n{done.stderr[-3000:]}")
-    theirs = json.loads(done.stdout.strip().splitlines()[-1])
+    theirs = llama_cpp(args.llama_python, source, ids_file, args.threads, new=2)
     with torch.inference_mode():
         imported = fresh()
         ours_logits = torch.cat([imported(w[None], use_cache=False).logits[0] for w in heldout])
@@ -269,12 +280,8 @@ def main() -> None:
         ours = json.loads(done.stdout.strip().splitlines()[-1])
         # llama.cpp's decode again, right after ours: this machine's memory bandwidth (what decoding a
         # float32 model is bound by) drifted by up to 30% within an hour, so each ratio is of a pair
-        done = subprocess.run([args.llama_python, "-c", LLAMA_CPP, str(work / f"export-{against}" / "model.gguf"),
-                               str(ids_file), str(args.threads), str(PROMPT), str(NEW), "decode-only"],
-                              capture_output=True, text=True, timeout=1800)
-        if done.returncode != 0:
-            sys.exit(f"llama.cpp failed on {against}:\n{done.stderr[-3000:]}")
-        theirs = json.loads(done.stdout.strip().splitlines()[-1])
+        theirs = llama_cpp(args.llama_python, work / f"export-{against}" / "model.gguf", ids_file, args.threads,
+                           decode_only=True)
         rows_speed.append({"ours": name, "ours tok/s": ours["rate"], "ours prefill ms": ours["prefill"] * 1e3,
                            "first generate s": ours["first"], "llama.cpp": against,
                            "llama.cpp tok/s": theirs["tokens_per_s"], "llama.cpp prefill ms": theirs["prefill_s"] * 1e3,
@@ -282,8 +289,7 @@ def main() -> None:
                            "same greedy tokens": ours["tokens"] == theirs["generated"]})
         print(rows_speed[-1], flush=True)
 
-    llama_version = subprocess.run([args.llama_python, "-c", "import llama_cpp; print(llama_cpp.__version__)"],
-                                   capture_output=True, text=True).stdout.strip()
+    llama_version = llama_cpp_version(args.llama_python)
     lines = ["# Serving: our GGUF export in llama.cpp, and decode speed against it", "",
              f"CPU: {cpu_name()}, {args.threads} threads for both (torch.set_num_threads, n_threads); torch "
              f"{torch.__version__}, llama-cpp-python {llama_version} built from source here ({args.llama_build}). "
