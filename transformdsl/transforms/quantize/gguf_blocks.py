@@ -171,18 +171,23 @@ class _PackedLayout:
 class BlockQuantizedLinear(StoredWeight):
     """A linear layer whose weight is GGUF blocks (drop-in for ``nn.Linear``); subclasses say which."""
 
-    #: ``"q8_0"`` or ``"q4_0"``.
+    #: ``"q8_0"``, ``"q4_0"`` or ``"q4_k"``.
     kind: str = ""
+    #: Inputs per entry along ``weight_scale``'s second dimension: a block (Q4_K: a super-block).
+    block_inputs: int = BLOCK
     weight_scale: torch.Tensor
 
     def __init__(self, values: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                 weight_dtype: torch.dtype = torch.float32):
+                 weight_dtype: torch.dtype = torch.float32, extra: dict[str, torch.Tensor] | None = None):
+        """``extra``: more stored tensors a kind keeps (registered before the packed operands are made)."""
         super().__init__()
-        self.out_features, groups = scale.shape
-        self.in_features = groups * BLOCK
+        self.out_features, groups = scale.shape[:2]
+        self.in_features = groups * self.block_inputs
         self.weight_dtype = weight_dtype
         self.register_buffer("weight", values)  # saved under the key "weight"
         self.register_buffer("weight_scale", scale)
+        for name, tensor in (extra or {}).items():
+            self.register_buffer(name, tensor)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self._packed = _PackedLayout()
         self.register_load_state_dict_post_hook(lambda module, _: module.repack())
@@ -482,21 +487,12 @@ class Q4_KLinear(BlockQuantizedLinear):
     """
 
     kind = "q4_k"
+    block_inputs = SUPER
     weight_sub: torch.Tensor
 
     def __init__(self, values: torch.Tensor, scale: torch.Tensor, sub: torch.Tensor, bias: torch.Tensor | None,
                  weight_dtype: torch.dtype = torch.float32):
-        nn.Module.__init__(self)
-        self.out_features, supers, _ = scale.shape
-        self.in_features = supers * SUPER
-        self.weight_dtype = weight_dtype
-        self.register_buffer("weight", values)  # saved under the key "weight"
-        self.register_buffer("weight_scale", scale)
-        self.register_buffer("weight_sub", sub)
-        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        self._packed = _PackedLayout()
-        self.register_load_state_dict_post_hook(lambda module, _: module.repack())
-        self.repack()
+        super().__init__(values, scale, bias, weight_dtype, extra={"weight_sub": sub})
 
     @classmethod
     def build(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> Q4_KLinear:
