@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -113,7 +114,7 @@ def decode_speed(model, prompt, new: int) -> tuple[float, float, list[int]]:
     return best
 
 
-#: Decode rows: name -> (the llama.cpp file it is compared with, dtype, script, exact blocks only).
+#: Decode rows: name -> (the llama.cpp file it is compared with, dtype, script, aten's kernels instead of ours).
 VARIANTS = {
     "float32": ("F32", "float32", "", False),
     "bfloat16": ("F32", "bfloat16", "", False),
@@ -121,8 +122,9 @@ VARIANTS = {
     "int4 group_size=64 (bfloat16 compute)": ("Q4_0", "float32", "quantize int4 group_size=64", False),
     "q8_0": ("Q8_0", "float32", "quantize q8_0", False),
     "q4_0": ("Q4_0", "float32", "quantize q4_0", False),
-    "q8_0, exact blocks only": ("Q8_0", "float32", "quantize q8_0", True),
-    "q4_0, exact blocks only": ("Q4_0", "float32", "quantize q4_0", True),
+    "int8 weight-only, aten's kernel": ("Q8_0", "float32", "quantize int8 weight_only=true", True),
+    "q8_0, aten's kernel": ("Q8_0", "float32", "quantize q8_0", True),
+    "q4_0, aten's kernel": ("Q4_0", "float32", "quantize q4_0", True),
     "float32 + compile": ("F32", "float32", "compile", False),
     "float32 + compile kv_cache=static": ("F32", "float32", "compile kv_cache=static", False),
     "bfloat16 + compile kv_cache=static": ("F32", "bfloat16", "compile kv_cache=static", False),
@@ -183,31 +185,23 @@ def measure_variant(name: str, threads: int) -> dict:
     import transformdsl
 
     torch.set_num_threads(threads)
-    _, dtype, script, exact = VARIANTS[name]
+    _, dtype, script, aten = VARIANTS[name]
+    if aten:  # our decode kernels off: the layers take aten's packed kernels, as before they existed
+        from transformdsl.transforms.quantize import kernels
+
+        os.environ[kernels.SWITCH] = "off"
+        kernels.reset()
     source, text_ids = smollm2_ids()
     prompt = text_ids[:PROMPT][None]
     model = transformdsl.load(source).to(getattr(torch, dtype)).eval()
     if script:
         transformdsl.transform(model, script)
-    if exact:
-        exact_blocks(model)
     start = time.perf_counter()
     with torch.inference_mode():
         model.generate(prompt, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
     first = time.perf_counter() - start
     prefill, rate, tokens = decode_speed(model, prompt, NEW)
     return {"prefill": prefill, "rate": rate, "tokens": tokens, "first": first if "compile" in script else None}
-
-
-def exact_blocks(model):
-    """The GGUF block layers without their packed decode kernel: every call dequantizes the exact
-    blocks, as before the kernel was wired (the baseline of the kernel's rows)."""
-    from transformdsl.transforms.quantize.gguf_blocks import BlockQuantizedLinear
-
-    for module in model.modules():
-        if isinstance(module, BlockQuantizedLinear):
-            module._packed.parts = ()
-    return model
 
 
 def main() -> None:
@@ -310,9 +304,12 @@ def main() -> None:
     lines += ["", f"## Decode: greedy `generate`, {NEW} new tokens after {PROMPT}; best of 3", "",
               "Ours: `model.generate`, timed inside the call (a logits processor notes the clock at each token: "
               "prefill = start to the first token, rate = the steps after it). llama.cpp: `eval` of the "
-              "prompt, then one token at a time (argmax), on our export of the same bits. `q8_0`/`q4_0` decode "
-              "with the packed int4 CPU kernel (bfloat16 activations inside the layer); the rows 'exact blocks "
-              "only' are the same layers with it switched off (every call dequantizes the blocks). '+ compile' "
+              "prompt, then one token at a time (argmax), on our export of the same bits. int8 weight-only, `q8_0` "
+              "and `q4_0` decode with our row kernels (transformdsl/transforms/quantize/kernels: the stored "
+              "bytes read as they are, float32 activations, so the exact product of the stored weights); the "
+              "rows \"aten's kernel\" are the same layers with them switched off (`TRANSFORMDSL_KERNELS=off`: "
+              "aten's packed int8/int4 kernels, bfloat16 activations, as before ours existed). `int4` "
+              "(bfloat16 compute) always takes aten's packed int4 kernel. '+ compile' "
               "rows: `compile` (the whole forward, dynamic KV cache) or `compile kv_cache=static` (generate's "
               "decode step compiled on a static KV cache, prefill eager); their first `generate` (compile time "
               "included) is the 'first s' column, the rate is the best of 3 after it. Each row runs in a fresh "

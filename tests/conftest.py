@@ -50,3 +50,16 @@ def copy_of(tmp_path):
 
     return copy
 
+
+
+@pytest.fixture
+def aten_kernels(monkeypatch):
+    """Our compiled decode kernels switched off (``TRANSFORMDSL_KERNELS=off``): quantized layers built
+    in the test decode with aten's packed kernels, the path of a machine without a C compiler."""
+    from transformdsl.transforms.quantize import kernels
+
+    monkeypatch.setenv(kernels.SWITCH, "off")
+    kernels.reset()
+    yield
+    monkeypatch.undo()
+    kernels.reset()

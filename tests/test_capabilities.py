@@ -23,7 +23,7 @@ from torch import nn  # noqa: E402
 import transformdsl  # noqa: E402
 from transformdsl import capabilities, executor  # noqa: E402
 from transformdsl.models import tiny_flux, tiny_llama  # noqa: E402
-from transformdsl.transforms.quantize import device_notes
+from transformdsl.transforms.quantize import device_notes, kernels
 
 ROOT = Path(__file__).resolve().parent.parent
 #: The label benchmarks/baselines.py gives the untransformed model's job (UNCHANGED_LABEL).
@@ -71,7 +71,15 @@ def test_int8_plan_notes_the_missing_int8_kernel_on_this_cpu():
         assert step_plan.to_json()["steps"][0]["device_note"] == step.device_note
     weight_only = transformdsl.plan(tiny_llama(), "quantize int8 weight_only=true").steps[0]
     bf16 = transformdsl.plan(tiny_llama().to(torch.bfloat16), "quantize int8 weight_only=true").steps[0]
-    assert bf16.device_note is None  # bfloat16 activations: the packed kernel decodes
+    if kernels.available():  # our row kernel decodes every float dtype, float32 activations: said, whatever the dtype
+        for step in (weight_only, bf16):
+            assert "row kernel" in step.device_note and kernels.status() in step.device_note
+
+
+def test_weight_only_int8_notes_where_aten_kernels_decode(aten_kernels):
+    weight_only = transformdsl.plan(tiny_llama(), "quantize int8 weight_only=true").steps[0]
+    bf16 = transformdsl.plan(tiny_llama().to(torch.bfloat16), "quantize int8 weight_only=true").steps[0]
+    assert bf16.device_note is None  # bfloat16 activations: aten's packed kernel decodes
     if "int8" in capabilities.packed_cpu_kernels():  # float32 activations are rounded to bfloat16 for it: said
         assert "activations rounded to bfloat16 inside the layer" in weight_only.device_note
         half = transformdsl.plan(tiny_llama().to(torch.float16), "quantize int8 weight_only=true").steps[0]

@@ -75,7 +75,7 @@ def relative_error(out: torch.Tensor, exact: torch.Tensor) -> float:
 @needs_packed
 @pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
 @pytest.mark.parametrize("shape", [(48, 128), (1536, 576)])
-def test_block_layers_decode_with_the_packed_kernel_within_bfloat16_rounding(kind, shape):
+def test_block_layers_decode_with_the_packed_kernel_within_bfloat16_rounding(kind, shape, aten_kernels):
     weight = hard_weight() if shape == (48, 128) else torch.randn(*shape, generator=torch.Generator().manual_seed(2))
     bias = torch.randn(shape[0], generator=torch.Generator().manual_seed(3))
     layer = LAYERS[kind].build(weight, bias)
@@ -104,7 +104,7 @@ def test_block_layers_decode_with_the_packed_kernel_within_bfloat16_rounding(kin
 
 
 @needs_packed
-def test_block_layers_repack_after_a_reload_and_skip_rows_the_kernel_cannot_take(tmp_path):
+def test_block_layers_repack_after_a_reload_and_skip_rows_the_kernel_cannot_take(tmp_path, aten_kernels):
     for kind in ("q8_0", "q4_0"):
         def build():
             return nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 24))
@@ -123,7 +123,7 @@ def test_block_layers_repack_after_a_reload_and_skip_rows_the_kernel_cannot_take
 
 @needs_packed
 @pytest.mark.parametrize("kind, extra", [("q8_0", "1 byte"), ("q4_0", "0.5 byte")])
-def test_the_plan_says_which_path_block_layers_multiply_with(kind, extra):
+def test_the_plan_says_which_path_block_layers_multiply_with(kind, extra, aten_kernels):
     note = transformdsl.plan(tiny_llama(), f"quantize {kind}").steps[0].device_note
     assert "packed int4 CPU kernel" in note and "rounded to bfloat16" in note and f"{extra} per weight" in note
     half = transformdsl.plan(tiny_llama().half(), f"quantize {kind}").steps[0].device_note

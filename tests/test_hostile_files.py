@@ -627,6 +627,8 @@ ALLOWED_USES = {
     ("resolve.py", "import_module"): "`--model module:factory` imports the code the user names on the command line",
     ("registry.py", "import_module"): "a transform's module, as the built-in table or an installed entry point names "
                                       "it; a key read from a file only selects among those",
+    ("build.py", "subprocess"): "the C compiler on PATH, run on the package's own kernels/rows.c (nothing from a "
+                                "file being loaded reaches it)",
 }
 
 

@@ -72,7 +72,10 @@ def test_drop_in_for_linear():
         x = torch.randn(shape)
         out = layer(x)
         assert out.shape == linear(x).shape and out.dtype == x.dtype
-        if layer.packed_kernel and x.numel() <= PACKED_MAX_ROWS * 48:
+        if layer.row_kernel and x.numel() <= PACKED_MAX_ROWS * 48:
+            # Decode-sized, our kernel: float32 activations, the product of the stored values.
+            torch.testing.assert_close(out, F.linear(x, layer.dequantize(), linear.bias), rtol=1e-5, atol=1e-5)
+        elif layer.packed_kernel and x.numel() <= PACKED_MAX_ROWS * 48:
             # Decode-sized: the packed kernel, float32 activations rounded to bfloat16 inside the layer
             # and its output too (to bfloat16 rounding, 2^-8 relative).
             reference = F.linear(x.bfloat16().float(), layer.dequantize(), linear.bias)

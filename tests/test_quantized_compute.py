@@ -116,7 +116,7 @@ def test_int4_nibbles_round_trip():
     assert packed[0, 0].item() == values[0, 0].item() | (values[0, 1].item() << 4)  # even input: low nibble
 
 
-def test_int8_weight_only_decodes_with_the_packed_kernel_in_bfloat16():
+def test_int8_weight_only_decodes_with_the_packed_kernel_in_bfloat16(aten_kernels):
     torch.manual_seed(2)
     linear = nn.Linear(128, 64).to(torch.bfloat16)
     layer = Int8WeightOnlyLinear.build(linear.weight.detach(), linear.bias.detach())
@@ -253,7 +253,7 @@ def test_w8a8_note_on_a_cpu_with_amx_bf16_tiles(monkeypatch):
     assert device_notes.w8a8_note("cuda", {"float32"}) is None
 
 
-def test_packed_weight_only_notes():
+def test_packed_weight_only_notes(aten_kernels):
     fp32 = transformdsl.plan(models.tiny_llama(), "quantize int8 weight_only=true").steps[0]
     bf16 = transformdsl.plan(models.tiny_llama().to(torch.bfloat16), "quantize int8 weight_only=true").steps[0]
     assert bf16.device_note is None

@@ -77,6 +77,10 @@ def weight_only_note(device_type: str, dtypes: set[str], bits: int) -> str | Non
     kernels need bfloat16 activations; or that the kernel is missing; else None."""
     if device_type != "cpu":
         return None
+    if bits == 8:
+        row_kernel = _row_kernel_note("the int8 bytes")
+        if row_kernel:
+            return row_kernel
     name = "int8" if bits == 8 else "int4"
     if name not in packed_cpu_kernels():
         return (f"this torch has no packed {name} CPU kernel: these layers dequantize their weight at every "
@@ -99,6 +103,18 @@ def weight_only_note(device_type: str, dtypes: set[str], bits: int) -> str | Non
     return None
 
 
+def _row_kernel_note(stored: str, exact: str = "") -> str | None:
+    """What decode-sized inputs take where our compiled row kernel runs (:mod:`.kernels`), or None."""
+    from . import kernels  # imports torch: only when a plan asks
+
+    if not kernels.available():
+        return None
+    return (f"decode-sized inputs (up to 8 rows) take transformdsl's row kernel (kernels/rows.c, compiled here: "
+            f"{kernels.status()}): {stored} read as stored, float32 activations{exact}; at one row 1.3-2.2× "
+            "(int8, q8_0) and 1.0-1.3× (q4_0) the weight bytes per second of aten's packed kernels, at 8 rows q4_0 "
+            "0.7-0.8× (benchmarks/results/decode_kernels.md); larger inputs multiply a float copy of the weight")
+
+
 def gguf_block_note(device_type: str, dtypes: set[str], mode: str, narrow: int = 0) -> str | None:
     """How ``quantize q8_0|q4_0`` layers multiply on ``device_type``: decode-sized inputs with the
     packed int4 CPU kernel (what that rounds, what the packed copy costs), the rest exactly.
@@ -106,6 +122,10 @@ def gguf_block_note(device_type: str, dtypes: set[str], mode: str, narrow: int =
     if device_type != "cpu":
         return (f"on {device_type} these layers dequantize their GGUF blocks at every call (no block kernel is "
                 "wired there)")
+    row_kernel = _row_kernel_note("the GGUF blocks", exact=" (the exact product of what format='gguf' writes; "
+                                  "no packed copy)")
+    if row_kernel:
+        return row_kernel
     if "int4" not in packed_cpu_kernels():
         return ("this torch has no packed int4 CPU kernel: these layers dequantize their GGUF blocks at every "
                 "call (about the float layer's cost, more for q4_0)")

@@ -36,6 +36,7 @@ from torch import nn
 
 from ..common import blocked
 from ..common.stored_weight import StoredWeight
+from . import kernels
 
 #: Inputs per block (GGUF's QK8_0 and QK4_0).
 BLOCK = 32
@@ -207,8 +208,14 @@ class BlockQuantizedLinear(StoredWeight):
         layout = self._packed
         stored = self._buffers["weight"]
         layout.source, layout.parts = stored, ()
-        if (stored.is_meta or stored.device.type != "cpu" or self.out_features % PACKED_OUT_MULTIPLE
-                or not packed_kernel_available()):
+        #: Whether decode-sized inputs take our kernel (:mod:`.kernels`), which reads the stored blocks
+        #: themselves: then no packed copy is made.
+        self._row_limit = PACKED_MAX_ROWS * self.in_features
+        self.row_kernel = (self.kind in kernels.EAGER and stored.device.type == "cpu" and not stored.is_meta
+                           and stored.is_contiguous() and self._buffers["weight_scale"].is_contiguous()
+                           and kernels.available())
+        if (self.row_kernel or stored.is_meta or stored.device.type != "cpu"
+                or self.out_features % PACKED_OUT_MULTIPLE or not packed_kernel_available()):
             return
         layout.parts = self.pack()
 
@@ -270,6 +277,15 @@ class BlockQuantizedLinear(StoredWeight):
         layout = self._packed
         if not torch.compiler.is_compiling() and layout.source is not self._buffers["weight"]:
             self.repack()  # the stored tensors were replaced (a loader that assigns them directly)
+        if (self.row_kernel and x.numel() <= self._row_limit and x.is_floating_point() and x.device.type == "cpu"
+                and not (x.requires_grad and torch.is_grad_enabled())):  # the kernel has no derivative
+            # decoding: the blocks read as stored, float32 activations: the exact product (kernels/rows.c)
+            buffers, bias = self._buffers, self.bias
+            if bias is None or bias.dtype is torch.float32:
+                out = kernels.rows(self.kind, x, buffers["weight"], buffers["weight_scale"], bias)
+            else:
+                out = kernels.rows(self.kind, x, buffers["weight"], buffers["weight_scale"], None) + bias.float()
+            return out if x.dtype is torch.float32 else out.to(x.dtype)
         if (layout.parts and x.dtype in PACKED_INPUTS and x.device.type == "cpu"
                 and x.numel() <= PACKED_MAX_ROWS * self.in_features
                 and not (torch.is_grad_enabled() and x.requires_grad)):  # the kernel has no derivative
@@ -293,7 +309,7 @@ class BlockQuantizedLinear(StoredWeight):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, weight={self.kind} (GGUF blocks of {BLOCK}), "
-                f"packed_kernel={self.packed_kernel}")
+                f"packed_kernel={self.packed_kernel}, row_kernel={self.row_kernel}")
 
 
 class Q8_0Linear(BlockQuantizedLinear):

@@ -30,6 +30,7 @@ from torch import nn
 
 from ..common import blocked
 from ..common.stored_weight import StoredWeight
+from . import kernels
 
 #: Largest int8 magnitude used: symmetric, so -128 is never produced.
 QMAX = 127
@@ -163,8 +164,21 @@ class Int8WeightOnlyLinear(StoredWeight):
         #: attribute: compile guards on it).
         self.packed_kernel = self.in_features % PACKED_IN_MULTIPLE == 0 and packed_kernel_available()
         self._kernel_scale = _KernelScale()
-        self.register_load_state_dict_post_hook(lambda module, _: module._kernel_scale.update(module))
+        self.register_load_state_dict_post_hook(lambda module, _: module._after_load())
         self._kernel_scale.update(self)
+        self._choose_row_kernel()
+
+    def _choose_row_kernel(self) -> None:
+        #: Whether inputs of few rows on the CPU take our decode kernel (:mod:`.kernels`: float32
+        #: activations, the int8 bytes read as stored); decided when the layer is built, loaded or moved.
+        stored, scale = self._buffers["weight"], self._buffers["weight_scale"]
+        self._row_limit = PACKED_MAX_ROWS * self.in_features
+        self.row_kernel = (stored.device.type == "cpu" and not stored.is_meta and stored.is_contiguous()
+                           and scale.dtype == torch.float32 and scale.is_contiguous() and kernels.available())
+
+    def _after_load(self) -> None:
+        self._kernel_scale.update(self)
+        self._choose_row_kernel()
 
     @classmethod
     def build(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> Int8WeightOnlyLinear:
@@ -197,12 +211,23 @@ class Int8WeightOnlyLinear(StoredWeight):
         if probe.is_floating_point():
             self.weight_dtype = probe.dtype
         self._kernel_scale.update(self)
+        self._choose_row_kernel()
         return self
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002  (nn.Linear.forward's name)
         x = input
-        if not torch.compiler.is_compiling() and self._kernel_scale.source is not self._buffers["weight_scale"]:
-            self._kernel_scale.update(self)  # the scales were replaced (a loader that assigns them directly)
+        buffers = self._buffers
+        if not torch.compiler.is_compiling() and self._kernel_scale.source is not buffers["weight_scale"]:
+            self._after_load()  # the scales were replaced (a loader that assigns them directly)
+        if (self.row_kernel and x.numel() <= self._row_limit and x.is_floating_point()
+                and x.device.type == "cpu" and not (x.requires_grad and torch.is_grad_enabled())):
+            # decoding: the int8 bytes read as stored, float32 activations (kernels/rows.c; no derivative)
+            bias = self.bias
+            if bias is None or bias.dtype is torch.float32:
+                out = kernels.rows("int8", x, buffers["weight"], buffers["weight_scale"], bias)
+            else:
+                out = kernels.rows("int8", x, buffers["weight"], buffers["weight_scale"], None) + bias.float()
+            return out if x.dtype is torch.float32 else out.to(x.dtype)
         if (self.packed_kernel and x.dtype in PACKED_INPUTS and x.device.type == "cpu"
                 and x.numel() <= PACKED_MAX_ROWS * self.in_features
                 and not (torch.is_grad_enabled() and x.requires_grad)):  # the kernel has no derivative

@@ -1,0 +1,120 @@
+"""Why we wrote our own decode kernels: quantized layers fed one and eight rows, ours against aten's.
+
+    .venv/bin/python benchmarks/bench_decode_kernels.py [--threads 1 2]
+
+For ``quantize int8 weight_only=true``, ``q8_0`` and ``q4_0`` layers, the time of a decode-sized call
+(1 and 8 rows) through every layer of a model, in the model's order, on:
+
+- **ours**: :mod:`transformdsl.transforms.quantize.kernels` (``rows.c``, compiled here): the stored
+  bytes read as they are, float32 activations;
+- **aten**: the layer's earlier path, aten's packed kernel (``_weight_int8pack_mm`` for int8,
+  ``_weight_int4pack_mm_for_cpu`` for q8_0 (two 4-bit halves) and q4_0), bfloat16 activations and scales;
+- **float32**: ``F.linear`` with the float32 weight (what the quantization replaces).
+
+Two weight sets: SmolLM2-135M's 30 blocks (the serving benchmark's model: q/k/v/o/gate/up/down, 106 M
+weights) and four Llama-7B-wide blocks (4096/11008, 809 M weights: past this CPU's caches).  Rate =
+stored bytes (weights and scales) ÷ time; all three measured in one process, one after another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from benchmarks.common import cpu_model, header, table, write  # noqa: E402
+from transformdsl.transforms.quantize import kernels  # noqa: E402
+from transformdsl.transforms.quantize.gguf_blocks import Q4_0Linear, Q8_0Linear  # noqa: E402
+from transformdsl.transforms.quantize.int8_weight_only import Int8WeightOnlyLinear  # noqa: E402
+
+LAYERS = {"int8 weight-only": Int8WeightOnlyLinear, "q8_0": Q8_0Linear, "q4_0": Q4_0Linear}
+SETS = {
+    "SmolLM2-135M, 30 blocks": [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576),
+                                (576, 1536)] * 30,
+    "Llama-7B width, 4 blocks": [(4096, 4096)] * 4 * 4 + [(11008, 4096), (11008, 4096), (4096, 11008)] * 4,
+}
+
+
+def stored_bytes(layer) -> int:
+    return sum(t.numel() * t.element_size() for name, t in layer.state_dict().items() if name != "bias")
+
+
+def best_time(fn, repeats: int = 7) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def use_aten(layer) -> None:
+    """The layer's path before our kernels: aten's packed kernel (its packed copy made here)."""
+    layer.row_kernel = False
+    if hasattr(layer, "_packed"):
+        layer._packed.parts = layer.pack()
+
+
+def measure(shapes, kind: str, rows: int) -> dict:
+    generator = torch.Generator().manual_seed(0)
+    layers = [LAYERS[kind].build(torch.randn(*shape, generator=generator), None) for shape in shapes]
+    assert all(layer.row_kernel for layer in layers)
+    inputs = {k: torch.randn(rows, k, generator=generator) for k in {s[1] for s in shapes}}
+    nbytes = sum(stored_bytes(layer) for layer in layers)
+
+    def run():
+        for layer in layers:
+            layer(inputs[layer.in_features])
+
+    with torch.inference_mode():
+        ours = best_time(run)
+        for layer in layers:
+            use_aten(layer)
+        aten = best_time(run)
+        floats = [layer.dequantize() for layer in layers]
+        layers.clear()
+        fp32 = best_time(lambda: [F.linear(inputs[w.shape[1]], w) for w in floats])
+    return {"ours ms": f"{ours * 1e3:.2f}", "ours GB/s": f"{nbytes / ours / 1e9:.1f}",
+            "aten ms": f"{aten * 1e3:.2f}", "aten GB/s": f"{nbytes / aten / 1e9:.1f}",
+            "float32 ms": f"{fp32 * 1e3:.2f}", "ours ÷ aten": f"{ours / aten:.2f}×",
+            "ours ÷ float32": f"{ours / fp32:.2f}×"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--out", default="decode_kernels.md")
+    args = parser.parse_args()
+    if not kernels.available():
+        sys.exit(f"our decode kernels are not built here: {kernels.status()}")
+    started = time.time()
+    rows_out = []
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for set_name, shapes in SETS.items():
+            for kind in LAYERS:
+                for rows in (1, 8):
+                    row = {"threads": threads, "weights": set_name, "layer": kind, "rows": rows}
+                    row.update(measure(shapes, kind, rows))
+                    print(row, flush=True)
+                    rows_out.append(row)
+    command = "`.venv/bin/python benchmarks/bench_decode_kernels.py --threads " + " ".join(map(str, args.threads)) + "`"
+    text = header("Decode kernels: quantized layers fed a few rows, ours against aten's packed kernels", started,
+                  threads=args.threads[0])
+    text += (f"\nCPU: {cpu_model()}; our kernels: {kernels.status()}. Command: {command}.\n\n"
+             + __doc__.split("\n\n", 2)[2].strip() + "\n\n"
+             + table(rows_out, ["threads", "weights", "layer", "rows", "ours ms", "ours GB/s", "aten ms", "aten GB/s",
+                                "float32 ms", "ours ÷ aten", "ours ÷ float32"]) + "\n")
+    write(args.out, text)
+
+
+if __name__ == "__main__":
+    main()

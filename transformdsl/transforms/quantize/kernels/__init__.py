@@ -1,0 +1,129 @@
+"""Decode kernels for quantized layers: ``rows.c``, compiled here for this CPU on first use.
+
+``int8_rows``, ``q8_0_rows`` and ``q4_0_rows`` multiply a few float32 rows (decoding: one token per
+sequence) by a weight stored as ``quantize int8 weight_only=true``, ``quantize q8_0`` or ``quantize
+q4_0`` store it, reading the stored bytes directly: no dequantized copy, no packed second copy, and
+float32 activations (the exact product of the stored values, up to float32 summation order).  Measured
+against aten's packed kernels, which these replace for decode-sized inputs: benchmarks/results/decode_kernels.md.
+
+What a user may rely on:
+
+- :func:`available` says whether the kernels run here, and :func:`status` why not when they do not:
+  no C compiler, a CPU without AVX2+FMA (the plain-C build is slower than aten's kernels, so it is not
+  used), a failed self-check, or ``TRANSFORMDSL_KERNELS=off`` in the environment.  Where they do not
+  run, the layers use aten's kernels as before: results differ by rounding only.
+- The library is built once per source, compiler and CPU (``-O3 -march=native``, so the vector width
+  is this CPU's) into ``$XDG_CACHE_HOME/transformdsl/kernels`` (``~/.cache`` by default; a temporary
+  file renamed into place, so concurrent first uses are safe), and checked against a float64
+  product when it is loaded.
+- The functions take contiguous CPU tensors and return a new float32 ``(rows, out)`` tensor.  Under
+  ``torch.compile`` they are the custom ops ``torch.ops.transformdsl.*`` (opaque to the compiler).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import torch
+
+from .build import FUNCTIONS, SWITCH, build
+
+__all__ = ["SWITCH", "available", "status", "reset", "rows", "int8_rows", "q8_0_rows", "q4_0_rows"]
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _library() -> ctypes.CDLL | None:
+    if "library" not in _state:
+        with _lock:
+            if "library" not in _state:
+                library, _state["status"] = build()
+                if library is not None:  # the bound functions, looked up once (a call runs per layer and token)
+                    _state.update({name: getattr(library, name) for name in FUNCTIONS})
+                _state["library"] = library
+    return _state["library"]  # type: ignore[return-value]
+
+
+def available() -> bool:
+    """Whether the kernels run here (built and checked on first call; the answer is then fixed for
+    the process unless :func:`reset` is called)."""
+    return _library() is not None
+
+
+def status() -> str:
+    """What the kernels are here (vector width, threads), or why they are not used."""
+    _library()
+    return str(_state["status"])
+
+
+def reset() -> None:
+    """Forget the answer of :func:`available` (after changing :data:`SWITCH`; layers built before keep theirs)."""
+    with _lock:
+        _state.clear()
+
+
+def _rows(name: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+          bias: torch.Tensor | None) -> torch.Tensor:
+    """The ``name`` kernel on a contiguous float32 ``x`` of any leading dimensions: (..., out) float32."""
+    out = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
+    width = x.shape[-1]
+    _state[name](x.data_ptr(), weight.data_ptr(), scale.data_ptr(), None if bias is None else bias.data_ptr(),
+                 out.data_ptr(), x.numel() // width if width else 0, weight.shape[0], width, 0)
+    return out
+
+
+def int8_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ (weight * scale[:, None]).T + bias``: x float32 (..., in), weight int8 (out, in), scale and
+    bias float32 (out); all contiguous on the CPU."""
+    return _rows("int8_rows", x, weight, scale, bias)
+
+
+def q8_0_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The product with GGUF Q8_0 blocks: weight int8 (out, in), scale float16 (out, in/32)."""
+    return _rows("q8_0_rows", x, weight, scale, bias)
+
+
+def q4_0_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The product with GGUF Q4_0 blocks: weight uint8 (out, in/2) in GGUF's nibble order, scale float16
+    (out, in/32)."""
+    return _rows("q4_0_rows", x, weight, scale, bias)
+
+
+EAGER = {"int8": int8_rows, "q8_0": q8_0_rows, "q4_0": q4_0_rows}
+
+
+def _custom_op(kind: str):
+    """``torch.ops.transformdsl.<kind>_rows``: what a compiled graph calls (dynamo does not trace ctypes)."""
+    eager = EAGER[kind]
+
+    @torch.library.custom_op(f"transformdsl::{kind}_rows", mutates_args=())
+    def op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        _library()
+        return eager(x, weight, scale, bias)
+
+    @op.register_fake
+    def _(x, weight, scale, bias):
+        return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
+
+    return op
+
+
+COMPILED = {kind: _custom_op(kind) for kind in EAGER}
+
+
+def rows(kind: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+         bias: torch.Tensor | None) -> torch.Tensor:
+    """The ``kind`` kernel (``"int8"``, ``"q8_0"``, ``"q4_0"``) on ``x`` (any float dtype, any leading
+    dimensions, a few rows in all): float32 (..., out).  ``bias`` is float32 or None.  Only what a call
+    needs is done here: it runs once per layer per decoded token."""
+    if x.dtype is not torch.float32:
+        x = x.float()
+    if not x.is_contiguous():  # (.to(memory_format=) would return a float32 view unchanged)
+        x = x.contiguous()
+    if not weight.is_contiguous():  # a loader may assign any tensor; the kernels read rows in place
+        weight = weight.contiguous()
+    if torch.compiler.is_compiling():
+        return COMPILED[kind](x, weight, scale, bias)
+    return EAGER[kind](x, weight, scale, bias)

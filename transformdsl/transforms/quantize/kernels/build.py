@@ -1,0 +1,141 @@
+"""Building the decode kernels: ``rows.c`` compiled with the C compiler on PATH for this CPU, cached, loaded
+with ctypes and checked against a float64 product before any layer uses it.
+
+The only process this package starts: the compiler, on the package's own ``rows.c`` (nothing read from
+a model file reaches it).  The library goes to ``$XDG_CACHE_HOME/transformdsl/kernels`` (``~/.cache`` by
+default) under a name made of the source's, the compiler's and the CPU's fingerprints; it is written
+to a temporary file and renamed into place, so concurrent first uses are safe.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("rows.c")
+#: The environment variable that switches the kernels off (``off``, ``0``, ``false`` or ``no``).
+SWITCH = "TRANSFORMDSL_KERNELS"
+#: The narrowest vector build used: narrower (plain C) loses to aten's kernels.
+MIN_LANES = 8
+#: The functions rows.c exports besides ``kernel_lanes``.
+FUNCTIONS = ("int8_rows", "q8_0_rows", "q4_0_rows")
+
+
+def _cpu_key() -> str:
+    """What the compiled code depends on besides its source: the CPU's feature flags."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _openmp_flags() -> list[str] | None:
+    """Link flags for torch's own OpenMP runtime (one thread pool for torch and the kernels), or None
+    where torch ships none beside it (then the system's ``-fopenmp`` is used, if it links)."""
+    torch_lib = Path(torch.__file__).parent / "lib"
+    for candidate in sorted(torch_lib.glob("libgomp*.so*")):
+        return ["-fopenmp", f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", f"-l:{candidate.name}"]
+    return None
+
+
+def _compile(compiler: str, flags: list[str], target: Path) -> str | None:
+    """Compile :data:`SOURCE` into ``target`` (atomically); the compiler's message on failure."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(handle)
+    try:
+        done = subprocess.run([compiler, "-O3", "-march=native", "-shared", "-fPIC", str(SOURCE), "-o", partial,
+                               *flags], capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            return (done.stderr or done.stdout).strip()[-500:] or f"{compiler} exited with {done.returncode}"
+        os.replace(partial, target)
+        return None
+    except (OSError, subprocess.SubprocessError) as error:
+        return str(error)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+
+
+def build() -> tuple[ctypes.CDLL | None, str]:
+    """The loaded library and a line saying what it is, or None and why not."""
+    if os.environ.get(SWITCH, "").strip().lower() in ("off", "0", "false", "no"):
+        return None, f"switched off ({SWITCH}={os.environ[SWITCH]})"
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        return None, "no C compiler on PATH (set CC)"
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as error:
+        return None, f"the C compiler {compiler} does not run: {error}"
+    openmp = _openmp_flags()
+    attempts = [openmp or ["-fopenmp"], []]  # without OpenMP the kernels run on one thread
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "transformdsl" / "kernels"
+    errors = []
+    for flags in attempts:
+        key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, _cpu_key(), *flags]).encode())
+        target = cache / f"rows-{key.hexdigest()[:20]}.so"
+        if not target.exists():
+            error = _compile(compiler, flags, target)
+            if error:
+                errors.append(error)
+                continue
+        try:
+            library = ctypes.CDLL(str(target))
+        except OSError as error:
+            errors.append(str(error))
+            continue
+        _declare(library)
+        lanes = library.kernel_lanes()
+        if lanes < MIN_LANES:
+            return None, f"this CPU has no AVX2+FMA ({lanes}-wide build): aten's kernels are faster"
+        wrong = _self_check(library)
+        if wrong:
+            return None, wrong
+        threads = "OpenMP threads" if flags else "one thread (no OpenMP)"
+        return library, f"{lanes}-wide float32 ({'AVX-512' if lanes == 16 else 'AVX2'}), {threads}"
+    return None, f"compiling {SOURCE.name} failed: {errors[-1]}"
+
+
+def _declare(library: ctypes.CDLL) -> None:
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    for name in FUNCTIONS:
+        function = getattr(library, name)
+        function.restype = None
+        function.argtypes = [pointer] * 5 + [size] * 3 + [ctypes.c_int]
+    library.kernel_lanes.restype = ctypes.c_int
+    library.kernel_lanes.argtypes = []
+
+
+def _self_check(library: ctypes.CDLL) -> str | None:
+    """A wrong build (a miscompile, a library from another CPU) is refused, never used."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 64, generator=generator)
+    q = torch.randint(-127, 128, (21, 64), dtype=torch.int8, generator=generator)
+    scale = torch.rand(21, generator=generator)
+    d = (torch.rand(21, 2, generator=generator) + 0.5).half()
+    nibbles = torch.randint(0, 256, (21, 32), dtype=torch.uint8, generator=generator)
+    lo, hi = (nibbles & 15).reshape(21, 2, 16), (nibbles >> 4).reshape(21, 2, 16)
+    values4 = (torch.cat((lo, hi), dim=-1).double() - 8) * d.double()[..., None]
+    expected = {
+        "int8_rows": (q, scale, x.double() @ (q.double() * scale.double()[:, None]).T),
+        "q8_0_rows": (q, d, x.double() @ (q.double().reshape(21, 2, 32) * d.double()[..., None]).reshape(21, 64).T),
+        "q4_0_rows": (nibbles, d, x.double() @ values4.reshape(21, 64).T),
+    }
+    for name, (weight, scales, reference) in expected.items():
+        out = torch.empty(3, 21)
+        getattr(library, name)(x.data_ptr(), weight.data_ptr(), scales.data_ptr(), None, out.data_ptr(), 3, 21, 64, 1)
+        if not torch.allclose(out.double(), reference, rtol=1e-5, atol=1e-4):
+            return f"the compiled {name} failed its self-check (largest error {(out - reference).abs().max():.3g})"
+    return None
