@@ -14,11 +14,16 @@ import transformdsl
 from transformdsl.models import tiny_llama
 from transformdsl.transforms.quantize import kernels
 from transformdsl.transforms.quantize.gguf_blocks import Q4_0Linear, Q8_0Linear
+from transformdsl.transforms.quantize.int4 import Int4WeightOnlyLinear
 from transformdsl.transforms.quantize.int8_weight_only import Int8WeightOnlyLinear
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"decode kernels not built here: {kernels.status()}")
 
-LAYERS = {"int8": Int8WeightOnlyLinear, "q8_0": Q8_0Linear, "q4_0": Q4_0Linear}
+#: Layer builders by name: ``build(weight, bias)``.  int4 with ``compute=float32`` (scales and zeros in
+#: float32) takes our kernel up to 8 rows; with bfloat16 (beside aten's packed kernel) up to 2.
+LAYERS = {"int8": Int8WeightOnlyLinear.build, "q8_0": Q8_0Linear.build, "q4_0": Q4_0Linear.build,
+          "int4": lambda weight, bias: Int4WeightOnlyLinear.build(weight, bias, 32, torch.float32)}
+CLASSES = (Int8WeightOnlyLinear, Q8_0Linear, Q4_0Linear, Int4WeightOnlyLinear)
 
 
 def relative_error(out: torch.Tensor, exact: torch.Tensor) -> float:
@@ -28,7 +33,7 @@ def relative_error(out: torch.Tensor, exact: torch.Tensor) -> float:
 def layer_of(kind: str, shape: tuple[int, int], bias: bool = True):
     generator = torch.Generator().manual_seed(sum(shape))
     weight = torch.randn(*shape, generator=generator)
-    return LAYERS[kind].build(weight, torch.randn(shape[0], generator=generator) if bias else None)
+    return LAYERS[kind](weight, torch.randn(shape[0], generator=generator) if bias else None)
 
 
 @pytest.mark.parametrize("kind", sorted(LAYERS))
@@ -78,6 +83,18 @@ def test_inputs_that_are_views_are_read_as_their_values(kind):
         assert torch.equal(layer(wide.t()[64:192].t()), layer(x.contiguous()))
 
 
+def test_int4_beside_the_packed_kernel_takes_ours_for_one_and_two_rows_only():
+    generator = torch.Generator().manual_seed(5)
+    layer = Int4WeightOnlyLinear.build(torch.randn(64, 128, generator=generator), None, 64)  # compute=bfloat16
+    assert layer.row_kernel and "row_kernel=True" in repr(layer)
+    exact_weight = layer.dequantize().double()
+    with torch.no_grad():
+        for rows, bound in ((1, 1e-6), (2, 1e-6), (3, 1e-2)):  # three rows: aten's kernel, bfloat16 activations
+            x = torch.randn(rows, 128, generator=generator)
+            error = relative_error(layer(x), x.double() @ exact_weight.t())
+            assert error < bound and (rows < 3 or not layer.packed_kernel or error > 1e-5)
+
+
 def test_int8_inputs_that_are_no_multiple_of_the_vector_width():
     layer = layer_of("int8", (16, 24))
     x = torch.randn(3, 24, generator=torch.Generator().manual_seed(2))
@@ -103,14 +120,15 @@ def test_block_layers_keep_no_packed_copy_beside_the_stored_blocks():
         assert "row_kernel=True" in repr(layer)
 
 
-@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "int8 weight_only=true"])
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "int8 weight_only=true", "int4 group_size=32 compute=float32",
+                                  "int4 group_size=32"])
 def test_a_quantized_llama_decodes_as_the_float_model_of_its_stored_weights(kind):
     """The model checked here is the model its stored bytes describe: a decode step's logits equal, to
     float32 rounding, those of the float model whose linear weights are the dequantized blocks."""
     quantized = transformdsl.transform(tiny_llama(), f"quantize {kind}")
     reference = tiny_llama()
     for name, module in quantized.named_modules():
-        if isinstance(module, tuple(LAYERS.values())):
+        if isinstance(module, CLASSES):
             reference.get_submodule(name).weight.data = module.dequantize()
     tokens = torch.tensor([[5, 17, 3, 99]])
     with torch.no_grad():

@@ -116,11 +116,23 @@ class Int4Quantization(QuantizeBehaviour, Int4Declaration):
         device = targets_device_type(tree, targets)
         if device is None:
             return None
-        if device == "cpu" and self.options.compute != "bfloat16":
-            return (f"compute={self.options.compute}: scales and zeros in {self.options.compute} (the model's "
-                    "precision); the packed int4 CPU kernel is fast in bfloat16 only, so these layers dequantize "
-                    "their weight at every call (about the float layer's cost); compute=bfloat16 (the default) "
-                    "uses it")
+        if device == "cpu":
+            from . import kernels
+
+            group_ok = self.options.group_size % 32 == 0
+            if self.options.compute != "bfloat16":
+                decode = (" except decode-sized inputs (up to 8 rows), which take transformdsl's row kernel "
+                          f"(kernels/rows.c, {kernels.status()}: the nibbles, scales and zeros as stored, float32 "
+                          "activations)" if group_ok and kernels.available() else "")
+                return (f"compute={self.options.compute}: scales and zeros in {self.options.compute} (the model's "
+                        "precision); the packed int4 CPU kernel is fast in bfloat16 only, so these layers dequantize "
+                        f"their weight at every call (about the float layer's cost){decode}; compute=bfloat16 (the "
+                        "default) uses it")
+            if group_ok and kernels.available():
+                return ("inputs of 1-2 rows take transformdsl's row kernel (kernels/rows.c, "
+                        f"{kernels.status()}: the nibbles, scales and zeros as stored, float32 activations; 0.92-0.94× "
+                        "the packed kernel's time on SmolLM2's layers, benchmarks/results/decode_kernels.md), larger "
+                        "inputs aten's packed int4 kernel (bfloat16 activations)")
         if device == "cuda":
             return ("on CUDA these layers dequantize their weight at every call (the tinygemm int4 kernel, "
                     "aten._weight_int4pack_mm, is not wired here yet)")

@@ -1,8 +1,8 @@
 """Decode kernels for quantized layers: ``rows.c``, compiled here for this CPU on first use.
 
-``int8_rows``, ``q8_0_rows`` and ``q4_0_rows`` multiply a few float32 rows (decoding: one token per
-sequence) by a weight stored as ``quantize int8 weight_only=true``, ``quantize q8_0`` or ``quantize
-q4_0`` store it, reading the stored bytes directly: no dequantized copy, no packed second copy, and
+``int8_rows``, ``q8_0_rows``, ``q4_0_rows`` and ``int4_rows`` multiply a few float32 rows (decoding: one
+token per sequence) by a weight stored as ``quantize int8 weight_only=true``, ``q8_0``, ``q4_0`` or
+``int4`` store it, reading the stored bytes directly: no dequantized copy, no packed second copy, and
 float32 activations (the exact product of the stored values, up to float32 summation order).  Measured
 against aten's packed kernels, which these replace for decode-sized inputs: benchmarks/results/decode_kernels.md.
 
@@ -29,7 +29,8 @@ import torch
 
 from .build import FUNCTIONS, SWITCH, build
 
-__all__ = ["SWITCH", "available", "status", "reset", "rows", "int8_rows", "q8_0_rows", "q4_0_rows"]
+__all__ = ["SWITCH", "available", "status", "reset", "rows", "int4", "int8_rows", "q8_0_rows", "q4_0_rows",
+           "int4_rows"]
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -41,7 +42,7 @@ def _library() -> ctypes.CDLL | None:
             if "library" not in _state:
                 library, _state["status"] = build()
                 if library is not None:  # the bound functions, looked up once (a call runs per layer and token)
-                    _state.update({name: getattr(library, name) for name in FUNCTIONS})
+                    _state.update({name: getattr(library, name) for name in (*FUNCTIONS, "int4_rows")})
                 _state["library"] = library
     return _state["library"]  # type: ignore[return-value]
 
@@ -91,6 +92,20 @@ def q4_0_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: 
     return _rows("q4_0_rows", x, weight, scale, bias)
 
 
+def int4_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The product with ``quantize int4``'s groups: weight uint8 (out, in/2), input ``2j`` in byte ``j``'s low
+    nibble; scale and zero (out, in/group_size), both bfloat16 or both float32; ``group_size`` a multiple of 32."""
+    width = x.shape[-1]
+    rows = x.numel() // width if width else 0
+    out = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
+    scratch = torch.empty(rows * width + rows * (width // group_size), dtype=torch.float32)
+    _state["int4_rows"](x.data_ptr(), weight.data_ptr(), scale.data_ptr(), zero.data_ptr(),
+                        int(scale.dtype is torch.bfloat16), group_size, scratch.data_ptr(),
+                        None if bias is None else bias.data_ptr(), out.data_ptr(), rows, weight.shape[0], width, 0)
+    return out
+
+
 EAGER = {"int8": int8_rows, "q8_0": q8_0_rows, "q4_0": q4_0_rows}
 
 
@@ -111,6 +126,32 @@ def _custom_op(kind: str):
 
 
 COMPILED = {kind: _custom_op(kind) for kind in EAGER}
+
+
+@torch.library.custom_op("transformdsl::int4_rows", mutates_args=())
+def _int4_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+             bias: torch.Tensor | None) -> torch.Tensor:
+    _library()
+    return int4_rows(x, weight, scale, zero, group_size, bias)
+
+
+@_int4_op.register_fake
+def _(x, weight, scale, zero, group_size, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
+
+
+def int4(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+         bias: torch.Tensor | None) -> torch.Tensor:
+    """As :func:`rows`, for ``quantize int4`` layers (:func:`int4_rows`)."""
+    if x.dtype is not torch.float32:
+        x = x.float()
+    if not x.is_contiguous():
+        x = x.contiguous()
+    if not weight.is_contiguous():
+        weight = weight.contiguous()
+    if torch.compiler.is_compiling():
+        return _int4_op(x, weight, scale, zero, group_size, bias)
+    return int4_rows(x, weight, scale, zero, group_size, bias)
 
 
 def rows(kind: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,

@@ -26,7 +26,7 @@ SWITCH = "TRANSFORMDSL_KERNELS"
 #: The narrowest vector build used: narrower (plain C) loses to aten's kernels.
 MIN_LANES = 8
 #: The functions rows.c exports besides ``kernel_lanes``.
-FUNCTIONS = ("int8_rows", "q8_0_rows", "q4_0_rows")
+FUNCTIONS = ("int8_rows", "q8_0_rows", "q4_0_rows")  # and int4_rows, declared apart
 
 
 def _cpu_key() -> str:
@@ -114,6 +114,8 @@ def _declare(library: ctypes.CDLL) -> None:
         function = getattr(library, name)
         function.restype = None
         function.argtypes = [pointer] * 5 + [size] * 3 + [ctypes.c_int]
+    library.int4_rows.restype = None
+    library.int4_rows.argtypes = [pointer] * 4 + [ctypes.c_int, size] + [pointer] * 3 + [size] * 3 + [ctypes.c_int]
     library.kernel_lanes.restype = ctypes.c_int
     library.kernel_lanes.argtypes = []
 
@@ -133,6 +135,15 @@ def _self_check(library: ctypes.CDLL) -> str | None:
         "q8_0_rows": (q, d, x.double() @ (q.double().reshape(21, 2, 32) * d.double()[..., None]).reshape(21, 64).T),
         "q4_0_rows": (nibbles, d, x.double() @ values4.reshape(21, 64).T),
     }
+    # quantize int4: input 2j in byte j's low nibble, 2j + 1 in its high one; (q - 8) * s + z per group of 32
+    interleaved = torch.stack((nibbles & 15, nibbles >> 4), dim=-1).reshape(21, 64).double()
+    s32, z32 = torch.rand(21, 2, generator=generator), torch.randn(21, 2, generator=generator)
+    values = ((interleaved.reshape(21, 2, 32) - 8) * s32.double()[..., None] + z32.double()[..., None]).reshape(21, 64)
+    out, scratch = torch.empty(3, 21), torch.empty(3 * 64 + 3 * 2)
+    library.int4_rows(x.data_ptr(), nibbles.data_ptr(), s32.data_ptr(), z32.data_ptr(), 0, 32, scratch.data_ptr(),
+                      None, out.data_ptr(), 3, 21, 64, 1)
+    if not torch.allclose(out.double(), x.double() @ values.T, rtol=1e-5, atol=1e-4):
+        return "the compiled int4_rows failed its self-check"
     for name, (weight, scales, reference) in expected.items():
         out = torch.empty(3, 21)
         getattr(library, name)(x.data_ptr(), weight.data_ptr(), scales.data_ptr(), None, out.data_ptr(), 3, 21, 64, 1)

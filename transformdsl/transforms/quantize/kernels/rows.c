@@ -252,36 +252,40 @@ INLINE void int4_block(const float *x, const float *xsum, const uint8_t *w, cons
 {
     const int64_t row_bytes = K / 2, groups = K / G, per_group = G / 32;
     const uint8_t *wr[ROWS];
-    int64_t r_of[ROWS];
+    int64_t first[ROWS];
     vf acc[MT_MAX][ROWS];
     float zacc[MT_MAX][ROWS];
     for (int i = 0; i < ROWS; i++) {
-        r_of[i] = n + (i < rows ? i : 0);
-        wr[i] = w + r_of[i] * row_bytes;
+        int64_t r = n + (i < rows ? i : 0);
+        first[i] = r * groups;
+        wr[i] = w + r * row_bytes;
         for (int j = 0; j < mt; j++) { acc[j][i] = vzero(); zacc[j][i] = 0.0f; }
     }
     for (int64_t g = 0; g < groups; g++) {
-        for (int i = 0; i < ROWS; i++) {
-            const int64_t at = r_of[i] * groups + g;
-            const float s = bf ? bf16(((const uint16_t *)scale)[at]) : ((const float *)scale)[at];
-            const float z = bf ? bf16(((const uint16_t *)zero)[at]) : ((const float *)zero)[at];
-            vf t[MT_MAX];
-            for (int j = 0; j < mt; j++) t[j] = vzero();
-            for (int64_t b = g * per_group; b < (g + 1) * per_group; b++) {
-                const int64_t byte = b * 16;
-                if (fetch && i == 0 && (byte % LINE) == 0)
-                    for (int p = 0; p < ROWS; p++) prefetch(wr[p] + byte + ROWS * row_bytes);
-                vf lo, hi;
+        vf t[MT_MAX][ROWS];
+        for (int i = 0; i < ROWS; i++)
+            for (int j = 0; j < mt; j++) t[j][i] = vzero();
+        for (int64_t b = g * per_group; b < (g + 1) * per_group; b++) {
+            const int64_t byte = b * 16;
+            if (fetch && (byte % LINE) == 0)
+                for (int i = 0; i < ROWS; i++) prefetch(wr[i] + byte + ROWS * row_bytes);
+            const float *xb = x + b * 32;
+            for (int i = 0; i < ROWS; i++)
                 for (int e = 0; e < 16; e += LANES) {
+                    vf lo, hi;
                     vnibbles(wr[i] + byte + e, &lo, &hi);
                     for (int j = 0; j < mt; j++) {
-                        t[j] = vfma(vload(x + j * K + b * 32 + e), lo, t[j]);
-                        t[j] = vfma(vload(x + j * K + b * 32 + 16 + e), hi, t[j]);
+                        t[j][i] = vfma(vload(xb + j * K + e), lo, t[j][i]);
+                        t[j][i] = vfma(vload(xb + j * K + 16 + e), hi, t[j][i]);
                     }
                 }
-            }
+        }
+        for (int i = 0; i < ROWS; i++) {
+            const int64_t at = first[i] + g;
+            const float s = bf ? bf16(((const uint16_t *)scale)[at]) : ((const float *)scale)[at];
+            const float z = bf ? bf16(((const uint16_t *)zero)[at]) : ((const float *)zero)[at];
             for (int j = 0; j < mt; j++) {
-                acc[j][i] = vfma(t[j], vset(s), acc[j][i]);
+                acc[j][i] = vfma(t[j][i], vset(s), acc[j][i]);
                 zacc[j][i] += z * xsum[j * groups + g];
             }
         }
