@@ -130,8 +130,8 @@ class Int4Quantization(QuantizeBehaviour, Int4Declaration):
                         "default) uses it")
             if group_ok and kernels.available():
                 return ("inputs of 1-2 rows take transformdsl's row kernel (kernels/rows.c, "
-                        f"{kernels.status()}: the nibbles, scales and zeros as stored, float32 activations; 0.92-0.94× "
-                        "the packed kernel's time on SmolLM2's layers, benchmarks/results/decode_kernels.md), larger "
+                        f"{kernels.status()}: the nibbles, scales and zeros as stored, float32 activations; 0.86-1.07× "
+                        "the packed kernel's time at one row, benchmarks/results/decode_kernels.md), larger "
                         "inputs aten's packed int4 kernel (bfloat16 activations)")
         if device == "cuda":
             return ("on CUDA these layers dequantize their weight at every call (the tinygemm int4 kernel, "

@@ -134,7 +134,8 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 #: Inputs of at most this many rows (decoding) on a CPU take our row kernel (:mod:`.kernels`): float32
 #: activations, the stored nibbles, scales and zeros as they are.  Beside aten's packed kernel
 #: (``compute=bfloat16``), only up to ``ROW_KERNEL_PACKED_ROWS``: measured on SmolLM2-135M's layers (Intel
-#: Xeon, one thread, group 64) ours took 0.94x / 0.92x its time at 1 / 2 rows and 1.15x / 1.19x at 4 / 8.
+#: Xeon, one thread, group 64) ours took 0.94x / 0.92x its time at 1 / 2 rows and 1.15x / 1.19x at 4 / 8
+#: (benchmarks/results/decode_kernels.md, one row: 0.86-1.07x over both weight sets and thread counts).
 #: With ``compute=float32`` (no packed kernel: every call dequantized) up to 8.
 ROW_KERNEL_MAX_ROWS = 8
 ROW_KERNEL_PACKED_ROWS = 2
