@@ -164,3 +164,40 @@ def test_a_layer_moved_off_the_cpu_or_to_meta_stops_using_the_kernel():
     assert not layer.to("meta").row_kernel
     blocks = nn.Sequential(layer_of("q4_0", (64, 128))).to("meta")
     assert not blocks[0].row_kernel
+
+
+@pytest.fixture
+def fresh_build(monkeypatch):
+    """:func:`kernels.available` decided again under the test's environment, and again after it."""
+    kernels.reset()
+    yield monkeypatch
+    monkeypatch.undo()
+    kernels.reset()
+
+
+def test_without_a_working_compiler_the_layers_keep_atens_kernels(fresh_build, tmp_path):
+    fresh_build.setenv("CC", str(tmp_path / "no-such-cc"))
+    assert not kernels.available() and "does not run" in kernels.status()
+    assert not layer_of("q4_0", (64, 128)).row_kernel
+
+
+def test_an_unwritable_cache_or_a_damaged_library_builds_in_a_private_folder(fresh_build, tmp_path):
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    fresh_build.setenv("XDG_CACHE_HOME", str(not_a_folder))
+    assert kernels.available()
+    kernels.reset()
+    fresh_build.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert kernels.available()
+    built = list((tmp_path / "cache" / "transformdsl" / "kernels").glob("rows-*.so"))
+    assert built
+    for library in built:  # a new file in its place (this process maps the old one: never rewrite it in place)
+        library.unlink()
+        library.write_bytes(b"not a shared library")
+    kernels.reset()
+    assert kernels.available()  # rebuilt in a private folder, never loaded from the damaged file
+    layer = layer_of("int8", (64, 128))
+    x = torch.randn(1, 128)
+    with torch.no_grad():
+        assert layer.row_kernel and relative_error(layer(x), x.double() @ layer.dequantize().double().t()
+                                                    + layer.bias.double()) < 1e-6

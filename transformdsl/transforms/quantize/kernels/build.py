@@ -51,10 +51,11 @@ def _openmp_flags() -> list[str] | None:
 
 def _compile(compiler: str, flags: list[str], target: Path) -> str | None:
     """Compile :data:`SOURCE` into ``target`` (atomically); the compiler's message on failure."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    handle, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(handle)
+    partial = None
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        handle, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(handle)
         done = subprocess.run([compiler, "-O3", "-march=native", "-shared", "-fPIC", str(SOURCE), "-o", partial,
                                *flags], capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
@@ -64,8 +65,28 @@ def _compile(compiler: str, flags: list[str], target: Path) -> str | None:
     except (OSError, subprocess.SubprocessError) as error:
         return str(error)
     finally:
-        if os.path.exists(partial):
+        if partial and os.path.exists(partial):
             os.unlink(partial)
+
+
+def _cache_dirs():
+    """Where a built library may be kept: the user's cache, else a private folder made for this process
+    (never a shared, predictable path: a library planted there would be loaded)."""
+    try:
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+        yield base / "transformdsl" / "kernels"
+    except RuntimeError:  # no home directory
+        pass
+    yield Path(tempfile.mkdtemp(prefix="transformdsl-kernels-"))
+
+
+def _load(target: Path) -> tuple[ctypes.CDLL | None, str]:
+    try:
+        library = ctypes.CDLL(str(target))
+        _declare(library)
+        return library, ""
+    except (OSError, AttributeError) as error:  # unreadable, or not the library this source makes
+        return None, str(error)
 
 
 def build() -> tuple[ctypes.CDLL | None, str]:
@@ -80,23 +101,24 @@ def build() -> tuple[ctypes.CDLL | None, str]:
     except (OSError, subprocess.SubprocessError) as error:
         return None, f"the C compiler {compiler} does not run: {error}"
     openmp = _openmp_flags()
-    attempts = [openmp or ["-fopenmp"], []]  # without OpenMP the kernels run on one thread
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "transformdsl" / "kernels"
     errors = []
-    for flags in attempts:
+    for flags in (openmp or ["-fopenmp"], []):  # without OpenMP the kernels run on one thread
         key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, _cpu_key(), *flags]).encode())
-        target = cache / f"rows-{key.hexdigest()[:20]}.so"
-        if not target.exists():
+        library = None
+        for cache in _cache_dirs():
+            target = cache / f"rows-{key.hexdigest()[:20]}.so"
+            if target.exists():
+                library, error = _load(target)
+                if library is not None:
+                    break
             error = _compile(compiler, flags, target)
-            if error:
-                errors.append(error)
-                continue
-        try:
-            library = ctypes.CDLL(str(target))
-        except OSError as error:
-            errors.append(str(error))
+            if error is None:
+                library, error = _load(target)
+                if library is not None:
+                    break
+            errors.append(error)
+        if library is None:
             continue
-        _declare(library)
         lanes = library.kernel_lanes()
         if lanes < MIN_LANES:
             return None, f"this CPU has no AVX2+FMA ({lanes}-wide build): aten's kernels are faster"
