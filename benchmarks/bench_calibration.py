@@ -60,6 +60,15 @@ def smollm2_gguf() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def smollm2_float():
+    """SmolLM2-135M-Instruct as the float32 model its Q4_1 GGUF stands for (every block dequantized, as
+    stock transformers reads it; our GGUF import would keep the Q4_1 projections as ``quantize q4_1``
+    layers): the real pretrained model every benchmark here quantizes on its own terms."""
+    from transformdsl.interop.gguf_import import load_gguf
+
+    return load_gguf(smollm2_gguf(), keep=False).float().eval()
+
+
 #: Measures one model on the held-out windows: perplexity, and KL to the float model's next-token
 #: distribution (read window by window from the reference file), in the process that quantized it.
 MEASURE = r'''
@@ -204,8 +213,6 @@ def main() -> None:
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
-    import transformdsl
-
     gguf = smollm2_gguf()
     work = Path(args.work or tempfile.mkdtemp(prefix="bench-calibration-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -218,7 +225,7 @@ def main() -> None:
     calibration = ids[: n_cal * l_cal].view(n_cal, l_cal)
     heldout = ids[-n_out * l_out:].view(n_out, l_out)
     if not reference.exists():
-        model = transformdsl.load(gguf).float()
+        model = smollm2_float()
         model.save_pretrained(checkpoint)
         tokenizer.save_pretrained(checkpoint)  # llm-compressor's oneshot wants a processor beside the model
         save_file({"calibration": calibration.contiguous(), "heldout": heldout.contiguous()}, str(ids_path))

@@ -29,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.bench_calibration import smollm2_float  # noqa: E402
 from benchmarks.bench_serving import (  # noqa: E402
     HELDOUT,
     NEW,
@@ -73,7 +74,7 @@ def main() -> None:
     source, heldout, prompt, ids_file = held_out_text(work)
     n, length = HELDOUT
 
-    transformdsl.save(transformdsl.load(source).float(), work / "f32", format="gguf")
+    transformdsl.save(smollm2_float(), work / "f32", format="gguf")
     path = work / "q4_k_m.gguf"
     done = subprocess.run([args.llama_python, "-c", QUANTIZE, str(work / "f32" / "model.gguf"), str(path),
                            str(args.threads)], capture_output=True, text=True, timeout=1800)
@@ -87,7 +88,7 @@ def main() -> None:
         if tensor.tensor_type == gguf.GGMLQuantizationType.Q4_K:
             theirs_q4k[tensor.name] = np.array(tensor.data)
     # Our own quantize q4_k of the same float model, exported: its Q4_K tensors against llama.cpp's
-    transformdsl.save(transformdsl.transform(transformdsl.load(source).float(), "quantize q4_k"), work / "ours-q4k",
+    transformdsl.save(transformdsl.transform(smollm2_float(), "quantize q4_k"), work / "ours-q4k",
                       format="gguf")
     ours_q4k = {t.name: np.array(t.data) for t in gguf.GGUFReader(work / "ours-q4k" / "model.gguf").tensors
                 if t.tensor_type == gguf.GGMLQuantizationType.Q4_K}

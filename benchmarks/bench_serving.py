@@ -31,6 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.bench_calibration import smollm2_float  # noqa: E402
 from benchmarks.common import cpu_model as cpu_name  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -193,7 +194,7 @@ def measure_variant(name: str, threads: int) -> dict:
         kernels.reset()
     source, text_ids = smollm2_ids()
     prompt = text_ids[:PROMPT][None]
-    model = transformdsl.load(source).to(getattr(torch, dtype)).eval()
+    model = smollm2_float().to(getattr(torch, dtype))
     if script:
         transformdsl.transform(model, script)
     start = time.perf_counter()
@@ -229,7 +230,7 @@ def main() -> None:
     n, length = HELDOUT
 
     def fresh():
-        return transformdsl.load(source).float().eval()
+        return smollm2_float()
 
     exports = {"F32": "", "Q8_0": "quantize q8_0", "Q4_0": "quantize q4_0"}
     rows_kl, llama_speed = [], {}

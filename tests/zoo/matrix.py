@@ -66,6 +66,7 @@ SCRIPTS = {
     # GGUF's grids (blocks of 32 inputs); sample inputs of at most 8 rows take the packed decode kernel
     "quantize q8_0": "quantize q8_0",
     "quantize q4_0": "quantize q4_0",
+    "quantize q4_1": "quantize q4_1",
     "quantize q4_k": "quantize q4_k",  # super-blocks of 256 inputs: not applicable to most tiny models
     # Methods that learn from data, calibrated on the cell's generated samples (the test input and the
     # verify samples; the held-out sample stays unseen).

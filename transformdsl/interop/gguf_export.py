@@ -10,7 +10,7 @@ What it holds (spec.md "Interchange", GGUF):
   made the model (``transformdsl.scripts``);
 - float weights as they are: F32, F16 or BF16 (1-D tensors, norms and biases, in F32 as llama.cpp's
   converter writes them: exact);
-- ``quantize q8_0`` / ``q4_0`` layers as GGUF Q8_0 / Q4_0 blocks, byte for byte the layer's own
+- ``quantize q8_0`` / ``q4_0`` / ``q4_1`` layers as GGUF Q8_0 / Q4_0 / Q4_1 blocks, byte for byte the layer's own
   values and scales (lossless: the model verified here is the model llama.cpp runs), and the Q4_K
   layers (``quantize q4_k``, or a GGUF file's Q4_K read by ``load``) as Q4_K super-blocks.
 
@@ -38,7 +38,7 @@ from .gguf_read import GGUF_FILE, WRITTEN_KEY, is_our_save  # noqa: F401  (impor
 #: Steps that store nothing a GGUF reader would use: dropped (with a note).
 _NOTHING_STORED = ("compile", "compile regional")
 #: The quantize modes GGUF holds exactly.
-_BLOCK_MODES = ("quantize q8_0", "quantize q4_0", "quantize q4_k")
+_BLOCK_MODES = ("quantize q8_0", "quantize q4_0", "quantize q4_1", "quantize q4_k")
 
 
 def refuse(step: AppliedStep, why: str) -> TransformError:
@@ -123,7 +123,7 @@ def gguf_tensors(model: nn.Module, arch: gguf_layout.Architecture) -> list[tuple
     names = gguf_layout.tensor_names(arch, config.num_hidden_layers)
     quantized = {path: module for path, module in model.named_modules() if isinstance(module, BlockQuantizedLinear)}
     kinds = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
-             "q4_k": gguf.GGMLQuantizationType.Q4_K}
+             "q4_1": gguf.GGMLQuantizationType.Q4_1, "q4_k": gguf.GGMLQuantizationType.Q4_K}
     tied = bool(getattr(config, "tie_word_embeddings", False))
     out = []
     for key, tensor in model.state_dict(keep_vars=False).items():

@@ -4,7 +4,7 @@ The file is read with the bounded reader (:mod:`.gguf_read`); its architecture (
 :mod:`.gguf_layout`) and metadata give the transformers configuration, built on the meta device once
 the tensor table agrees with it (so a file's counts never size a model its tensors do not fill).  Then:
 
-- a linear layer stored as Q8_0, Q4_0 or Q4_K becomes our ``quantize q8_0`` / ``q4_0`` / ``q4_k`` layer holding those
+- a linear layer stored as Q8_0, Q4_0, Q4_1 or Q4_K becomes our ``quantize q8_0`` / ``q4_0`` / ``q4_1`` / ``q4_k`` layer holding those
   very bytes (no dequantize-requantize: ``bytes in memory`` ≈ the file's), recorded as that statement
   so that a further script applies and :func:`transformdsl.save` writes and reloads it exactly;
 - any other quantized tensor (Q6_K, Q5_K..., an embedding in Q8_0) is dequantized with the ``gguf``
@@ -32,7 +32,7 @@ from .gguf_read import GGUFFile, TensorInfo
 from .gguf_vocab import KEPT_ATTRIBUTE
 
 #: GGML type numbers kept as our layers (``gguf.GGMLQuantizationType``: Q4_0 = 2, Q8_0 = 8, Q4_K = 12).
-KEPT = {8: "q8_0", 2: "q4_0", 12: "q4_k"}
+KEPT = {8: "q8_0", 2: "q4_0", 3: "q4_1", 12: "q4_k"}
 #: Float types read as they are (F32, F16, BF16).
 FLOATS = {0: np.float32, 1: np.float16}
 BF16 = 30
@@ -123,9 +123,11 @@ def _float(gf: GGUFFile, info: TensorInfo) -> np.ndarray:
                         f"{GGMLQuantizationType(info.type).name}") from None
 
 
-def load_gguf(path: str | Path) -> nn.Module:
+def load_gguf(path: str | Path, keep: bool = True) -> nn.Module:
     """The model in a ``.gguf`` file (see the module docstring); a :class:`LoadError` for anything
-    wrong with the file, before the model is built."""
+    wrong with the file, before the model is built.  ``keep=False`` dequantizes every tensor to float32
+    (the float model a file stands for, as stock transformers reads it: what a script that quantizes
+    on its own terms, or a benchmark's float reference, starts from)."""
     path = Path(path)
     with GGUFFile(path) as gf:
         arch, config = _config(gf)
@@ -161,7 +163,7 @@ def load_gguf(path: str | Path) -> nn.Module:
                 heads = config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
             module_path, _, leaf = key.rpartition(".")
             module = modules.get(module_path)
-            if info.type in KEPT and leaf == "weight" and type(module) is nn.Linear:
+            if keep and info.type in KEPT and leaf == "weight" and type(module) is nn.Linear:
                 kind = KEPT[info.type]
                 raw = gf.data(info)
                 if heads:

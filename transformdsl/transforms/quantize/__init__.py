@@ -237,7 +237,7 @@ class Int4Quantization(Quantize):
 
 
 class GGUFBlockQuantization(Quantize):
-    """``quantize q8_0|q4_0``: the grid of a GGUF (llama.cpp) block type, so that ``save(...,
+    """``quantize q8_0|q4_0|q4_1|q4_k``: the grid of a GGUF (llama.cpp) block type, so that ``save(...,
     format="gguf")`` writes these layers as they are (spec.md "Interchange")."""
 
     #: The GGUF block: inputs per block (a layer's ``in_features`` must be a multiple).
@@ -258,6 +258,14 @@ class Q4_0Quantization(GGUFBlockQuantization):
     #: As int4's (4 bits per weight, symmetric blocks of 32: finer than nf4's 64).
     error_bound = {"kl": 1.2, "top1": 0.5, "rms": 0.4, "max": 0.4}
     implementation = ".gguf_modes:Q4_0Quantization"
+
+
+class Q4_1Quantization(GGUFBlockQuantization):
+    mode = "q4_1"
+    summary = "GGUF Q4_1: 4-bit weights in blocks of 32 with a float16 scale and minimum (llama.cpp's grid)"
+    #: As q4_0's (4 bits per weight, asymmetric blocks of 32).
+    error_bound = {"kl": 1.2, "top1": 0.5, "rms": 0.4, "max": 0.4}
+    implementation = ".gguf_modes:Q4_1Quantization"
 
 
 class Q4_KQuantization(GGUFBlockQuantization):

@@ -116,15 +116,15 @@ def _row_kernel_note(stored: str, exact: str = "") -> str | None:
 
 
 def gguf_block_note(device_type: str, dtypes: set[str], mode: str, narrow: int = 0) -> str | None:
-    """How ``quantize q8_0|q4_0`` layers multiply on ``device_type``: decode-sized inputs with the
+    """How ``quantize q8_0|q4_0|q4_1|q4_k`` layers multiply on ``device_type``: decode-sized inputs with the
     packed int4 CPU kernel (what that rounds, what the packed copy costs), the rest exactly.
     ``narrow``: how many targets have an ``out_features`` the kernel cannot take."""
     if device_type != "cpu":
         return (f"on {device_type} these layers dequantize their GGUF blocks at every call (no block kernel is "
                 "wired there)")
-    row_kernel = _row_kernel_note("the GGUF blocks", exact=" (the exact product of what format='gguf' writes; "
-                                  "no packed copy)")
-    if row_kernel:
+    row_kernel = mode != "q4_k" and _row_kernel_note("the GGUF blocks", exact=" (the exact product of what "
+                                                     "format='gguf' writes; no packed copy)")
+    if row_kernel:  # (no kernel of ours reads Q4_K's super-blocks)
         return row_kernel
     if "int4" not in packed_cpu_kernels():
         return ("this torch has no packed int4 CPU kernel: these layers dequantize their GGUF blocks at every "

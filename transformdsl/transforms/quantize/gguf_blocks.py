@@ -41,7 +41,7 @@ from . import kernels
 #: Inputs per block (GGUF's QK8_0 and QK4_0).
 BLOCK = 32
 #: Bytes per block in a GGUF file: the float16 scale, then the values.
-BLOCK_BYTES = {"q8_0": 2 + BLOCK, "q4_0": 2 + BLOCK // 2}
+BLOCK_BYTES = {"q8_0": 2 + BLOCK, "q4_0": 2 + BLOCK // 2, "q4_1": 4 + BLOCK // 2}
 #: Q4_K's super-block: 256 inputs in 8 sub-blocks of 32, stored in 144 bytes (float16 ``d`` and
 #: ``dmin``, 12 bytes of 6-bit sub-block scales and mins, 128 bytes of 4-bit values).
 SUPER = 256
@@ -115,6 +115,24 @@ def quantize_q4_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, scale
 
 
+def quantize_q4_1(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(packed uint8 (out, in/2) in GGUF's nibble order, (d, m) float16 (out, in/32, 2))``: GGUF Q4_1, a
+    block's values ``q * d + m`` with ``m`` its minimum and ``d = (max - min) / 15``."""
+    rows, cols = weight.shape
+    packed = torch.empty(rows, cols // 2, dtype=torch.uint8, device=weight.device)
+    scale = torch.empty(rows, cols // BLOCK, 2, dtype=torch.float16, device=weight.device)
+    if weight.is_meta:
+        return packed, scale
+    for start, blocks in _chunks(weight):
+        low = blocks.amin(dim=-1, keepdim=True)
+        d = (blocks.amax(dim=-1, keepdim=True) - low) / 15
+        q = torch.trunc((blocks - low) * _inverse(d) + 0.5).clamp_(0, 15).to(torch.uint8)
+        nibbles = q[..., :BLOCK // 2] | (q[..., BLOCK // 2:] << 4)
+        packed[start:start + len(blocks)] = nibbles.reshape(len(blocks), cols // 2)
+        scale[start:start + len(blocks)] = torch.cat((d, low), dim=-1).to(torch.float16)
+    return packed, scale
+
+
 def unpack_q4_0(packed: torch.Tensor) -> torch.Tensor:
     """(out, in/2) packed bytes -> (out, in) values 0..15."""
     rows = packed.shape[0]
@@ -125,9 +143,9 @@ def unpack_q4_0(packed: torch.Tensor) -> torch.Tensor:
 def block_bytes(values: torch.Tensor, scale: torch.Tensor) -> np.ndarray:
     """A layer's tensors as GGUF's block bytes: ``(out, blocks * bytes per block)`` uint8 (each
     block its float16 scale, little-endian, then its values as stored)."""
-    rows, groups = scale.shape
+    rows, groups = scale.shape[:2]
     data = values.detach().cpu().contiguous().view(torch.uint8).reshape(rows, groups, -1)
-    d = scale.detach().cpu().contiguous().view(torch.uint8).reshape(rows, groups, 2)
+    d = scale.detach().cpu().contiguous().view(torch.uint8).reshape(rows, groups, -1)  # d (and Q4_1's m)
     return torch.cat((d, data), dim=-1).reshape(rows, -1).numpy()
 
 
@@ -139,9 +157,10 @@ def from_block_bytes(data: np.ndarray, kind: str, rows: int, cols: int) -> tuple
         scale = raw[..., :4].contiguous().view(torch.float16).reshape(rows, cols // SUPER, 2)
         return raw[..., 16:].contiguous().reshape(rows, cols // 2), scale, raw[..., 4:16].contiguous()
     per = BLOCK_BYTES[kind]
+    header = 4 if kind == "q4_1" else 2  # float16 d (and Q4_1's m) before the values
     raw = torch.from_numpy(np.ascontiguousarray(data, dtype=np.uint8).reshape(rows, cols // BLOCK, per).copy())
-    scale = raw[..., :2].contiguous().view(torch.float16).reshape(rows, cols // BLOCK)
-    values = raw[..., 2:].contiguous().reshape(rows, -1)
+    scale = raw[..., :header].contiguous().view(torch.float16).reshape(rows, cols // BLOCK, *(() if header == 2 else (2,)))
+    values = raw[..., header:].contiguous().reshape(rows, -1)
     return (values.view(torch.int8) if kind == "q8_0" else values), scale
 
 
@@ -349,6 +368,30 @@ class Q4_0Linear(BlockQuantizedLinear):
     def pack(self):
         d = self.weight_scale.float()
         return (_int4pack(unpack_q4_0(self.stored_weight), d, torch.zeros_like(d)),)
+
+
+class Q4_1Linear(BlockQuantizedLinear):
+    """GGUF Q4_1: 4-bit values (two per byte, as Q4_0's) standing for ``q * d + m``; per 32 inputs a float16
+    ``d`` and ``m`` (``weight_scale``: out x in/32 x 2)."""
+
+    kind = "q4_1"
+
+    @classmethod
+    def quantize(cls, weight):
+        return quantize_q4_1(weight)
+
+    def values(self, start=0, end=None):
+        return unpack_q4_0(self.stored_weight[start:end]).float()
+
+    def dequantize(self, start: int = 0, end: int | None = None) -> torch.Tensor:
+        end = self.out_features if end is None else end
+        q = self.values(start, end).reshape(end - start, -1, BLOCK)
+        d, m = self.weight_scale[start:end].float().unbind(-1)
+        return (q * d[..., None] + m[..., None]).reshape(end - start, self.in_features)
+
+    def pack(self):
+        d, m = self.weight_scale.float().unbind(-1)
+        return (_int4pack(unpack_q4_0(self.stored_weight), d, m + 8 * d),)  # (q - 8) * d + (m + 8d)
 
 
 def _nearest_int(x: torch.Tensor) -> torch.Tensor:
@@ -561,4 +604,4 @@ class Q4_KLinear(BlockQuantizedLinear):
 
 
 #: Layer class per mode.
-LAYERS = {"q8_0": Q8_0Linear, "q4_0": Q4_0Linear, "q4_k": Q4_KLinear}
+LAYERS = {"q8_0": Q8_0Linear, "q4_0": Q4_0Linear, "q4_1": Q4_1Linear, "q4_k": Q4_KLinear}

@@ -1,4 +1,4 @@
-"""``quantize q8_0``, ``quantize q4_0`` and ``quantize q4_k`` (implementation): the quantize family's planning, apply
+"""``quantize q8_0``, ``q4_0``, ``q4_1`` and ``q4_k`` (implementation): the quantize family's planning, apply
 and reload (:mod:`.quantization`) with the GGUF block layers of :mod:`.gguf_blocks`.
 
 A layer whose ``in_features`` is not a multiple of the block (32; Q4_K's super-block, 256) is a near miss.  In a
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ...tree import ModuleInfo, ModuleTree
 from . import Q4_0Quantization as Q4_0Declaration
+from . import Q4_1Quantization as Q4_1Declaration
 from . import Q4_KQuantization as Q4_KDeclaration
 from . import Q8_0Quantization as Q8_0Declaration
 from .quantization import QuantizeBehaviour, linear_dims, target_dtypes, targets_device_type
@@ -65,6 +66,10 @@ class Q8_0Quantization(GGUFBlockBehaviour, Q8_0Declaration):
 
 
 class Q4_0Quantization(GGUFBlockBehaviour, Q4_0Declaration):
+    pass
+
+
+class Q4_1Quantization(GGUFBlockBehaviour, Q4_1Declaration):
     pass
 
 

@@ -1,8 +1,8 @@
 """Decode kernels for quantized layers: ``rows.c``, compiled here for this CPU on first use.
 
-``int8_rows``, ``q8_0_rows``, ``q4_0_rows`` and ``int4_rows`` multiply a few float32 rows (decoding: one
-token per sequence) by a weight stored as ``quantize int8 weight_only=true``, ``q8_0``, ``q4_0`` or
-``int4`` store it, reading the stored bytes directly: no dequantized copy, no packed second copy, and
+``int8_rows``, ``q8_0_rows``, ``q4_0_rows``, ``q4_1_rows`` and ``int4_rows`` multiply a few float32 rows
+(decoding: one token per sequence) by a weight stored as ``quantize int8 weight_only=true``, ``q8_0``,
+``q4_0``, ``q4_1`` or ``int4`` store it, reading the stored bytes directly: no dequantized copy, no packed second copy, and
 float32 activations (the exact product of the stored values, up to float32 summation order).  Measured
 against aten's packed kernels, which these replace for decode-sized inputs: benchmarks/results/decode_kernels.md.
 
@@ -30,7 +30,7 @@ import torch
 from .build import FUNCTIONS, SWITCH, build
 
 __all__ = ["SWITCH", "available", "status", "reset", "rows", "int4", "int8_rows", "q8_0_rows", "q4_0_rows",
-           "int4_rows"]
+           "q4_1_rows", "int4_rows"]
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -42,7 +42,7 @@ def _library() -> ctypes.CDLL | None:
             if "library" not in _state:
                 library, _state["status"] = build()
                 if library is not None:  # the bound functions, looked up once (a call runs per layer and token)
-                    _state.update({name: getattr(library, name) for name in (*FUNCTIONS, "int4_rows")})
+                    _state.update({name: getattr(library, name) for name in (*FUNCTIONS, "q4_1_rows", "int4_rows")})
                 _state["library"] = library
     return _state["library"]  # type: ignore[return-value]
 
@@ -92,6 +92,17 @@ def q4_0_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: 
     return _rows("q4_0_rows", x, weight, scale, bias)
 
 
+def q4_1_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The product with GGUF Q4_1 blocks: weight as Q4_0's, scale float16 (out, in/32, 2): each block's d and m."""
+    width = x.shape[-1]
+    rows = x.numel() // width if width else 0
+    out = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
+    scratch = torch.empty(rows * (width // 32), dtype=torch.float32)
+    _state["q4_1_rows"](x.data_ptr(), weight.data_ptr(), scale.data_ptr(), scratch.data_ptr(),
+                        None if bias is None else bias.data_ptr(), out.data_ptr(), rows, weight.shape[0], width, 0)
+    return out
+
+
 def int4_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
               bias: torch.Tensor | None = None) -> torch.Tensor:
     """The product with ``quantize int4``'s groups: weight uint8 (out, in/2), input ``2j`` in byte ``j``'s low
@@ -106,7 +117,7 @@ def int4_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: 
     return out
 
 
-EAGER = {"int8": int8_rows, "q8_0": q8_0_rows, "q4_0": q4_0_rows}
+EAGER = {"int8": int8_rows, "q8_0": q8_0_rows, "q4_0": q4_0_rows, "q4_1": q4_1_rows}
 
 
 def _custom_op(kind: str):

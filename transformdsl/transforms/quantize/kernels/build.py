@@ -136,6 +136,8 @@ def _declare(library: ctypes.CDLL) -> None:
         function = getattr(library, name)
         function.restype = None
         function.argtypes = [pointer] * 5 + [size] * 3 + [ctypes.c_int]
+    library.q4_1_rows.restype = None
+    library.q4_1_rows.argtypes = [pointer] * 6 + [size] * 3 + [ctypes.c_int]
     library.int4_rows.restype = None
     library.int4_rows.argtypes = [pointer] * 4 + [ctypes.c_int, size] + [pointer] * 3 + [size] * 3 + [ctypes.c_int]
     library.kernel_lanes.restype = ctypes.c_int
@@ -166,6 +168,14 @@ def _self_check(library: ctypes.CDLL) -> str | None:
                       None, out.data_ptr(), 3, 21, 64, 1)
     if not torch.allclose(out.double(), x.double() @ values.T, rtol=1e-5, atol=1e-4):
         return "the compiled int4_rows failed its self-check"
+    # GGUF Q4_1: Q4_0's nibbles standing for q * d + m
+    dm = torch.stack((d, (torch.randn(21, 2, generator=generator)).half()), dim=-1)
+    values41 = torch.cat((lo, hi), dim=-1).double() * dm[..., 0].double()[..., None] + dm[..., 1].double()[..., None]
+    out, scratch = torch.empty(3, 21), torch.empty(3 * 2)
+    library.q4_1_rows(x.data_ptr(), nibbles.data_ptr(), dm.data_ptr(), scratch.data_ptr(), None, out.data_ptr(),
+                      3, 21, 64, 1)
+    if not torch.allclose(out.double(), x.double() @ values41.reshape(21, 64).T, rtol=1e-5, atol=1e-4):
+        return "the compiled q4_1_rows failed its self-check"
     for name, (weight, scales, reference) in expected.items():
         out = torch.empty(3, 21)
         getattr(library, name)(x.data_ptr(), weight.data_ptr(), scales.data_ptr(), None, out.data_ptr(), 3, 21, 64, 1)

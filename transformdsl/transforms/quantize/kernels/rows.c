@@ -10,6 +10,7 @@
  *   q8_0_rows  int8 W (N x K), one float16 scale per 32 inputs    (GGUF Q8_0)
  *   q4_0_rows  uint8 W (N x K/2), byte j of a block holding q[j] in its low nibble and q[j + 16] in
  *              its high one, standing for (q - 8) * d; one float16 d per 32 inputs   (GGUF Q4_0)
+ *   q4_1_rows  as q4_0, standing for q * d + m; a float16 (d, m) per 32 inputs       (GGUF Q4_1)
  *   int4_rows  uint8 W (N x K/2), input 2j in byte j's low nibble and 2j + 1 in its high one, standing
  *              for (q - 8) * s + z with one (s, z) per group of G inputs, bfloat16 or float32
  *                                                                               (quantize int4)
@@ -153,26 +154,30 @@ INLINE void int8_block(const float *x, const int8_t *w, const float *scale, int6
         }
 }
 
-/* GGUF blocks of 32 inputs: per block, the vector sum of x * q for each input row, times the block's d */
-INLINE void gguf_block(const float *x, const uint8_t *w, const uint16_t *d, int64_t n, int64_t rows,
-                       int64_t K, const int mt, int fetch, const int q4, float out[MT_MAX][ROWS])
+/* GGUF blocks of 32 inputs: per block, the vector sum of x * q for each input row, times the block's d.
+ * kind 0: Q8_0; 1: Q4_0 ((q - 8) * d); 2: Q4_1 (q * d + m: (q - 8) * d + (8d + m), the second term times
+ * the block's sum of x, ``xsum``) */
+INLINE void gguf_block(const float *x, const float *xsum, const uint8_t *w, const uint16_t *d, int64_t n,
+                       int64_t rows, int64_t K, const int mt, int fetch, const int kind, float out[MT_MAX][ROWS])
 {
+    const int q4 = kind != 0, pairs = kind == 2 ? 2 : 1;
     const int64_t blocks = K / 32, row_bytes = q4 ? K / 2 : K, block_bytes = q4 ? 16 : 32;
     const uint8_t *wr[ROWS];
     const uint16_t *dr[ROWS];
     vf acc[MT_MAX][ROWS];
+    float zacc[MT_MAX][ROWS];
     for (int i = 0; i < ROWS; i++) {
         int64_t r = n + (i < rows ? i : 0);
         wr[i] = w + r * row_bytes;
-        dr[i] = d + r * blocks;
-        for (int j = 0; j < mt; j++) acc[j][i] = vzero();
+        dr[i] = d + r * blocks * pairs;
+        for (int j = 0; j < mt; j++) { acc[j][i] = vzero(); zacc[j][i] = 0.0f; }
     }
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t at = b * block_bytes;
         if (fetch && (at % LINE) == 0)
             for (int i = 0; i < ROWS; i++) prefetch(wr[i] + at + ROWS * row_bytes);
-        if (fetch && (b % (LINE / 2)) == 0)
-            for (int i = 0; i < ROWS; i++) prefetch(dr[i] + b + ROWS * blocks);
+        if (fetch && (b * pairs % (LINE / 2)) == 0)
+            for (int i = 0; i < ROWS; i++) prefetch(dr[i] + b * pairs + ROWS * blocks * pairs);
         const float *xb = x + b * 32;
         for (int i = 0; i < ROWS; i++) {
             const uint8_t *q = wr[i] + at;
@@ -193,12 +198,16 @@ INLINE void gguf_block(const float *x, const uint8_t *w, const uint16_t *d, int6
                     for (int j = 0; j < mt; j++) t[j] = vfma(vload(xb + j * K + e), wv, t[j]);
                 }
             }
-            vf scale = vset(half(dr[i][b]));
-            for (int j = 0; j < mt; j++) acc[j][i] = vfma(t[j], scale, acc[j][i]);
+            const float scale = half(dr[i][b * pairs]);
+            for (int j = 0; j < mt; j++) acc[j][i] = vfma(t[j], vset(scale), acc[j][i]);
+            if (kind == 2) {
+                const float offset = 8.0f * scale + half(dr[i][b * 2 + 1]);
+                for (int j = 0; j < mt; j++) zacc[j][i] += offset * xsum[j * blocks + b];
+            }
         }
     }
     for (int j = 0; j < mt; j++)
-        for (int i = 0; i < ROWS; i++) out[j][i] = vsum(acc[j][i]);
+        for (int i = 0; i < ROWS; i++) out[j][i] = vsum(acc[j][i]) + zacc[j][i];
 }
 
 /* The loop every layout shares: blocks of ROWS weight rows split between threads (``threads`` <= 0:
@@ -230,15 +239,28 @@ void int8_rows(const float *x, const int8_t *w, const float *scale, const float 
 void q8_0_rows(const float *x, const uint8_t *w, const uint16_t *d, const float *bias, float *y,
                int64_t M, int64_t N, int64_t K, int threads)
 {
-#define Q8_0_CALL(MT) gguf_block(xm, w, d, n, rows, K, MT, m == 0, 0, out)
+#define Q8_0_CALL(MT) gguf_block(xm, NULL, w, d, n, rows, K, MT, m == 0, 0, out)
     ROW_LOOP(Q8_0_CALL)
 }
 
 void q4_0_rows(const float *x, const uint8_t *w, const uint16_t *d, const float *bias, float *y,
                int64_t M, int64_t N, int64_t K, int threads)
 {
-#define Q4_0_CALL(MT) gguf_block(xm, w, d, n, rows, K, MT, m == 0, 1, out)
+#define Q4_0_CALL(MT) gguf_block(xm, NULL, w, d, n, rows, K, MT, m == 0, 1, out)
     ROW_LOOP(Q4_0_CALL)
+}
+
+/* ``scratch``: M * K / 32 floats (the caller's): each block's sum of x */
+void q4_1_rows(const float *x, const uint8_t *w, const uint16_t *d, float *scratch, const float *bias, float *y,
+               int64_t M, int64_t N, int64_t K, int threads)
+{
+    for (int64_t m = 0; m < M * K / 32; m++) {
+        float sum = 0.0f;
+        for (int e = 0; e < 32; e++) sum += x[m * 32 + e];
+        scratch[m] = sum;
+    }
+#define Q4_1_CALL(MT) gguf_block(xm, scratch + m * (K / 32), w, d, n, rows, K, MT, m == 0, 2, out)
+    ROW_LOOP(Q4_1_CALL)
 }
 
 /* quantize int4: nibbles interleaved (even input low, odd high), a scale and a zero per group of G inputs.
