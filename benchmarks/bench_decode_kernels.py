@@ -2,13 +2,14 @@
 
     .venv/bin/python benchmarks/bench_decode_kernels.py [--threads 1 2]
 
-For ``quantize int8 weight_only=true``, ``q8_0``, ``q4_0`` and ``int4`` (bfloat16 compute) layers, the time of a decode-sized call
+For ``quantize int8 weight_only=true``, ``q8_0``, ``q4_0``, ``q4_1`` and ``int4`` (bfloat16 compute) layers, the time of a decode-sized call
 (1 and 8 rows) through every layer of a model, in the model's order, on:
 
 - **ours**: :mod:`transformdsl.transforms.quantize.kernels` (``rows.c``, compiled here): the stored
   bytes read as they are, float32 activations;
 - **aten**: the layer's earlier path, aten's packed kernel (``_weight_int8pack_mm`` for int8,
-  ``_weight_int4pack_mm_for_cpu`` for q8_0 (two 4-bit halves), q4_0 and int4), bfloat16 activations and scales;
+  ``_weight_int4pack_mm_for_cpu`` for q8_0 (two 4-bit halves), q4_0, q4_1 and int4), bfloat16 activations and
+  scales;
 - **float32**: ``F.linear`` with the float32 weight (what the quantization replaces).
 
 Two weight sets: SmolLM2-135M's 30 blocks (the serving benchmark's model: q/k/v/o/gate/up/down, 106 M
@@ -32,11 +33,12 @@ import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.common import cpu_model, header, table, write  # noqa: E402
 from transformdsl.transforms.quantize import kernels  # noqa: E402
-from transformdsl.transforms.quantize.gguf_blocks import Q4_0Linear, Q8_0Linear  # noqa: E402
+from transformdsl.transforms.quantize.gguf_blocks import Q4_0Linear, Q4_1Linear, Q8_0Linear  # noqa: E402
 from transformdsl.transforms.quantize.int4 import Int4WeightOnlyLinear  # noqa: E402
 from transformdsl.transforms.quantize.int8_weight_only import Int8WeightOnlyLinear  # noqa: E402
 
 LAYERS = {"int8 weight-only": Int8WeightOnlyLinear.build, "q8_0": Q8_0Linear.build, "q4_0": Q4_0Linear.build,
+          "q4_1": Q4_1Linear.build,
           "int4 group_size=64": lambda weight, bias: Int4WeightOnlyLinear.build(weight, bias, 64)}
 SETS = {
     "SmolLM2-135M, 30 blocks": [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576),
