@@ -97,7 +97,7 @@ def q4_1_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: 
     width = x.shape[-1]
     rows = x.numel() // width if width else 0
     out = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
-    scratch = torch.empty(rows * (width // 32), dtype=torch.float32)
+    scratch = torch.empty(rows * (width // 2), dtype=torch.float32)
     _state["q4_1_rows"](x.data_ptr(), weight.data_ptr(), scale.data_ptr(), scratch.data_ptr(),
                         None if bias is None else bias.data_ptr(), out.data_ptr(), rows, weight.shape[0], width, 0)
     return out

@@ -171,7 +171,7 @@ def _self_check(library: ctypes.CDLL) -> str | None:
     # GGUF Q4_1: Q4_0's nibbles standing for q * d + m
     dm = torch.stack((d, (torch.randn(21, 2, generator=generator)).half()), dim=-1)
     values41 = torch.cat((lo, hi), dim=-1).double() * dm[..., 0].double()[..., None] + dm[..., 1].double()[..., None]
-    out, scratch = torch.empty(3, 21), torch.empty(3 * 2)
+    out, scratch = torch.empty(3, 21), torch.empty(3 * 32)
     library.q4_1_rows(x.data_ptr(), nibbles.data_ptr(), dm.data_ptr(), scratch.data_ptr(), None, out.data_ptr(),
                       3, 21, 64, 1)
     if not torch.allclose(out.double(), x.double() @ values41.reshape(21, 64).T, rtol=1e-5, atol=1e-4):

@@ -156,7 +156,9 @@ INLINE void int8_block(const float *x, const int8_t *w, const float *scale, int6
 
 /* GGUF blocks of 32 inputs: per block, the vector sum of x * q for each input row, times the block's d.
  * kind 0: Q8_0; 1: Q4_0 ((q - 8) * d); 2: Q4_1 (q * d + m: (q - 8) * d + (8d + m), the second term times
- * the block's sum of x, ``xsum``) */
+ * the block's sum of x, read as 16 pairwise sums per block, ``xsum``, so that it is a vector product) */
+#define CHUNK 64  /* blocks whose scales are converted to float32 at a time (8 rows: 4 KB on the stack) */
+
 INLINE void gguf_block(const float *x, const float *xsum, const uint8_t *w, const uint16_t *d, int64_t n,
                        int64_t rows, int64_t K, const int mt, int fetch, const int kind, float out[MT_MAX][ROWS])
 {
@@ -165,49 +167,58 @@ INLINE void gguf_block(const float *x, const float *xsum, const uint8_t *w, cons
     const uint8_t *wr[ROWS];
     const uint16_t *dr[ROWS];
     vf acc[MT_MAX][ROWS];
-    float zacc[MT_MAX][ROWS];
+    /* the chunk's scales (and Q4_1's offsets 8d + m) as float32, read by broadcasts from memory in the
+     * loop: converting a float16 there cost the vector ports as much as the nibbles did */
+    float scale[ROWS][CHUNK], offset[ROWS][CHUNK];
     for (int i = 0; i < ROWS; i++) {
         int64_t r = n + (i < rows ? i : 0);
         wr[i] = w + r * row_bytes;
         dr[i] = d + r * blocks * pairs;
-        for (int j = 0; j < mt; j++) { acc[j][i] = vzero(); zacc[j][i] = 0.0f; }
+        for (int j = 0; j < mt; j++) acc[j][i] = vzero();
     }
-    for (int64_t b = 0; b < blocks; b++) {
-        const int64_t at = b * block_bytes;
-        if (fetch && (at % LINE) == 0)
-            for (int i = 0; i < ROWS; i++) prefetch(wr[i] + at + ROWS * row_bytes);
-        if (fetch && (b * pairs % (LINE / 2)) == 0)
-            for (int i = 0; i < ROWS; i++) prefetch(dr[i] + b * pairs + ROWS * blocks * pairs);
-        const float *xb = x + b * 32;
-        for (int i = 0; i < ROWS; i++) {
-            const uint8_t *q = wr[i] + at;
-            vf t[MT_MAX];
-            for (int j = 0; j < mt; j++) t[j] = vzero();
-            if (q4) {
-                for (int e = 0; e < 16; e += LANES) {
-                    vf lo, hi;
-                    vnibbles(q + e, &lo, &hi);
-                    for (int j = 0; j < mt; j++) {
-                        t[j] = vfma(vload(xb + j * K + e), lo, t[j]);
-                        t[j] = vfma(vload(xb + j * K + 16 + e), hi, t[j]);
+    for (int64_t b0 = 0; b0 < blocks; b0 += CHUNK) {
+        const int64_t count = blocks - b0 < CHUNK ? blocks - b0 : CHUNK;
+        for (int i = 0; i < ROWS; i++)
+            for (int64_t c = 0; c < count; c++) {
+                scale[i][c] = half(dr[i][(b0 + c) * pairs]);
+                if (kind == 2) offset[i][c] = 8.0f * scale[i][c] + half(dr[i][(b0 + c) * 2 + 1]);
+            }
+        for (int64_t c = 0; c < count; c++) {
+            const int64_t b = b0 + c, at = b * block_bytes;
+            if (fetch && (at % LINE) == 0)
+                for (int i = 0; i < ROWS; i++) prefetch(wr[i] + at + ROWS * row_bytes);
+            if (fetch && (b * pairs % (LINE / 2)) == 0)
+                for (int i = 0; i < ROWS; i++) prefetch(dr[i] + b * pairs + ROWS * blocks * pairs);
+            const float *xb = x + b * 32;
+            for (int i = 0; i < ROWS; i++) {
+                const uint8_t *q = wr[i] + at;
+                vf t[MT_MAX];
+                for (int j = 0; j < mt; j++) t[j] = vzero();
+                if (q4) {
+                    for (int e = 0; e < 16; e += LANES) {
+                        vf lo, hi;
+                        vnibbles(q + e, &lo, &hi);
+                        for (int j = 0; j < mt; j++) {
+                            t[j] = vfma(vload(xb + j * K + e), lo, t[j]);
+                            t[j] = vfma(vload(xb + j * K + 16 + e), hi, t[j]);
+                        }
+                    }
+                } else {
+                    for (int e = 0; e < 32; e += LANES) {
+                        vf wv = vint8((const int8_t *)q + e);
+                        for (int j = 0; j < mt; j++) t[j] = vfma(vload(xb + j * K + e), wv, t[j]);
                     }
                 }
-            } else {
-                for (int e = 0; e < 32; e += LANES) {
-                    vf wv = vint8((const int8_t *)q + e);
-                    for (int j = 0; j < mt; j++) t[j] = vfma(vload(xb + j * K + e), wv, t[j]);
-                }
-            }
-            const float scale = half(dr[i][b * pairs]);
-            for (int j = 0; j < mt; j++) acc[j][i] = vfma(t[j], vset(scale), acc[j][i]);
-            if (kind == 2) {
-                const float offset = 8.0f * scale + half(dr[i][b * 2 + 1]);
-                for (int j = 0; j < mt; j++) zacc[j][i] += offset * xsum[j * blocks + b];
+                for (int j = 0; j < mt; j++) acc[j][i] = vfma(t[j], vset(scale[i][c]), acc[j][i]);
+                if (kind == 2)  /* (8d + m) times the block's x, as 16 pairwise sums: a vector product */
+                    for (int j = 0; j < mt; j++)
+                        for (int e = 0; e < 16; e += LANES)
+                            acc[j][i] = vfma(vload(xsum + j * K / 2 + b * 16 + e), vset(offset[i][c]), acc[j][i]);
             }
         }
     }
     for (int j = 0; j < mt; j++)
-        for (int i = 0; i < ROWS; i++) out[j][i] = vsum(acc[j][i]) + zacc[j][i];
+        for (int i = 0; i < ROWS; i++) out[j][i] = vsum(acc[j][i]);
 }
 
 /* The loop every layout shares: blocks of ROWS weight rows split between threads (``threads`` <= 0:
@@ -250,16 +261,13 @@ void q4_0_rows(const float *x, const uint8_t *w, const uint16_t *d, const float 
     ROW_LOOP(Q4_0_CALL)
 }
 
-/* ``scratch``: M * K / 32 floats (the caller's): each block's sum of x */
+/* ``scratch``: M * K / 2 floats (the caller's): per block of 32 inputs, x[e] + x[e + 16] for e < 16 */
 void q4_1_rows(const float *x, const uint8_t *w, const uint16_t *d, float *scratch, const float *bias, float *y,
                int64_t M, int64_t N, int64_t K, int threads)
 {
-    for (int64_t m = 0; m < M * K / 32; m++) {
-        float sum = 0.0f;
-        for (int e = 0; e < 32; e++) sum += x[m * 32 + e];
-        scratch[m] = sum;
-    }
-#define Q4_1_CALL(MT) gguf_block(xm, scratch + m * (K / 32), w, d, n, rows, K, MT, m == 0, 2, out)
+    for (int64_t b = 0; b < M * K / 32; b++)
+        for (int e = 0; e < 16; e++) scratch[b * 16 + e] = x[b * 32 + e] + x[b * 32 + 16 + e];
+#define Q4_1_CALL(MT) gguf_block(xm, scratch + m * (K / 2), w, d, n, rows, K, MT, m == 0, 2, out)
     ROW_LOOP(Q4_1_CALL)
 }
 
