@@ -34,11 +34,11 @@ from benchmarks.bench_serving import (  # noqa: E402
     HELDOUT,
     NEW,
     PROMPT,
-    decode_speed,
     held_out_text,
     kl,
     llama_cpp,
     llama_cpp_version,
+    timed_generate,
 )
 from benchmarks.common import cpu_model as cpu_name  # noqa: E402
 
@@ -115,11 +115,7 @@ def main() -> None:
         model = transformdsl.load(path).eval()
         if script:
             transformdsl.transform(model, script)
-        start = time.perf_counter()
-        with torch.inference_mode():
-            model.generate(prompt, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
-        first = time.perf_counter() - start
-        prefill, rate, tokens = decode_speed(model, prompt, NEW)
+        first, prefill, rate, tokens = timed_generate(model, prompt)
         # llama.cpp's decode right after ours: a pair measured back to back (bench_serving says why)
         pair = llama_cpp(args.llama_python, path, ids_file, args.threads, decode_only=True)
         rows.append({"ours": name, "tok/s": rate, "prefill ms": prefill * 1e3, "first s": first,

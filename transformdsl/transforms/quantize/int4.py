@@ -249,13 +249,9 @@ class Int4WeightOnlyLinear(StoredWeight):
         if (self.row_kernel and input.numel() <= self._row_limit and input.is_floating_point()
                 and input.device.type == "cpu" and not (input.requires_grad and torch.is_grad_enabled())):
             # decoding: the nibbles read as stored, float32 activations (kernels/rows.c; no derivative)
-            buffers, bias = self._buffers, self.bias
-            fused = bias is None or bias.dtype is torch.float32
-            out = kernels.int4(input, buffers["weight"], buffers["weight_scale"], buffers["weight_zero"],
-                               self.group_size, bias if fused else None)
-            if not fused:
-                out = out + bias.float()
-            return out if input.dtype is torch.float32 else out.to(input.dtype)
+            buffers = self._buffers
+            return kernels.int4(input, buffers["weight"], buffers["weight_scale"], buffers["weight_zero"],
+                                self.group_size, self.bias)
         x = input.reshape(-1, self.in_features).to(self.compute).contiguous()  # the packed kernel's rule
         if layout.weight is not None and x.device.type == "cpu":
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, layout.weight, self.group_size,

@@ -222,12 +222,7 @@ class Int8WeightOnlyLinear(StoredWeight):
         if (self.row_kernel and x.numel() <= self._row_limit and x.is_floating_point()
                 and x.device.type == "cpu" and not (x.requires_grad and torch.is_grad_enabled())):
             # decoding: the int8 bytes read as stored, float32 activations (kernels/rows.c; no derivative)
-            bias = self.bias
-            if bias is None or bias.dtype is torch.float32:
-                out = kernels.rows("int8", x, buffers["weight"], buffers["weight_scale"], bias)
-            else:
-                out = kernels.rows("int8", x, buffers["weight"], buffers["weight_scale"], None) + bias.float()
-            return out if x.dtype is torch.float32 else out.to(x.dtype)
+            return kernels.rows("int8", x, buffers["weight"], buffers["weight_scale"], self.bias)
         if (self.packed_kernel and x.dtype in PACKED_INPUTS and x.device.type == "cpu"
                 and x.numel() <= PACKED_MAX_ROWS * self.in_features
                 and not (torch.is_grad_enabled() and x.requires_grad)):  # the kernel has no derivative

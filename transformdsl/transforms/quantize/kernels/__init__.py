@@ -42,7 +42,7 @@ def _library() -> ctypes.CDLL | None:
             if "library" not in _state:
                 library, _state["status"] = build()
                 if library is not None:  # the bound functions, looked up once (a call runs per layer and token)
-                    _state.update({name: getattr(library, name) for name in (*FUNCTIONS, "q4_1_rows", "int4_rows")})
+                    _state.update({name: getattr(library, name) for name in FUNCTIONS})
                 _state["library"] = library
     return _state["library"]  # type: ignore[return-value]
 
@@ -151,31 +151,33 @@ def _(x, weight, scale, zero, group_size, bias):
     return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
 
 
-def int4(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
-         bias: torch.Tensor | None) -> torch.Tensor:
-    """As :func:`rows`, for ``quantize int4`` layers (:func:`int4_rows`)."""
-    if x.dtype is not torch.float32:
-        x = x.float()
-    if not x.is_contiguous():
-        x = x.contiguous()
-    if not weight.is_contiguous():
-        weight = weight.contiguous()
-    if torch.compiler.is_compiling():
-        return _int4_op(x, weight, scale, zero, group_size, bias)
-    return int4_rows(x, weight, scale, zero, group_size, bias)
-
-
-def rows(kind: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-         bias: torch.Tensor | None) -> torch.Tensor:
-    """The ``kind`` kernel (``"int8"``, ``"q8_0"``, ``"q4_0"``) on ``x`` (any float dtype, any leading
-    dimensions, a few rows in all): float32 (..., out).  ``bias`` is float32 or None.  Only what a call
-    needs is done here: it runs once per layer per decoded token."""
-    if x.dtype is not torch.float32:
+def _run(eager, compiled, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *args) -> torch.Tensor:
+    """``eager(x, weight, *args, bias)`` (``compiled`` under ``torch.compile``) on ``x`` made contiguous
+    float32, the bias fused where it is float32 and added after otherwise; in ``x``'s dtype.  Only what a
+    call needs is done here: it runs once per layer per decoded token."""
+    dtype = x.dtype
+    if dtype is not torch.float32:
         x = x.float()
     if not x.is_contiguous():  # (.to(memory_format=) would return a float32 view unchanged)
         x = x.contiguous()
     if not weight.is_contiguous():  # a loader may assign any tensor; the kernels read rows in place
         weight = weight.contiguous()
-    if torch.compiler.is_compiling():
-        return COMPILED[kind](x, weight, scale, bias)
-    return EAGER[kind](x, weight, scale, bias)
+    fused = bias is None or bias.dtype is torch.float32
+    call = compiled if torch.compiler.is_compiling() else eager
+    out = call(x, weight, *args, bias if fused else None)
+    if not fused:
+        out = out + bias.float()
+    return out if dtype is torch.float32 else out.to(dtype)
+
+
+def rows(kind: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+         bias: torch.Tensor | None) -> torch.Tensor:
+    """The ``kind`` kernel (``"int8"``, ``"q8_0"``, ``"q4_0"``, ``"q4_1"``) on ``x`` (any float dtype, any
+    leading dimensions, a few rows in all) plus ``bias`` (any float dtype or None): (..., out) in ``x``'s dtype."""
+    return _run(EAGER[kind], COMPILED[kind], x, weight, bias, scale)
+
+
+def int4(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+         bias: torch.Tensor | None) -> torch.Tensor:
+    """As :func:`rows`, for ``quantize int4`` layers (:func:`int4_rows`)."""
+    return _run(int4_rows, _int4_op, x, weight, bias, scale, zero, group_size)

@@ -25,8 +25,16 @@ SOURCE = Path(__file__).with_name("rows.c")
 SWITCH = "TRANSFORMDSL_KERNELS"
 #: The narrowest vector build used: narrower (plain C) loses to aten's kernels.
 MIN_LANES = 8
-#: The functions rows.c exports besides ``kernel_lanes``.
-FUNCTIONS = ("int8_rows", "q8_0_rows", "q4_0_rows")  # and int4_rows, declared apart
+_P, _N, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+#: The functions rows.c exports besides ``kernel_lanes``, with their argument types (rows.c's signatures).
+SIGNATURES = {
+    "int8_rows": [_P] * 5 + [_N] * 3 + [_I],
+    "q8_0_rows": [_P] * 5 + [_N] * 3 + [_I],
+    "q4_0_rows": [_P] * 5 + [_N] * 3 + [_I],
+    "q4_1_rows": [_P] * 6 + [_N] * 3 + [_I],
+    "int4_rows": [_P] * 4 + [_I, _N] + [_P] * 3 + [_N] * 3 + [_I],
+}
+FUNCTIONS = tuple(SIGNATURES)
 
 
 def _cpu_key() -> str:
@@ -131,15 +139,10 @@ def build() -> tuple[ctypes.CDLL | None, str]:
 
 
 def _declare(library: ctypes.CDLL) -> None:
-    pointer, size = ctypes.c_void_p, ctypes.c_int64
-    for name in FUNCTIONS:
+    for name, argtypes in SIGNATURES.items():
         function = getattr(library, name)
         function.restype = None
-        function.argtypes = [pointer] * 5 + [size] * 3 + [ctypes.c_int]
-    library.q4_1_rows.restype = None
-    library.q4_1_rows.argtypes = [pointer] * 6 + [size] * 3 + [ctypes.c_int]
-    library.int4_rows.restype = None
-    library.int4_rows.argtypes = [pointer] * 4 + [ctypes.c_int, size] + [pointer] * 3 + [size] * 3 + [ctypes.c_int]
+        function.argtypes = argtypes
     library.kernel_lanes.restype = ctypes.c_int
     library.kernel_lanes.argtypes = []
 
