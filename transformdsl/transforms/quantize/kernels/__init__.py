@@ -117,6 +117,50 @@ def int4_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: 
     return out
 
 
+def quantize_q8_rows(x: torch.Tensor, sums: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``x`` float32 (..., in) contiguous, ``in`` a multiple of 32, rounded to GGUF Q8_0 blocks as llama.cpp
+    rounds activations (``quantize_row_q8_0_ref``): ``(q int8 (..., in), d float32 (..., in/32), s)``, ``d``
+    holding values rounded to float16; ``s`` (with ``sums``) ``d * sum(q)`` per block rounded to float16
+    (ggml's Q8_1, what :func:`q4_1_q8_rows` takes), else None.  An experiment: no layer calls it."""
+    width = x.shape[-1]
+    q = torch.empty(x.shape, dtype=torch.int8)
+    d = torch.empty((*x.shape[:-1], width // 32), dtype=torch.float32)
+    s = torch.empty_like(d) if sums else None
+    _state["quantize_q8_rows"](x.data_ptr(), q.data_ptr(), d.data_ptr(), None if s is None else s.data_ptr(),
+                               x.numel() // width if width else 0, width)
+    return q, d, s
+
+
+def _q8_rows(name: str, q: torch.Tensor, d: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+             bias: torch.Tensor | None, *extra: torch.Tensor) -> torch.Tensor:
+    out = torch.empty((*q.shape[:-1], weight.shape[0]), dtype=torch.float32)
+    width = q.shape[-1]
+    _state[name](q.data_ptr(), d.data_ptr(), *(t.data_ptr() for t in extra), weight.data_ptr(), scale.data_ptr(),
+                 None if bias is None else bias.data_ptr(), out.data_ptr(), q.numel() // width if width else 0,
+                 weight.shape[0], width, 0)
+    return out
+
+
+def q8_0_q8_rows(q: torch.Tensor, d: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """As :func:`q8_0_rows` with activations already rounded by :func:`quantize_q8_rows` (``q``, ``d``):
+    llama.cpp's integer dot products per block.  An experiment: no layer calls it."""
+    return _q8_rows("q8_0_q8_rows", q, d, weight, scale, bias)
+
+
+def q4_0_q8_rows(q: torch.Tensor, d: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """As :func:`q4_0_rows` with activations rounded by :func:`quantize_q8_rows`.  An experiment."""
+    return _q8_rows("q4_0_q8_rows", q, d, weight, scale, bias)
+
+
+def q4_1_q8_rows(q: torch.Tensor, d: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """As :func:`q4_1_rows` with activations rounded by :func:`quantize_q8_rows` (``sums=True``: ``s``, ggml's
+    Q8_1).  An experiment."""
+    return _q8_rows("q4_1_q8_rows", q, d, weight, scale, bias, s)
+
+
 EAGER = {"int8": int8_rows, "q8_0": q8_0_rows, "q4_0": q4_0_rows, "q4_1": q4_1_rows}
 
 

@@ -33,6 +33,11 @@ SIGNATURES = {
     "q4_0_rows": [_P] * 5 + [_N] * 3 + [_I],
     "q4_1_rows": [_P] * 6 + [_N] * 3 + [_I],
     "int4_rows": [_P] * 4 + [_I, _N] + [_P] * 3 + [_N] * 3 + [_I],
+    # int8 activations (llama.cpp's arithmetic; an experiment, no layer calls them): x as Q8_0 blocks
+    "quantize_q8_rows": [_P] * 4 + [_N] * 2,
+    "q8_0_q8_rows": [_P] * 6 + [_N] * 3 + [_I],
+    "q4_0_q8_rows": [_P] * 6 + [_N] * 3 + [_I],
+    "q4_1_q8_rows": [_P] * 7 + [_N] * 3 + [_I],
 }
 FUNCTIONS = tuple(SIGNATURES)
 
@@ -182,6 +187,38 @@ def _self_check(library: ctypes.CDLL) -> str | None:
     for name, (weight, scales, reference) in expected.items():
         out = torch.empty(3, 21)
         getattr(library, name)(x.data_ptr(), weight.data_ptr(), scales.data_ptr(), None, out.data_ptr(), 3, 21, 64, 1)
+        if not torch.allclose(out.double(), reference, rtol=1e-5, atol=1e-4):
+            return f"the compiled {name} failed its self-check (largest error {(out - reference).abs().max():.3g})"
+    # int8 activations: x rounded to Q8_0 blocks (checked against a float64 rounding of the same), then the
+    # exact products of the stored values (3 blocks: an odd count, as K = 96 would give)
+    x3 = torch.randn(3, 96, generator=generator)
+    qx, dx, sx = torch.empty(3, 96, dtype=torch.int8), torch.empty(3, 3), torch.empty(3, 3)
+    library.quantize_q8_rows(x3.data_ptr(), qx.data_ptr(), dx.data_ptr(), sx.data_ptr(), 3, 96)
+    blocks = x3.double().reshape(3, 3, 32)
+    d64 = blocks.abs().amax(-1) / 127
+    if (not torch.equal(dx, d64.float().half().float())
+            or (qx.double().reshape(3, 3, 32) - blocks / d64[..., None]).abs().max() > 0.5 + 1e-4
+            or not torch.allclose(sx.double(), qx.double().reshape(3, 3, 32).sum(-1) * d64, rtol=1e-3, atol=1e-3)):
+        return "the compiled quantize_q8_rows failed its self-check"
+    xq = (qx.double().reshape(3, 3, 32) * dx.double()[..., None]).reshape(3, 96)
+    q96 = torch.randint(-128, 128, (21, 96), dtype=torch.int8, generator=generator)
+    d96 = (torch.rand(21, 3, generator=generator) + 0.5).half()
+    n96 = torch.randint(0, 256, (21, 48), dtype=torch.uint8, generator=generator)
+    c96 = torch.cat(((n96 & 15).reshape(21, 3, 16), (n96 >> 4).reshape(21, 3, 16)), dim=-1).double()
+    dm96 = torch.stack((d96, torch.randn(21, 3, generator=generator).half()), dim=-1)
+    checks = {
+        "q8_0_q8_rows": (q96, d96, q96.double().reshape(21, 3, 32) * d96.double()[..., None]),
+        "q4_0_q8_rows": (n96, d96, (c96 - 8) * d96.double()[..., None]),
+        "q4_1_q8_rows": (n96, dm96, c96 * dm96[..., 0].double()[..., None] + dm96[..., 1].double()[..., None]),
+    }
+    for name, (weight, scales, values) in checks.items():
+        out = torch.empty(3, 21)
+        extra = (sx.data_ptr(),) if name == "q4_1_q8_rows" else ()
+        getattr(library, name)(qx.data_ptr(), dx.data_ptr(), *extra, weight.data_ptr(), scales.data_ptr(), None,
+                               out.data_ptr(), 3, 21, 96, 1)
+        reference = xq @ values.reshape(21, 96).T
+        if name == "q4_1_q8_rows":  # ggml's Q8_1: the minimum times the stored s_x, not the sum of q_x * d_x
+            reference += sx.double() @ dm96[..., 1].double().T - xq.reshape(3, 3, 32).sum(-1) @ dm96[..., 1].double().T
         if not torch.allclose(out.double(), reference, rtol=1e-5, atol=1e-4):
             return f"the compiled {name} failed its self-check (largest error {(out - reference).abs().max():.3g})"
     return None

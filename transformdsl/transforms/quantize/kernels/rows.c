@@ -364,3 +364,272 @@ void int4_rows(const float *x, const uint8_t *w, const void *scale, const void *
         }
     }
 }
+
+/* ---------------------------------------------------------------------------------------------------
+ * int8 activations (an experiment, not used by the layers): llama.cpp's CPU arithmetic for Q8_0, Q4_0
+ * and Q4_1 weights.  The activations are rounded to Q8_0 blocks first (quantize_q8_rows: per 32 inputs
+ * d = max|x| / 127, q = roundf(x / d), as ggml's quantize_row_q8_0_ref), each block's dot product with
+ * the weight's block is an exact integer sum, and the float result is
+ *
+ *     y[m, n] = sum over blocks b of  (d_w[n, b] * d_x[m, b]) * sum_k q_w[n, k] * q_x[m, k]
+ *               (+ for Q4_1, sum over b of m_w[n, b] * s_x[m, b], s_x = d_x * sum_k q_x: ggml's Q8_1)
+ *
+ * as ggml_vec_dot_q4_0_q8_0 computes it, up to float32 summation order.  d_x and s_x are kept as float32
+ * arrays (M x K/32) holding values rounded to float16, as llama.cpp stores them (block_q8_0/q8_1's
+ * ggml_half): the logits follow llama.cpp's rounding, and the kernels convert nothing per block.
+ * Vector paths: AVX512-VNNI (vpdpbusd, two blocks per instruction), AVX2 (vpmaddubsw + vpmaddwd), plain C.
+ *   Q8_0 x Q8_0 (VNNI): the weight made unsigned (w ^ 0x80 = w + 128), minus 128 * sum(q_x) per lane;
+ *   Q4_0 (VNNI): nibbles 0..15 times q_x, minus 8 * sum(q_x);  Q4_1: nibbles times q_x, no correction.
+ *   AVX2 Q8_0: llama.cpp's sign trick (|w| times sign(w) * q_x, |q_x| <= 127 so nothing saturates). */
+#include <math.h>
+
+#if defined(__F16C__)
+static inline float round_half(float f) { return _cvtsh_ss(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT)); }
+#else
+static inline uint32_t fbits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float bitsf(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+/* float -> nearest float16 (ties to even) -> float: ggml's portable GGML_FP32_TO_FP16 */
+static inline float round_half(float f) {
+    float base = (fabsf(f) * 0x1.0p+112f) * 0x1.0p-110f;
+    const uint32_t w = fbits(f), shl1_w = w + w, sign = w & 0x80000000u;
+    uint32_t bias = shl1_w & 0xFF000000u;
+    if (bias < 0x71000000u) bias = 0x71000000u;
+    base = bitsf((bias >> 1) + 0x07800000u) + base;
+    const uint32_t bits = fbits(base), nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
+    return half((uint16_t)((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign)));
+}
+#endif
+
+/* x (M x K float32, K a multiple of 32) -> q (M x K int8), d (M x K/32: d rounded to float16, as float32)
+ * and, where s is not NULL, s (M x K/32: d * sum(q) rounded to float16, ggml's Q8_1 s).  As
+ * quantize_row_q8_0_ref: q from the unrounded d's inverse, roundf (half away from zero). */
+void quantize_q8_rows(const float *x, int8_t *q, float *d, float *s, int64_t M, int64_t K)
+{
+    const int64_t blocks = M * (K / 32);
+    for (int64_t b = 0; b < blocks; b++) {
+        const float *xb = x + b * 32;
+        int8_t *qb = q + b * 32;
+        float amax = 0.0f;
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+        __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+        amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+#else
+        for (int e = 0; e < 32; e++) amax = fmaxf(amax, fabsf(xb[e]));
+#endif
+        const float dv = amax / 127, id = dv != 0.0f ? 1.0f / dv : 0.0f;
+        int sum = 0;
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+        const __m512 vid = _mm512_set1_ps(id), halfv = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f);
+        __m512 v[2] = {_mm512_mul_ps(v0, vid), _mm512_mul_ps(v1, vid)};
+        for (int h = 0; h < 2; h++) {  /* roundf: trunc, then one away from zero where |frac| >= 0.5 (exact) */
+            __m512 t = _mm512_roundscale_ps(v[h], _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+            __mmask16 up = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(v[h], t)), halfv, _CMP_GE_OQ);
+            t = _mm512_mask_add_ps(t, up, t, _mm512_or_ps(one, _mm512_and_ps(v[h], _mm512_set1_ps(-0.0f))));
+            __m512i qi = _mm512_cvttps_epi32(t);
+            _mm_storeu_si128((__m128i *)(qb + 16 * h), _mm512_cvtepi32_epi8(qi));
+            if (s) sum += _mm512_reduce_add_epi32(qi);
+        }
+#else
+        for (int e = 0; e < 32; e++) { qb[e] = (int8_t)roundf(xb[e] * id); sum += qb[e]; }
+#endif
+        d[b] = round_half(dv);
+        if (s) s[b] = round_half((float)sum * dv);
+    }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define Q8_STEP 2  /* blocks per integer vector */
+typedef __m512 qf;
+static inline qf qzero(void) { return _mm512_setzero_ps(); }
+static inline float qsum(qf v) { return _mm512_reduce_add_ps(v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define Q8_STEP 1
+typedef __m256 qf;
+static inline qf qzero(void) { return _mm256_setzero_ps(); }
+static inline float qsum(qf v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#else
+#define Q8_STEP 1
+typedef float qf;
+static inline qf qzero(void) { return 0.0f; }
+static inline float qsum(qf v) { return v; }
+#endif
+
+int q8_kernel_step(void) { return Q8_STEP; }
+
+/* kind 0: Q8_0 weights, 1: Q4_0, 2: Q4_1 (then ``s``: the activation blocks' s_x) */
+INLINE void q8x_block(const int8_t *x, const float *dx, const float *sx, const uint8_t *w, const uint16_t *d,
+                      int64_t n, int64_t rows, int64_t K, const int mt, int fetch, const int kind,
+                      float out[MT_MAX][ROWS])
+{
+    const int q4 = kind != 0, pairs = kind == 2 ? 2 : 1;
+    const int64_t blocks = K / 32, row_bytes = q4 ? K / 2 : K, block_bytes = q4 ? 16 : 32;
+    const uint8_t *wr[ROWS];
+    const uint16_t *dr[ROWS];
+    qf acc[MT_MAX][ROWS];
+    float macc[MT_MAX][ROWS];  /* Q4_1: sum of m_w * s_x */
+    /* the chunk's d_w * d_x as float32 (a zero past the last block: the odd block's empty half reads it) */
+    float ds[MT_MAX][ROWS][CHUNK + 2];
+    for (int i = 0; i < ROWS; i++) {
+        int64_t r = n + (i < rows ? i : 0);
+        wr[i] = w + r * row_bytes;
+        dr[i] = d + r * blocks * pairs;
+        for (int j = 0; j < mt; j++) { acc[j][i] = qzero(); macc[j][i] = 0.0f; }
+    }
+    for (int64_t b0 = 0; b0 < blocks; b0 += CHUNK) {
+        const int64_t count = blocks - b0 < CHUNK ? blocks - b0 : CHUNK;
+        for (int i = 0; i < ROWS; i++) {
+            int64_t c = 0;
+#if defined(__AVX512F__)
+            if (pairs == 1)
+                for (; c + 16 <= count; c += 16) {
+                    __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dr[i] + b0 + c)));
+                    for (int j = 0; j < mt; j++)
+                        _mm512_storeu_ps(&ds[j][i][c], _mm512_mul_ps(dw, _mm512_loadu_ps(dx + j * blocks + b0 + c)));
+                }
+#endif
+            for (; c < count; c++) {
+                const float dw = half(dr[i][(b0 + c) * pairs]);
+                for (int j = 0; j < mt; j++) ds[j][i][c] = dw * dx[j * blocks + b0 + c];
+                if (kind == 2) {
+                    const float mw = half(dr[i][(b0 + c) * 2 + 1]);
+                    for (int j = 0; j < mt; j++) macc[j][i] += mw * sx[j * blocks + b0 + c];
+                }
+            }
+            for (int j = 0; j < mt; j++) ds[j][i][count] = 0.0f;
+        }
+        for (int64_t c = 0; c < count; c += Q8_STEP) {
+            const int64_t b = b0 + c, at = b * block_bytes;
+            if (fetch && (at % LINE) == 0)  /* (a step is 16, 32 or 64 bytes: every line is met) */
+                for (int i = 0; i < ROWS; i++) prefetch(wr[i] + at + ROWS * row_bytes);
+            if (fetch && (b * pairs % (LINE / 2)) == 0)
+                for (int i = 0; i < ROWS; i++) prefetch(dr[i] + b * pairs + ROWS * blocks * pairs);
+            const int8_t *xb = x + b * 32;
+#if Q8_STEP == 2
+            const int single = c + 1 == count;  /* the last of an odd count: the upper half stays zero */
+            __m512i X[MT_MAX], negc[MT_MAX];
+            for (int j = 0; j < mt; j++) {
+                X[j] = single ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(xb + j * K)))
+                              : _mm512_loadu_si512(xb + j * K);
+                if (single) X[j] = _mm512_inserti64x4(X[j], _mm256_setzero_si256(), 1);
+                /* Q4: 128-bit lanes (lo0, hi0, lo1, hi1) -> (lo0, lo1, hi0, hi1), the nibbles' order below */
+                if (q4) X[j] = _mm512_shuffle_i64x2(X[j], X[j], _MM_SHUFFLE(3, 1, 2, 0));
+                negc[j] = _mm512_setzero_si512();
+                if (kind != 2)  /* minus 128 (Q8_0) or 8 (Q4_0) times the lane's sum of q_x */
+                    negc[j] = _mm512_sub_epi32(negc[j], _mm512_dpbusd_epi32(_mm512_setzero_si512(),
+                                               _mm512_set1_epi8(kind == 0 ? (char)0x80 : 8), X[j]));
+            }
+            /* which block each int32 lane sums: Q8_0 (b x8, b+1 x8); Q4 (b x4, b+1 x4, b x4, b+1 x4) */
+            const __m512i lane = q4 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1)
+                                    : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+            for (int i = 0; i < ROWS; i++) {
+                const uint8_t *q = wr[i] + at;
+                __m512i W;
+                if (q4) {  /* 32 bytes (2 blocks) -> (lo0, lo1, hi0, hi1) nibbles */
+                    __m256i raw = single ? _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)q))
+                                         : _mm256_loadu_si256((const __m256i *)q);
+                    if (single) raw = _mm256_inserti128_si256(raw, _mm_setzero_si128(), 1);
+                    W = _mm512_srlv_epi64(_mm512_broadcast_i64x4(raw), _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4));
+                    W = _mm512_and_si512(W, _mm512_set1_epi8(15));
+                } else {
+                    W = single ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)q))
+                               : _mm512_loadu_si512(q);
+                    W = _mm512_xor_si512(W, _mm512_set1_epi8((char)0x80));  /* as unsigned: w + 128 */
+                }
+                for (int j = 0; j < mt; j++) {
+                    __m512i t = _mm512_dpbusd_epi32(negc[j], W, X[j]);
+                    __m512 scale = _mm512_permutexvar_ps(lane, _mm512_castps128_ps512(
+                        _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)&ds[j][i][c]))));
+                    acc[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), scale, acc[j][i]);
+                }
+            }
+#elif defined(__AVX2__) && defined(__FMA__)
+            const __m256i ones = _mm256_set1_epi16(1);
+            __m256i X[MT_MAX], negc[MT_MAX];
+            for (int j = 0; j < mt; j++) {
+                X[j] = _mm256_loadu_si256((const __m256i *)(xb + j * K));
+                negc[j] = _mm256_setzero_si256();
+                if (kind == 1)  /* minus 8 times the block's sum of q_x */
+                    negc[j] = _mm256_sub_epi32(negc[j],
+                                               _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(8), X[j]), ones));
+            }
+            for (int i = 0; i < ROWS; i++) {
+                const uint8_t *q = wr[i] + at;
+                if (q4) {
+                    __m128i raw = _mm_loadu_si128((const __m128i *)q);
+                    __m256i W = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(15));
+                    for (int j = 0; j < mt; j++) {
+                        __m256i t = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(W, X[j]), ones), negc[j]);
+                        acc[j][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(ds[j][i][c]), acc[j][i]);
+                    }
+                } else {
+                    __m256i W = _mm256_loadu_si256((const __m256i *)q), aw = _mm256_sign_epi8(W, W);
+                    for (int j = 0; j < mt; j++) {  /* |w| * (sign(w) q_x): |q_x| <= 127, no saturation */
+                        __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(X[j], W)), ones);
+                        acc[j][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(ds[j][i][c]), acc[j][i]);
+                    }
+                }
+            }
+#else
+            for (int i = 0; i < ROWS; i++) {
+                const uint8_t *q = wr[i] + at;
+                for (int j = 0; j < mt; j++) {
+                    const int8_t *xj = xb + j * K;
+                    int32_t t = 0;
+                    if (q4)
+                        for (int e = 0; e < 16; e++)
+                            t += ((q[e] & 15) - (kind == 1 ? 8 : 0)) * xj[e] + ((q[e] >> 4) - (kind == 1 ? 8 : 0)) * xj[e + 16];
+                    else
+                        for (int e = 0; e < 32; e++) t += (int8_t)q[e] * xj[e];
+                    acc[j][i] += (float)t * ds[j][i][c];
+                }
+            }
+#endif
+        }
+    }
+    for (int j = 0; j < mt; j++)
+        for (int i = 0; i < ROWS; i++) out[j][i] = qsum(acc[j][i]) + macc[j][i];
+}
+
+/* x: M x K int8 (quantize_q8_rows' q), dx (and Q4_1's sx): M x K/32 float32; w, d as q8_0_rows/q4_0_rows/
+ * q4_1_rows take them; K a multiple of 32 */
+#define Q8X_LOOP(KIND, SX)                                                                                \
+    const int64_t nb = K / 32;                                                                          \
+    threads = thread_count(threads);                                                                    \
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1)")                  \
+    for (int64_t n = 0; n < N; n += ROWS) {                                                             \
+        int64_t rows = N - n < ROWS ? N - n : ROWS;                                                     \
+        float out[MT_MAX][ROWS];                                                                        \
+        for (int64_t m = 0; m < M; m += MT_MAX) {                                                       \
+            int mt = M - m >= MT_MAX ? MT_MAX : 1;                                                      \
+            if (mt == MT_MAX)                                                                           \
+                q8x_block(x + m * K, dx + m * nb, SX, w, d, n, rows, K, MT_MAX, m == 0, KIND, out);     \
+            else                                                                                        \
+                q8x_block(x + m * K, dx + m * nb, SX, w, d, n, rows, K, 1, m == 0, KIND, out);          \
+            for (int j = 0; j < mt; j++)                                                                \
+                for (int64_t i = 0; i < rows; i++)                                                      \
+                    y[(m + j) * N + n + i] = out[j][i] + (bias ? bias[n + i] : 0.0f);                   \
+        }                                                                                               \
+    }
+
+void q8_0_q8_rows(const int8_t *x, const float *dx, const uint8_t *w, const uint16_t *d, const float *bias,
+                  float *y, int64_t M, int64_t N, int64_t K, int threads)
+{
+    Q8X_LOOP(0, NULL)
+}
+
+void q4_0_q8_rows(const int8_t *x, const float *dx, const uint8_t *w, const uint16_t *d, const float *bias,
+                  float *y, int64_t M, int64_t N, int64_t K, int threads)
+{
+    Q8X_LOOP(1, NULL)
+}
+
+/* sx: quantize_q8_rows' s (d_x * sum of the block's q_x, rounded to float16) */
+void q4_1_q8_rows(const int8_t *x, const float *dx, const float *sx, const uint8_t *w, const uint16_t *d,
+                  const float *bias, float *y, int64_t M, int64_t N, int64_t K, int threads)
+{
+    Q8X_LOOP(2, sx + m * nb)
+}

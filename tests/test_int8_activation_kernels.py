@@ -1,0 +1,161 @@
+"""The int8-activation decode kernels (rows.c: ``quantize_q8_rows``, ``q8_0_q8_rows``, ``q4_0_q8_rows``,
+``q4_1_q8_rows``; an experiment no layer calls yet): llama.cpp's arithmetic, activations rounded to Q8_0
+blocks, an exact integer dot product per block times ``d_w * d_x``, compared with a torch reference of
+the same arithmetic; the rounding compared with the ``gguf`` package's own Q8_0 bytes."""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from transformdsl.transforms.quantize import kernels
+from transformdsl.transforms.quantize.gguf_blocks import (
+    _roundf,
+    quantize_q4_0,
+    quantize_q4_1,
+    quantize_q8_0,
+    unpack_q4_0,
+)
+
+build = importlib.import_module("transformdsl.transforms.quantize.kernels.build")  # (the package's ``build`` is a function)
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"decode kernels not built here: {kernels.status()}")
+
+KINDS = ("q8_0", "q4_0", "q4_1")
+ROWS = (1, 2, 3, 8)
+SHAPES = [(61, 96), (21, 32), (100, 576), (13, 1536), (576, 160)]  # N not a multiple of 8; odd block counts
+
+
+def reference_quantize(x: torch.Tensor):
+    """llama.cpp's quantize_row_q8_0_ref / q8_1_ref in float32: (q, d rounded to float16, s rounded to float16)."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, 32)
+    d = blocks.abs().amax(-1) / 127
+    inverse = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    q = _roundf(blocks * inverse[..., None])
+    s = (q.sum(-1) * d).half().float()
+    return q.to(torch.int8).reshape(x.shape), d.half().float(), s
+
+
+def weight_of(kind: str, shape, generator):
+    weight = torch.randn(*shape, generator=generator)
+    if kind == "q8_0":
+        values, scale = quantize_q8_0(weight)
+        return values, scale, values.long()
+    packed, scale = (quantize_q4_0 if kind == "q4_0" else quantize_q4_1)(weight)
+    return packed, scale, unpack_q4_0(packed).long() - (8 if kind == "q4_0" else 0)
+
+
+def reference_product(kind: str, q, d, s, codes, scale):
+    """sum over blocks of float32(d_w * d_x) * (integer dot product), plus Q4_1's m_w * s_x; in float64."""
+    rows, width = q.shape
+    blocks = width // 32
+    dots = torch.einsum("mbk,nbk->mnb", q.long().reshape(rows, blocks, 32), codes.reshape(-1, blocks, 32))
+    dw = (scale[..., 0] if kind == "q4_1" else scale).float()
+    products = dw[None] * d[:, None]  # float32, as the kernels (and ggml) multiply them
+    out = (dots.double() * products.double()).sum(-1)
+    if kind == "q4_1":
+        out += s.double() @ scale[..., 1].double().T
+    # what float32 summation error is relative to: the sum of the elementwise products' magnitudes (the
+    # kernels sum a block in int32 lanes, then the lanes' float products)
+    magnitudes = torch.einsum("mbk,nbk->mnb", q.long().abs().reshape(rows, blocks, 32), codes.abs().reshape(-1, blocks, 32))
+    bound = (magnitudes.double() * products.double().abs()).sum(-1)
+    if kind == "q4_1":
+        bound += s.double().abs() @ scale[..., 1].double().abs().T
+    return out, bound
+
+
+def call(library, kind: str, q, d, s, weight, scale, bias=None, threads: int = 1) -> torch.Tensor:
+    rows, width = q.shape
+    out = torch.empty(rows, weight.shape[0])
+    extra = (s.data_ptr(),) if kind == "q4_1" else ()
+    getattr(library, f"{kind}_q8_rows")(q.data_ptr(), d.data_ptr(), *extra, weight.data_ptr(), scale.data_ptr(),
+                                         None if bias is None else bias.data_ptr(), out.data_ptr(), rows,
+                                         weight.shape[0], width, threads)
+    return out
+
+
+def quantize(library, x: torch.Tensor):
+    q, d, s = torch.empty(x.shape, dtype=torch.int8), torch.empty(x.shape[0], x.shape[1] // 32), torch.empty(
+        x.shape[0], x.shape[1] // 32)
+    library.quantize_q8_rows(x.data_ptr(), q.data_ptr(), d.data_ptr(), s.data_ptr(), x.shape[0], x.shape[1])
+    return q, d, s
+
+
+def check_library(library, kinds=KINDS, rows_list=ROWS, shapes=SHAPES) -> float:
+    """Every kernel against the reference; the largest error relative to the float32 bound."""
+    worst = 0.0
+    for kind in kinds:
+        for shape in shapes:
+            generator = torch.Generator().manual_seed(shape[0] * 7 + shape[1])
+            weight, scale, codes = weight_of(kind, shape, generator)
+            for rows in rows_list:
+                x = torch.randn(rows, shape[1], generator=generator) * 3
+                x[0, :32] = 0  # an all-zero block: d = 0, q = 0
+                q, d, s = quantize(library, x)
+                rq, rd, rs = reference_quantize(x)
+                assert torch.equal(q, rq) and torch.equal(d, rd) and torch.equal(s, rs)
+                out = call(library, kind, q, d, s, weight, scale)
+                exact, bound = reference_product(kind, q, d, s, codes, scale)
+                error = ((out.double() - exact).abs() / (bound + 1e-30)).max().item()
+                assert error < 2e-6, (kind, shape, rows, error)
+                worst = max(worst, error)
+    return worst
+
+
+def test_kernels_match_llama_cpp_arithmetic():
+    check_library(kernels._library())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bias_threads_and_wrappers(kind):
+    generator = torch.Generator().manual_seed(5)
+    weight, scale, codes = weight_of(kind, (203, 576), generator)
+    x = torch.randn(5, 576, generator=generator)
+    bias = torch.randn(203, generator=generator)
+    q, d, s = kernels.quantize_q8_rows(x, sums=kind == "q4_1")
+    args = (q, d, s) if kind == "q4_1" else (q, d)
+    out = getattr(kernels, f"{kind}_q8_rows")(*args, weight, scale, bias)
+    exact, bound = reference_product(kind, q, d, s if s is not None else d, codes, scale)
+    assert ((out.double() - exact - bias.double()).abs() <= 2e-6 * bound + 1e-6).all()
+    one = call(kernels._library(), kind, q, d, s, weight, scale, bias, threads=1)
+    two = call(kernels._library(), kind, q, d, s, weight, scale, bias, threads=2)
+    assert torch.equal(one, two) and torch.equal(one, out)
+
+
+def test_quantize_matches_the_gguf_package():
+    quants = pytest.importorskip("gguf.quants")
+    gguf = pytest.importorskip("gguf")
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 1536, generator=generator) * torch.logspace(-3, 2, 1536)
+    x[1, 64:96] = 0
+    x[2, :32] = torch.tensor([0.5, -0.5, 1.5, -2.5] * 8) * (127 / 2.5)  # ties at the rounding boundary
+    q, d, _ = kernels.quantize_q8_rows(x)
+    ours = torch.cat((d.half().view(torch.uint8).reshape(4, -1, 2), q.view(torch.uint8).reshape(4, -1, 32)), -1)
+    theirs = quants.quantize(x.numpy(), gguf.GGMLQuantizationType.Q8_0)
+    assert ours.reshape(4, -1).numpy().tobytes() == theirs.tobytes()
+
+
+VARIANTS = {"AVX2": ["-mno-avx512f"], "plain C": ["-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-f16c", "-mno-avx"]}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_narrower_builds_compute_the_same(variant, tmp_path):
+    """The AVX2 and plain-C paths, compiled here with AVX-512 (or AVX2) switched off: the same results."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        pytest.skip("no C compiler")
+    target = tmp_path / "rows.so"
+    done = subprocess.run([compiler, "-O3", "-march=native", *VARIANTS[variant], "-shared", "-fPIC",
+                           str(build.SOURCE), "-o", str(target)], capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        pytest.skip(f"this compiler cannot build the {variant} variant: {done.stderr[-300:]}")
+    library = ctypes.CDLL(str(target))
+    build._declare(library)
+    assert (library.kernel_lanes(), library.q8_kernel_step()) == ((8, 1) if variant == "AVX2" else (1, 1))
+    check_library(library, rows_list=(1, 3), shapes=SHAPES[:3])
