@@ -471,13 +471,22 @@ INLINE void q8x_block(const int8_t *x, const float *dx, const float *sx, const u
     const uint16_t *dr[ROWS];
     qf acc[MT_MAX][ROWS];
     float macc[MT_MAX][ROWS];  /* Q4_1: sum of m_w * s_x */
+#if defined(__AVX512F__)
+    __m512 mvacc[MT_MAX][ROWS];  /* its vector part */
+#endif
     /* the chunk's d_w * d_x as float32 (a zero past the last block: the odd block's empty half reads it) */
     float ds[MT_MAX][ROWS][CHUNK + 2];
     for (int i = 0; i < ROWS; i++) {
         int64_t r = n + (i < rows ? i : 0);
         wr[i] = w + r * row_bytes;
         dr[i] = d + r * blocks * pairs;
-        for (int j = 0; j < mt; j++) { acc[j][i] = qzero(); macc[j][i] = 0.0f; }
+        for (int j = 0; j < mt; j++) {
+            acc[j][i] = qzero();
+            macc[j][i] = 0.0f;
+#if defined(__AVX512F__)
+            mvacc[j][i] = _mm512_setzero_ps();
+#endif
+        }
     }
     for (int64_t b0 = 0; b0 < blocks; b0 += CHUNK) {
         const int64_t count = blocks - b0 < CHUNK ? blocks - b0 : CHUNK;
@@ -489,6 +498,25 @@ INLINE void q8x_block(const int8_t *x, const float *dx, const float *sx, const u
                     __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dr[i] + b0 + c)));
                     for (int j = 0; j < mt; j++)
                         _mm512_storeu_ps(&ds[j][i][c], _mm512_mul_ps(dw, _mm512_loadu_ps(dx + j * blocks + b0 + c)));
+                }
+            else  /* Q4_1: 16 blocks' (d, m) pairs, split */
+                for (; c + 16 <= count; c += 16) {
+                    const __m256i *h = (const __m256i *)(dr[i] + (b0 + c) * 2);
+                    __m512 lo = _mm512_cvtph_ps(_mm256_loadu_si256(h)), hi = _mm512_cvtph_ps(_mm256_loadu_si256(h + 1));
+                    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+                    __m512 dw = _mm512_permutex2var_ps(lo, even, hi);
+                    __m512 mw = _mm512_permutex2var_ps(lo, _mm512_add_epi32(even, _mm512_set1_epi32(1)), hi);
+                    for (int j = 0; j < mt; j++) {
+                        _mm512_storeu_ps(&ds[j][i][c], _mm512_mul_ps(dw, _mm512_loadu_ps(dx + j * blocks + b0 + c)));
+                        mvacc[j][i] = _mm512_fmadd_ps(mw, _mm512_loadu_ps(sx + j * blocks + b0 + c), mvacc[j][i]);
+                    }
+                }
+#elif defined(__AVX2__) && defined(__F16C__)
+            if (pairs == 1)
+                for (; c + 8 <= count; c += 8) {
+                    __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dr[i] + b0 + c)));
+                    for (int j = 0; j < mt; j++)
+                        _mm256_storeu_ps(&ds[j][i][c], _mm256_mul_ps(dw, _mm256_loadu_ps(dx + j * blocks + b0 + c)));
                 }
 #endif
             for (; c < count; c++) {
@@ -591,7 +619,12 @@ INLINE void q8x_block(const int8_t *x, const float *dx, const float *sx, const u
         }
     }
     for (int j = 0; j < mt; j++)
-        for (int i = 0; i < ROWS; i++) out[j][i] = qsum(acc[j][i]) + macc[j][i];
+        for (int i = 0; i < ROWS; i++) {
+#if defined(__AVX512F__)
+            if (kind == 2) macc[j][i] += _mm512_reduce_add_ps(mvacc[j][i]);
+#endif
+            out[j][i] = qsum(acc[j][i]) + macc[j][i];
+        }
 }
 
 /* x: M x K int8 (quantize_q8_rows' q), dx (and Q4_1's sx): M x K/32 float32; w, d as q8_0_rows/q4_0_rows/
