@@ -29,7 +29,8 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"decode kernels
 
 KINDS = ("q8_0", "q4_0", "q4_1")
 ROWS = (1, 2, 3, 8)
-SHAPES = [(61, 96), (21, 32), (100, 576), (13, 1536), (576, 160)]  # N not a multiple of 8; odd block counts
+SHAPES = [(61, 96), (21, 32), (100, 576), (13, 1536), (576, 160), (9, 2336)]  # N not a multiple of 8; odd block
+# counts; 73 blocks: past one chunk of 64 (the scales converted a chunk at a time)
 
 
 def reference_quantize(x: torch.Tensor):

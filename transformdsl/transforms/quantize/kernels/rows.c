@@ -438,7 +438,7 @@ void quantize_q8_rows(const float *x, int8_t *q, float *d, float *s, int64_t M, 
 }
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define Q8_STEP 2  /* blocks per integer vector */
+#define Q8_STEP 2  /* blocks per integer vector (Q4: two vectors, 4 blocks a step) */
 typedef __m512 qf;
 static inline qf qzero(void) { return _mm512_setzero_ps(); }
 static inline float qsum(qf v) { return _mm512_reduce_add_ps(v); }
@@ -459,6 +459,12 @@ static inline float qsum(qf v) { return v; }
 #endif
 
 int q8_kernel_step(void) { return Q8_STEP; }
+#if Q8_STEP == 2
+/* n bytes (0..64) from p, the rest zero (a masked load: nothing past p + n is read) */
+static inline __m512i load_first(const void *p, int64_t n) {
+    return n >= 64 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8(n <= 0 ? 0 : (~0ULL >> (64 - n)), p);
+}
+#endif
 
 /* kind 0: Q8_0 weights, 1: Q4_0, 2: Q4_1 (then ``s``: the activation blocks' s_x) */
 INLINE void q8x_block(const int8_t *x, const float *dx, const float *sx, const uint8_t *w, const uint16_t *d,
@@ -474,8 +480,8 @@ INLINE void q8x_block(const int8_t *x, const float *dx, const float *sx, const u
 #if defined(__AVX512F__)
     __m512 mvacc[MT_MAX][ROWS];  /* its vector part */
 #endif
-    /* the chunk's d_w * d_x as float32 (a zero past the last block: the odd block's empty half reads it) */
-    float ds[MT_MAX][ROWS][CHUNK + 2];
+    /* the chunk's d_w * d_x as float32 (zeros past the last block: a short step's empty lanes read them) */
+    float ds[MT_MAX][ROWS][CHUNK + 4];
     for (int i = 0; i < ROWS; i++) {
         int64_t r = n + (i < rows ? i : 0);
         wr[i] = w + r * row_bytes;
@@ -527,9 +533,11 @@ INLINE void q8x_block(const int8_t *x, const float *dx, const float *sx, const u
                     for (int j = 0; j < mt; j++) macc[j][i] += mw * sx[j * blocks + b0 + c];
                 }
             }
-            for (int j = 0; j < mt; j++) ds[j][i][count] = 0.0f;
+            for (int j = 0; j < mt; j++)
+                for (int e = 0; e < 4; e++) ds[j][i][count + e] = 0.0f;
         }
-        for (int64_t c = 0; c < count; c += Q8_STEP) {
+        const int step = Q8_STEP == 2 && q4 ? 4 : Q8_STEP;
+        for (int64_t c = 0; c < count; c += step) {
             const int64_t b = b0 + c, at = b * block_bytes;
             if (fetch && (at % LINE) == 0)  /* (a step is 16, 32 or 64 bytes: every line is met) */
                 for (int i = 0; i < ROWS; i++) prefetch(wr[i] + at + ROWS * row_bytes);
@@ -537,36 +545,46 @@ INLINE void q8x_block(const int8_t *x, const float *dx, const float *sx, const u
                 for (int i = 0; i < ROWS; i++) prefetch(dr[i] + b * pairs + ROWS * blocks * pairs);
             const int8_t *xb = x + b * 32;
 #if Q8_STEP == 2
-            const int single = c + 1 == count;  /* the last of an odd count: the upper half stays zero */
+          if (q4) {  /* (Q4_1: no correction) */
+            /* 4 blocks: weight bytes (b0, b1, b2, b3) -> low nibbles (q[0..15] of each) and high ones
+             * (q[16..31]), x's 128-bit lanes regrouped to match: (b0 lo, b1 lo, b2 lo, b3 lo), (.. hi ..) */
+            const int64_t left = count - c;  /* 4 except at a chunk's end: masked loads, zero lanes */
+            __m512i XL[MT_MAX], XH[MT_MAX], negc[MT_MAX];
+            for (int j = 0; j < mt; j++) {
+                __m512i X0 = load_first(xb + j * K, left * 32), X1 = load_first(xb + j * K + 64, left * 32 - 64);
+                XL[j] = _mm512_shuffle_i64x2(X0, X1, _MM_SHUFFLE(2, 0, 2, 0));
+                XH[j] = _mm512_shuffle_i64x2(X0, X1, _MM_SHUFFLE(3, 1, 3, 1));
+                negc[j] = _mm512_setzero_si512();
+                if (kind == 1) {  /* minus 8 times the lane's sum of q_x */
+                    __m512i eights = _mm512_set1_epi8(8);
+                    negc[j] = _mm512_sub_epi32(negc[j], _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(
+                        _mm512_setzero_si512(), eights, XL[j]), eights, XH[j]));
+                }
+            }
+            const __m512i lane = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+            const __m512i low = _mm512_set1_epi8(15);
+            for (int i = 0; i < ROWS; i++) {
+                __m512i W = load_first(wr[i] + at, left * 16);
+                __m512i L = _mm512_and_si512(W, low), H = _mm512_and_si512(_mm512_srli_epi16(W, 4), low);
+                for (int j = 0; j < mt; j++) {
+                    __m512i t = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(negc[j], L, XL[j]), H, XH[j]);
+                    __m512 scale = _mm512_permutexvar_ps(lane, _mm512_castps128_ps512(_mm_loadu_ps(&ds[j][i][c])));
+                    acc[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), scale, acc[j][i]);
+                }
+            }
+            continue;
+          }
+            /* Q8_0, 2 blocks: the weight as unsigned (w ^ 0x80 = w + 128), minus 128 times the lane's sum of q_x */
+            const int64_t left = count - c;  /* 2, or 1 at an odd count's end: the upper half zero */
             __m512i X[MT_MAX], negc[MT_MAX];
             for (int j = 0; j < mt; j++) {
-                X[j] = single ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(xb + j * K)))
-                              : _mm512_loadu_si512(xb + j * K);
-                if (single) X[j] = _mm512_inserti64x4(X[j], _mm256_setzero_si256(), 1);
-                /* Q4: 128-bit lanes (lo0, hi0, lo1, hi1) -> (lo0, lo1, hi0, hi1), the nibbles' order below */
-                if (q4) X[j] = _mm512_shuffle_i64x2(X[j], X[j], _MM_SHUFFLE(3, 1, 2, 0));
-                negc[j] = _mm512_setzero_si512();
-                if (kind != 2)  /* minus 128 (Q8_0) or 8 (Q4_0) times the lane's sum of q_x */
-                    negc[j] = _mm512_sub_epi32(negc[j], _mm512_dpbusd_epi32(_mm512_setzero_si512(),
-                                               _mm512_set1_epi8(kind == 0 ? (char)0x80 : 8), X[j]));
+                X[j] = load_first(xb + j * K, left * 32);
+                negc[j] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(
+                    _mm512_setzero_si512(), _mm512_set1_epi8((char)0x80), X[j]));
             }
-            /* which block each int32 lane sums: Q8_0 (b x8, b+1 x8); Q4 (b x4, b+1 x4, b x4, b+1 x4) */
-            const __m512i lane = q4 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1)
-                                    : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+            const __m512i lane = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
             for (int i = 0; i < ROWS; i++) {
-                const uint8_t *q = wr[i] + at;
-                __m512i W;
-                if (q4) {  /* 32 bytes (2 blocks) -> (lo0, lo1, hi0, hi1) nibbles */
-                    __m256i raw = single ? _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)q))
-                                         : _mm256_loadu_si256((const __m256i *)q);
-                    if (single) raw = _mm256_inserti128_si256(raw, _mm_setzero_si128(), 1);
-                    W = _mm512_srlv_epi64(_mm512_broadcast_i64x4(raw), _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4));
-                    W = _mm512_and_si512(W, _mm512_set1_epi8(15));
-                } else {
-                    W = single ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)q))
-                               : _mm512_loadu_si512(q);
-                    W = _mm512_xor_si512(W, _mm512_set1_epi8((char)0x80));  /* as unsigned: w + 128 */
-                }
+                __m512i W = _mm512_xor_si512(load_first(wr[i] + at, left * 32), _mm512_set1_epi8((char)0x80));
                 for (int j = 0; j < mt; j++) {
                     __m512i t = _mm512_dpbusd_epi32(negc[j], W, X[j]);
                     __m512 scale = _mm512_permutexvar_ps(lane, _mm512_castps128_ps512(
