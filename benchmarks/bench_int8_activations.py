@@ -11,7 +11,9 @@ call (1 and 8 rows) through every layer of a model, in the model's order:
 
 Both call the C functions directly with buffers allocated beforehand (the same Python overhead for both
 but for int8 x's second call).  The two alternate in one process, ``repeats`` times; medians.  Rate = stored
-bytes (weights and float16 scales) ÷ time.  Not yet a layer's path: an experiment (see rows.c).
+bytes (weights and float16 scales) ÷ time.  Rel. diff: the largest over the distinct layers of
+||int8 x's output - float x's|| / ||float x's|| (what rounding the activations to int8 changes; random
+weights and inputs).  Not yet a layer's path: an experiment (see rows.c).
 """
 
 from __future__ import annotations
@@ -98,9 +100,17 @@ def measure(shapes, kind: str, rows: int, repeats: int) -> dict:
         times_new.append(timed(run_new))
         times_q.append(timed(run_quantize_only))
     t_old, t_new, t_q = (statistics.median(t) for t in (times_old, times_new, times_q))
+    # what rounding x to int8 changes: each distinct layer's output, ||int8 x - float x|| / ||float x||
+    differences = []
+    for index in sorted({shapes.index(shape) for shape in shapes}):
+        (fn, args), ((qfn, qargs), (nfn, nargs)) = calls_old[index], calls_new[index]
+        fn(*args)
+        before = outs[index].clone()
+        qfn(*qargs), nfn(*nargs)
+        differences.append(((outs[index] - before).norm() / before.norm()).item())
     return {"float x ms": f"{t_old * 1e3:.2f}", "float x GB/s": f"{nbytes / t_old / 1e9:.1f}",
             "int8 x ms": f"{t_new * 1e3:.2f}", "int8 x GB/s": f"{nbytes / t_new / 1e9:.1f}",
-            "of which quantize ms": f"{t_q * 1e3:.3f}", "int8 ÷ float": f"{t_new / t_old:.2f}×",
+            "of which quantize ms": f"{t_q * 1e3:.3f}", "rel. diff": f"{max(differences):.1e}", "int8 ÷ float": f"{t_new / t_old:.2f}×",
             "speedup": f"{t_old / t_new:.2f}×"}
 
 
@@ -125,14 +135,15 @@ def main() -> None:
                     print(row, flush=True)
                     rows_out.append(row)
     columns = ["weights", "layer", "rows", "float x ms", "float x GB/s", "int8 x ms", "int8 x GB/s",
-               "of which quantize ms", "int8 ÷ float", "speedup"]
+               "of which quantize ms", "int8 ÷ float", "speedup", "rel. diff"]
     text = (header("Int8 activations (llama.cpp's arithmetic) against float32 activations, our decode kernels",
                    started, threads=1)
             + f"\nCPU: {cpu_model()}; our kernels: {kernels.status()}.\n\n" + __doc__.split("\n\n", 2)[2].strip()
             + "\n\n" + table(rows_out, columns) + "\n")
-    print(table(rows_out, columns))
     if args.out:
         write(args.out, text)
+    else:
+        print(table(rows_out, columns))
 
 
 if __name__ == "__main__":
