@@ -377,10 +377,14 @@ void int4_rows(const float *x, const uint8_t *w, const void *scale, const void *
  * as ggml_vec_dot_q4_0_q8_0 computes it, up to float32 summation order.  d_x and s_x are kept as float32
  * arrays (M x K/32) holding values rounded to float16, as llama.cpp stores them (block_q8_0/q8_1's
  * ggml_half): the logits follow llama.cpp's rounding, and the kernels convert nothing per block.
- * Vector paths: AVX512-VNNI (vpdpbusd, two blocks per instruction), AVX2 (vpmaddubsw + vpmaddwd), plain C.
+ * (llama.cpp's x86 build quantizes x with its SIMD quantize_row_q8_0, not the reference: 127 / max and
+ * round-half-even; about 2 in a million q_x differ by one from the reference's on Gaussian inputs.)
+ * Vector paths: AVX512-VNNI (vpdpbusd: Q8_0 two blocks a step, Q4_0/Q4_1 four), AVX2 (vpmaddubsw +
+ * vpmaddwd, one block a step), plain C.
  *   Q8_0 x Q8_0 (VNNI): the weight made unsigned (w ^ 0x80 = w + 128), minus 128 * sum(q_x) per lane;
  *   Q4_0 (VNNI): nibbles 0..15 times q_x, minus 8 * sum(q_x);  Q4_1: nibbles times q_x, no correction.
- *   AVX2 Q8_0: llama.cpp's sign trick (|w| times sign(w) * q_x, |q_x| <= 127 so nothing saturates). */
+ *   AVX2 Q8_0: llama.cpp's sign trick (|w| times sign(w) * q_x, |q_x| <= 127 so nothing saturates).
+ * Measured against the float32-activation kernels above: benchmarks/bench_int8_activations.py. */
 #include <math.h>
 
 #if defined(__F16C__)
