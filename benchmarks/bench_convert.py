@@ -461,6 +461,15 @@ def _llama_forward_text(ran: dict) -> str:
 GPTQ_SCRIPT = 'calibrate "{directory}/calibration.safetensors" samples=8\nquantize int4 group_size=128 method=gptq'
 
 
+def _write_calibration_ids(directory: Path) -> None:
+    """``GPTQ_SCRIPT``'s calibration data: 8 samples of 128 random token ids."""
+    import torch
+    from safetensors.torch import save_file
+
+    ids = torch.randint(0, LLAMA_13B["vocab_size"], (8, 128), generator=torch.Generator().manual_seed(0))
+    save_file({"input_ids": ids}, str(directory / "calibration.safetensors"))
+
+
 def llama_13b(args) -> None:
     directory = Path(args.llama_13b)
     memory = _memory_total()
@@ -473,11 +482,7 @@ def llama_13b(args) -> None:
               f"({made['bytes'] / memory:.2f}x this machine's memory) in {time.perf_counter() - begin:.0f} s",
               flush=True)
         if any("calibrate" in script for script in scripts):
-            import torch
-            from safetensors.torch import save_file
-
-            ids = torch.randint(0, LLAMA_13B["vocab_size"], (8, 128), generator=torch.Generator().manual_seed(0))
-            save_file({"input_ids": ids}, str(directory / "calibration.safetensors"))
+            _write_calibration_ids(directory)
         rows = convert_and_run(args, directory, made, f"{made['params'] / 1e9:.2f} B params, "
                                f"{made['bytes'] / 1e9:.1f} GB bf16 ({made['bytes'] / memory:.2f}× memory)",
                                _load_and_run_llama, "load + forward (8 tokens)", _llama_forward_text, scripts,
@@ -528,10 +533,14 @@ def workers_13b(args) -> None:
     count = args.workers
     threads = os.cpu_count() or 1
     rows = []
+    blocks = 2 if args.smoke else args.blocks
     try:
-        made = write_llama(directory / "source", **({"num_hidden_layers": 2} if args.smoke else {}))
+        made = write_llama(directory / "source", **({"num_hidden_layers": blocks} if blocks else {}))
         print(f"wrote {made['bytes'] / 1e9:.1f} GB", flush=True)
-        for script in args.scripts.split(","):
+        if "gptq" in args.scripts.split(","):
+            _write_calibration_ids(directory)
+        for script in (GPTQ_SCRIPT.format(directory=directory) if name == "gptq" else name
+                       for name in args.scripts.split(",")):
             results, digests = {}, {}
             for label, kwargs in (("1 process", {"threads": threads, "workers": 1}),
                                   (f"{count} workers", {"threads": threads, "workers": count})):
@@ -546,7 +555,9 @@ def workers_13b(args) -> None:
             one, many = results["1 process"], results[f"{count} workers"]
             ok = one["status"] == many["status"] == "ok"
             rows.append({
-                "script": script, "source": f"{made['params'] / 1e9:.2f} B params, {made['bytes'] / 1e9:.1f} GB bf16",
+                "script": script.replace(str(directory), "DIR").replace("\n", "; "),
+                "source": f"{made['params'] / 1e9:.2f} B params, {made['bytes'] / 1e9:.1f} GB bf16"
+                          + (f" ({blocks} of the 40 blocks)" if blocks else ""),
                 "1 process s": f"{one['seconds']:.0f}" if one["status"] == "ok" else one["status"],
                 f"{count} workers s": f"{many['seconds']:.0f}" if many["status"] == "ok" else many["status"],
                 "time ÷ 1 process": f"{many['seconds'] / one['seconds']:.2f}" if ok else "",
@@ -557,12 +568,20 @@ def workers_13b(args) -> None:
             })
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+    if not args.smoke:  # rows of scripts not run this time are kept from the last run
+        previous = json.loads((RESULTS / "convert.json").read_text()).get("workers_13b", []) \
+            if (RESULTS / "convert.json").exists() else []
+        ran = {(row["script"], row["source"]) for row in rows}
+        rows = [row for row in previous if (row["script"], row["source"]) not in ran] + rows
     text = (f"\n## convert --workers {count} on the Llama-2-13B shape\n\n"
             f"Measured on this machine ({cpu_model()}, {threads} cores, {memory / 2**30:.1f} GiB), at the time of each "
             f"row.  Command: `nice -n 10 .venv/bin/python benchmarks/bench_convert.py --llama-13b /work/bigllama "
-            f"--workers {count}`.  The same source as above (random bf16 weights, written then deleted); each way in "
+            f"--workers {count} [--scripts gptq --blocks 4]`.  The same source as above (random bf16 weights, written "
+            f"then deleted; `--blocks 4`: 4 of its 40 blocks, each of the 13B shape); each way in "
             f"a fresh process: one process with all {threads} torch threads, and `workers={count}` (each worker "
-            f"{max(1, threads // count)} thread(s), the parent writing).  Peak RSS: the watchdog's highest sample of "
+            f"{max(1, threads // count)} thread(s), the parent writing; for the GPTQ row, {count} processes each "
+            f"holding a share of the 8 samples, each with all {threads} threads, summing the Hessians: spec.md, "
+            "\"Calibration across processes\").  Peak RSS: the watchdog's highest sample of "
             "the process and its children together (file pages of the mapped source counted in each process that "
             "touched them).  Same bytes: SHA-256 over every file of the two saves, save id masked.\n\n")
     text += table(rows, list(rows[0])) + "\n"
@@ -590,6 +609,8 @@ def main(argv=None) -> None:
                         help="with --llama-13b: torch threads of the convert (GPTQ's matrix products use them)")
     parser.add_argument("--workers", type=int, default=0,
                         help="with --llama-13b: compare convert --workers N with one process instead")
+    parser.add_argument("--blocks", type=int, default=0,
+                        help="with --llama-13b --workers N: only this many of the 40 blocks (0: all)")
     args = parser.parse_args(argv)
     if args.llama_13b and args.workers:
         if "--max-rss-gb" not in (argv or sys.argv):

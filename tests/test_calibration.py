@@ -492,3 +492,62 @@ def test_the_auto_budget_keeps_a_small_set_in_memory_and_spills_a_large_one():
     assert tight.spilled == 4 * 64 * 1024 * 4 and "activations=disk" in tight.note()
     with pytest.raises(ValueError, match="activations='tape': one of auto, memory, disk"):
         ActivationStore("tape")
+
+
+# ---------------------------------------------------------------------------------- samples shared by processes
+
+
+class _Pooled:
+    """Every simulated process's tree nodes and row counts, as the processes' exchanges would pool them."""
+
+    def __init__(self, accumulators):
+        self.nodes, self.rows = [], sum(a.rows for a in accumulators)
+        for accumulator in accumulators:
+            accumulator.sums._settle()
+            self.nodes += [(a, w, m.clone()) for a, w, m in accumulator.sums.nodes]
+
+    def share(self):
+        from transformdsl.calibration.shares import Share
+
+        pooled = self
+
+        class Exchanged(Share):  # the gloo exchanges, here in one process
+            def count_sum(self, value):
+                return pooled.rows
+
+            def gather(self, nodes, shape, dtype):
+                return list(pooled.nodes)
+
+        return Exchanged(0, 0, 0)
+
+
+@pytest.mark.parametrize("total", [1, 3, 8, 13, 40])
+@pytest.mark.parametrize("processes", [2, 3, 4, 8])
+def test_a_hessian_summed_over_any_split_of_the_samples_is_the_one_process_hessian_bit_for_bit(total, processes):
+    """convert --workers N: the samples cut into whole slices per process, each process's subtrees summed
+    where it is, the tree completed from all of them: the bytes one process sums (float addition is not
+    associative: inputs of very different magnitudes, so another order would show)."""
+    from transformdsl.calibration.gptq import HessianAccumulator
+    from transformdsl.calibration.shares import Share, split
+
+    generator = torch.Generator().manual_seed(total * 10 + processes)
+    xs = [torch.randn(3, 6, generator=generator) * 10.0 ** torch.randint(-3, 4, (1,), generator=generator).item()
+          for _ in range(total)]
+    whole = Share.whole(total)
+    one = HessianAccumulator(6, torch.device("cpu"))
+    for index, x in enumerate(xs):
+        one.add(x, whole.slice_of(index))
+    reference, rows = one.total()
+    parts = []
+    for first, count in split(total, processes):
+        share = Share(first, count, total)
+        accumulator = HessianAccumulator(6, torch.device("cpu"))
+        for local in range(count):
+            accumulator.add(xs[first + local], share.slice_of(local))
+        parts.append(accumulator)
+    assert sum(count for _, count in split(total, processes)) == total
+    if total >= 8:  # every slice holds a sample: every process gets a share
+        assert len(parts) == processes
+    summed, summed_rows = parts[0].total(_Pooled(parts).share())
+    assert summed_rows == rows == 3 * total
+    assert torch.equal(summed, reference)

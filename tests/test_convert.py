@@ -469,11 +469,55 @@ def test_a_statement_failing_in_a_worker_is_the_one_process_error_and_writes_not
     assert [p.name for p in tmp_path.iterdir()] == []
 
 
+def _token_samples(count: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 100, (1, 16), generator=generator) for _ in range(count)]
+
+
+@pytest.mark.parametrize("name, script, workers, samples", [
+    ("llama", "quantize int4 group_size=32 method=gptq except lm_head", 2, 8),
+    ("llama", "fuse qkv\nquantize int8 weight_only=true method=gptq except lm_head", 4, 8),
+    ("gpt2", "quantize int8 weight_only=true method=gptq except lm_head", 3, 5),  # shares of 1 and 2 slices
+])
+def test_workers_share_the_calibration_samples_and_write_the_one_process_save(sources, tmp_path, name, script,
+                                                                              workers, samples):
+    """A GPTQ statement with ``workers=N``: each process runs the blocks on its share of the samples and
+    the Hessians are summed in one order whatever the split, so the save is the one-process save, byte
+    for byte (save id aside)."""
+    data = _token_samples(samples)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # few samples: said by a warning
+        one = transformdsl.convert(sources[name], script, tmp_path / "one", calibration=data)
+        many = transformdsl.convert(sources[name], script, tmp_path / "many", calibration=data, workers=workers)
+    assert_same_bytes(one, many)
+
+
+def test_a_helper_failing_on_its_share_of_the_samples_is_the_one_process_error(sources, tmp_path):
+    """A sample that overflows, held by the second process: the run ends with the message one process
+    gives (naming that sample), and nothing is written."""
+    data = [models.sample_inputs("flux", seed=seed) for seed in range(6)]
+    data[4][0][0][0, 0, 0] = float("inf")  # its hidden_states
+    errors = []
+    for workers in (1, 2):
+        with warnings.catch_warnings(), pytest.raises(TransformError) as caught:
+            warnings.simplefilter("ignore")
+            transformdsl.convert(sources["flux"], "quantize int8 weight_only=true method=gptq in "
+                                 "single_transformer_blocks.*", tmp_path / "out", calibration=data, workers=workers)
+        errors.append(str(caught.value))
+    assert errors[0] == errors[1]
+    assert "single_transformer_blocks.0 computes NaN or infinity on sample 4" in errors[0]
+    assert [p.name for p in tmp_path.iterdir()] == []
+
+
 def test_workers_refuse_calibrated_statements_and_bad_counts(sources, tmp_path):
     data = [models.sample_inputs("llama", seed=seed) for seed in range(2)]
-    with pytest.raises(TransformError, match=r"line 1: 'quantize int4 group_size=32 method=gptq except lm_head' "
-                                             r"learns from calibration data.*without workers=2"):
-        transformdsl.convert(sources["llama"], "quantize int4 group_size=32 method=gptq except lm_head",
+    with pytest.raises(TransformError, match=r"line 1: 'quantize int4 group_size=32 method=awq except lm_head' "
+                                             r"learns from calibration data in a way that processes holding "
+                                             r"different samples cannot sum back exactly.*without workers=2"):
+        transformdsl.convert(sources["llama"], "quantize int4 group_size=32 method=awq except lm_head",
+                             tmp_path / "out", workers=2, calibration=data)
+    with pytest.raises(TransformError, match=r"'quantize w8a8 smooth=0.5 method=gptq except lm_head' learns"):
+        transformdsl.convert(sources["llama"], "quantize w8a8 smooth=0.5 method=gptq except lm_head",
                              tmp_path / "out", workers=2, calibration=data)
     with pytest.raises(TransformError, match="workers=0: the number of processes"):
         transformdsl.convert(sources["llama"], "quantize int8", tmp_path / "out", workers=0)

@@ -454,8 +454,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strict", action="store_true",
                    help="fail, writing nothing, if a statement would change no module (else a warning)")
     p.add_argument("--workers", type=_positive, default=1, metavar="N",
-                   help="convert the model's blocks in N processes, each with a share of the threads; the "
-                        "output is the one-process output, byte for byte (default: 1)")
+                   help="convert the model's blocks in N processes, each with a share of the threads (a GPTQ "
+                        "statement: N processes each running the blocks on a share of the calibration samples); "
+                        "the output is the one-process output, byte for byte (default: 1)")
     p.add_argument("-q", "--quiet", action="store_true",
                    help="print only errors: no progress bar, no warnings from the model libraries")
     p.set_defaults(func=cmd_convert)

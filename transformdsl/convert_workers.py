@@ -24,6 +24,7 @@ import builtins
 import concurrent.futures
 import contextlib
 import dataclasses
+import datetime
 import multiprocessing
 import os
 from collections.abc import Callable, Iterator
@@ -179,3 +180,108 @@ def pool(count: int, start: Callable, start_args: tuple, work: Callable[[int], A
 def threads_per_worker(count: int) -> int:
     """Each worker's share of this process's torch threads (at least one)."""
     return max(1, torch.get_num_threads() // count)
+
+
+# --------------------------------------------------------------------------- samples shared between processes
+
+#: How long a process sharing calibration samples waits for the others at one exchange (they do the
+#: same work between exchanges, so a long wait means a process is stuck or gone).
+TIMEOUT = datetime.timedelta(minutes=30)
+
+
+def _gloo(store, rank: int, size: int):
+    """A gloo process group of our own over loopback: not torch.distributed's default group, so a
+    caller's own process group (or none) is left as it is."""
+    import torch.distributed as dist
+
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = TIMEOUT
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    return dist.ProcessGroupGloo(store, rank, size, options)
+
+
+def join_group(port: int, rank: int, size: int):
+    """In a helper process: the group the parent (rank 0) made, listening on ``port``."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=TIMEOUT)
+    return _gloo(store, rank, size)
+
+
+class SampleGroup:
+    """The processes sharing a calibrated statement's samples with this one (``convert --workers N``).
+
+    This process is rank 0; ranks 1.. are spawned running ``target(rank, size, port, share, *args,
+    pipe)``, where ``share`` is the rank's ``(first sample, count)``.  Each says ``"ready"`` on its
+    pipe before joining the group, then ``"done"`` when its work is done, or a :class:`Failure`.
+    :attr:`group` is the gloo group the shares sum their statistics over.
+    """
+
+    def __init__(self, shares: list[tuple[int, int]], target: Callable, args: tuple):
+        import torch.distributed as dist
+
+        self.size = len(shares)
+        self.store = dist.TCPStore("127.0.0.1", 0, self.size, is_master=True, timeout=TIMEOUT,
+                                   wait_for_workers=False)
+        context = multiprocessing.get_context("spawn")
+        self.processes: list[multiprocessing.process.BaseProcess] = []
+        self.pipes: list[Any] = []
+        for rank in range(1, self.size):
+            receive, send = context.Pipe(duplex=False)
+            process = context.Process(target=target, args=(rank, self.size, self.store.port, shares[rank], *args,
+                                                           send), daemon=True)
+            process.start()
+            send.close()
+            self.processes.append(process)
+            self.pipes.append(receive)
+        for process, pipe in zip(self.processes, self.pipes):
+            if self._answer(process, pipe) != "ready":
+                raise self.failure()
+        self.group = _gloo(self.store, 0, self.size)
+
+    @staticmethod
+    def _answer(process, pipe, wait: float | None = None) -> Any:
+        """The process's next message (waiting while it lives, at most ``wait`` seconds), or None if it
+        ended without one."""
+        waited = 0.0
+        while not pipe.poll(0.2):
+            waited += 0.2
+            if not process.is_alive() or (wait is not None and waited >= wait):
+                return pipe.recv() if pipe.poll(0) else None
+        try:
+            return pipe.recv()
+        except EOFError:
+            return None
+
+    def failure(self) -> BaseException:
+        """The error to raise after an exchange failed: the first helper's own, or one saying a helper
+        ended without an answer."""
+        failures = [answer for answer in (self._answer(process, pipe, wait=30.0)
+                                          for process, pipe in zip(self.processes, self.pipes))
+                    if isinstance(answer, Failure)]
+        # a helper's own error before another's "connection closed" (which only says it saw one end)
+        failures.sort(key=lambda failure: "gloo" in failure.trace.lower() or "connection closed" in failure.message.lower())
+        if failures:
+            return failures[0].exception()
+        return TransformError("a convert worker process sharing the calibration samples ended without an answer: "
+                              "killed, out of memory (convert with fewer workers), or it could not start (a script "
+                              "calling convert(workers=N) must do so under 'if __name__ == \"__main__\":', as for "
+                              "any spawned process); nothing was written")
+
+    def finish(self) -> None:
+        """Wait for every helper's end, raising the first one's error."""
+        for process, pipe in zip(self.processes, self.pipes):
+            answer = self._answer(process, pipe)
+            if answer != "done":
+                raise answer.exception() if isinstance(answer, Failure) else self.failure()
+            process.join()
+
+    def close(self) -> None:
+        """End the helpers that are still running (after a failure here) and forget the group."""
+        for process in self.processes:
+            if process.is_alive():
+                process.kill()
+            process.join()
+        for pipe in self.pipes:
+            pipe.close()
+        self.group = None

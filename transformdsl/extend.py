@@ -144,6 +144,10 @@ class Transform:
     #: script has neither a ``calibrate`` statement nor ``calibration=`` data for it.  A property
     #: when it depends on the options (``quantize int4 method=gptq``).
     needs_calibration: ClassVar[bool] = False
+    #: Whether :meth:`apply_blocks` fits on statistics that processes holding different calibration
+    #: samples sum back exactly (:mod:`transformdsl.calibration.shares`: ``convert --workers N`` splits
+    #: the samples); ``False``: ``convert`` refuses ``workers > 1`` for the statement.
+    shares_samples: ClassVar[bool] = False
     #: ``quant_method`` values of a library checkpoint's ``quantization_config`` whose layers this
     #: transform rebuilds as its own (:meth:`import_checkpoint`): ``load(dir)`` reads such a checkpoint.
     quant_methods: ClassVar[tuple[str, ...]] = ()

@@ -96,8 +96,10 @@ def convert(source: str | os.PathLike, script: Any, out: str | os.PathLike, *, c
     its head) are converted in ``N`` worker processes (spawned; each opens the source and plans the
     script itself and gets a share of this process's torch threads), while this process converts
     the rest and writes every unit's tensors in order: the output is the one-process output, byte
-    for byte (save id aside).  A statement that learns from calibration data is refused with
-    ``workers > 1`` (its samples are carried from block to block, in order).  The per-statement
+    for byte (save id aside).  A GPTQ statement's samples are split instead (its blocks go in order):
+    ``N`` processes each run the blocks on a share of them, every process with this one's torch
+    threads, and the Hessians are summed in one order whatever the split, so the output is still the
+    one-process output, byte for byte; AWQ and SmoothQuant are refused with ``workers > 1``.  The per-statement
     seconds ``log`` prints are then summed over the processes.  The workers are spawned: a script
     that calls ``convert(..., workers=N)`` does so under ``if __name__ == "__main__":``.
 
@@ -167,10 +169,11 @@ def _check_workers(the_plan: Plan, workers: int) -> None:
     """Refuse ``workers > 1`` for what it cannot run, before anything is written."""
     source = the_plan.script.source
     for step in the_plan.steps:
-        if step.transform.needs_calibration:
+        if step.transform.needs_calibration and not step.transform.shares_samples:
             raise TransformError(f"line {step.statement.line}: '{step.text(source)}' learns from calibration "
-                                 f"data, which convert carries from block to block in one process: convert it "
-                                 f"without workers={workers} (--workers); nothing was written")
+                                 f"data in a way that processes holding different samples cannot sum back exactly "
+                                 f"(method=gptq without smooth= can): convert it without workers={workers} "
+                                 f"(--workers); nothing was written")
 
 
 def _calibration_data(the_plan: Plan, skeleton: nn.Module, folder: Path, calibration: Any, tokenizer: Any, log):
@@ -487,6 +490,10 @@ class _Stream:
         self.started = time.perf_counter()
         #: ``(N, (source, component, script))`` to convert whole-subtree units in N worker processes.
         self.workers: tuple[int, tuple] | None = None
+        #: The calibration samples this process holds (None: all; convert --workers N: a share of them).
+        self.share: Any = None
+        #: False in a process sharing the samples with the writing one: units are dropped, not written.
+        self.writing = directory is not None
 
     def summary(self, log: Callable[[str], None]) -> None:
         """One line per statement, as ``apply`` prints them, then the total time."""
@@ -515,22 +522,26 @@ class _Stream:
         attributes: dict[str, Any] = {}
         notes: dict = {}
         bar = self._bar()
+        calibrated = any(step.transform.needs_calibration for i, step in enumerate(steps) if i not in deferred)
         try:
-            streams: dict[int, Any] = {}
-            written: set[int] = set()
-            if any(step.transform.needs_calibration for step in steps):
-                streams, written = self._start_calibration(units, steps, deferred, records, layout, attributes,
-                                                           notes, bar)
-            with self._pool(units, written) as workers:
-                for index, unit in enumerate(units):
-                    if index in written:
-                        continue
-                    if workers is not None and index in workers:
-                        done = self._receive(unit, workers.result(index), records, layout, attributes)
-                    else:
-                        done = self._unit(unit, steps, deferred, records, layout, attributes, notes, streams)
-                    if bar is not None:
-                        bar.update(done)
+            with self._sharing(calibrated) as sharing:
+                streams: dict[int, Any] = {}
+                written: set[int] = set()
+                if calibrated:
+                    streams, written = self._start_calibration(units, steps, deferred, records, layout, attributes,
+                                                               notes, bar)
+                with self._pool(units, written, calibrated) as workers:
+                    for index, unit in enumerate(units):
+                        if index in written:
+                            continue
+                        if workers is not None and index in workers:
+                            done = self._receive(unit, workers.result(index), records, layout, attributes)
+                        else:
+                            done = self._unit(unit, steps, deferred, records, layout, attributes, notes, streams)
+                        if bar is not None:
+                            bar.update(done)
+                if sharing is not None:
+                    sharing.finish()
         finally:
             if bar is not None:
                 bar.close()
@@ -625,6 +636,10 @@ class _Stream:
         return restore, sum(self.sizes[key][1] for key in keys)
 
     def _write(self, unit: Unit, restore: list, layout: dict, attributes: dict) -> None:
+        if not self.writing:  # a process sharing the samples: the writing one writes the same unit
+            self._drop(unit, restore)
+            _give_back_freed_memory()
+            return
         out, part = collect_tensors(self.root, only=unit.has_key)
         self.writer.add(out)
         del out
@@ -642,8 +657,11 @@ class _Stream:
         the first two blocks; then those units are written.  Returns the calibrated statements'
         streams, and the units written."""
         from .calibration.sequential import BlockStream, trace_link
+        from .calibration.shares import Share
 
-        streams = {i: BlockStream(self.root, list(step.targets), self.data.samples, self.data.activations)
+        share = self.share or Share.whole(len(self.data.samples))
+        samples = self.data.samples[share.first:share.first + share.count]
+        streams = {i: BlockStream(self.root, list(step.targets), samples, self.data.activations, share)
                    for i, step in enumerate(steps) if step.transform.needs_calibration and i not in deferred}
         blocks = next((s.blocks for s in streams.values() if s.blocks), [])
         outside = [i for i, unit in enumerate(units) if not any(unit.covers(b) for b in blocks)]
@@ -664,7 +682,7 @@ class _Stream:
         edit.commit()
         if first is not None and len(blocks) > 1:
             read[first] = self._read(units[first])
-            link = trace_link(self.root, blocks[0], blocks[1], self.data.samples[0])
+            link = trace_link(self.root, blocks[0], blocks[1], samples[0])
             for stream in streams.values():
                 stream.link = link
         for j in outside:
@@ -682,12 +700,65 @@ class _Stream:
 
     # ------------------------------------------------------------------- across processes
 
-    def _pool(self, units: list[Unit], written: set[int]):
+    @contextlib.contextmanager
+    def _sharing(self, calibrated: bool):
+        """With ``workers=N`` and a calibrated statement: the processes holding the other shares of the
+        calibration samples (:class:`~transformdsl.convert_workers.SampleGroup`), this one holding the
+        first; each runs the calibrated blocks on its share and sums its statistics with the others.
+        Otherwise None."""
+        from .calibration.shares import Share, split
+        from .convert_workers import SampleGroup
+
+        if self.workers is None or not calibrated:
+            yield None
+            return
+        count, (source, component, script) = self.workers
+        total = len(self.data.samples)
+        shares = split(total, count)
+        if len(shares) < 2:
+            yield None
+            return
+        plugins = [(cls.__module__, cls.__qualname__) for cls in registry.registered_at_run_time()]
+        # every process computes with this one's thread count: a float sum's bytes depend on it
+        group = SampleGroup(shares, _share_helper, (source, component, script, torch.get_num_threads(), plugins,
+                                                    self.data))
+        try:
+            self.share = Share(*shares[0], total, group.group, 0, group.size)
+            try:
+                yield group
+            except Exception as exc:
+                if _exchange_failed(exc):  # a helper ended first: its error is the run's
+                    raise group.failure() from None
+                raise
+        finally:
+            self.share = None
+            group.close()
+
+    def follow(self) -> None:
+        """In a process holding a share of the calibration samples: run the units the calibrated
+        statements fit, in order, as :meth:`run` does in the writing process, writing nothing."""
+        self.root.eval()
+        units, deferred = plan_units(self.root, self.plan, self.aliases)
+        steps = self.plan.steps
+        records: list[list[tuple[int, dict]]] = [[] for _ in steps]
+        notes: dict = {}
+        layout: dict[str, Any] = {"nonpersistent": [], "aliases": {}}
+        streams, written = self._start_calibration(units, steps, deferred, records, layout, {}, notes, None)
+        blocks = {block for stream in streams.values() for block in stream.blocks[:stream.last + 1]}
+        todo = [i for i, unit in enumerate(units) if i not in written and any(unit.covers(b) for b in blocks)]
+        for index in todo:
+            restore, _ = self._read(units[index])
+            self._transform(units[index], steps, deferred, records, notes, streams)
+            self._drop(units[index], restore)
+            _give_back_freed_memory()
+
+    def _pool(self, units: list[Unit], written: set[int], calibrated: bool = False):
         """The worker processes of ``workers=N`` with the units they convert (whole subtrees not
-        written yet), or a null context (one process; nothing for workers to do)."""
+        written yet), or a null context (one process; nothing for workers to do; or a calibrated
+        statement's blocks, which go in order: its samples are shared instead, :meth:`_sharing`)."""
         from .convert_workers import PARTS, pool, threads_per_worker
 
-        if self.workers is None:
+        if self.workers is None or calibrated:
             return contextlib.nullcontext()
         count, (source, component, script) = self.workers
         remote = [i for i, unit in enumerate(units) if i not in written and len(unit.parts) == 1
@@ -847,6 +918,47 @@ def _worker_unit(index: int):
         return _WORKER["stream"].convert_part(_WORKER["units"], index, _WORKER["deferred"])
     except Exception as exc:  # noqa: BLE001 - raised again in the parent
         return failure(exc)
+
+
+def _share_helper(rank: int, size: int, port: int, share: tuple[int, int], source: str, component: str | None,
+                  script: Any, threads: int, plugins: list[tuple[str, str]], data: Any, pipe) -> None:
+    """A process holding share ``share`` (first sample, count) of a calibrated convert's samples: it
+    joins the writing process's group, opens the source and plans the script as ``convert`` did, then
+    :meth:`_Stream.follow`; says "done" on ``pipe``, or the failure that stopped it."""
+    from .calibration.shares import Share
+    from .convert_workers import failure, join_group
+
+    torch.set_num_threads(threads)
+    warnings.simplefilter("ignore")  # the parent has warned
+    try:
+        pipe.send("ready")
+        group = join_group(port, rank, size)
+        registry.register_by_name(plugins)
+        with guard.loading(), SaveDir.open(Path(source)) as folder:
+            located = _locate(folder, component)
+            opened = located.open()
+            try:
+                stream = _Stream(opened, _plan_on(opened, located, script, True), None, DEFAULT_SHARD_BYTES, "",
+                                 False, data)
+                stream.share = Share(*share, len(data.samples), group, rank, size)
+                stream.follow()
+            finally:
+                opened.close()
+        pipe.send("done")
+    except BaseException as exc:  # noqa: BLE001 - handed to the parent, which raises it
+        try:
+            pipe.send(failure(exc))
+        except (BrokenPipeError, OSError):
+            pass
+
+
+def _exchange_failed(exc: BaseException) -> bool:
+    """Whether ``exc`` (maybe wrapped by a statement's error) is gloo's: another process of the group ended."""
+    while exc is not None:
+        if isinstance(exc, RuntimeError) and ("gloo" in str(exc).lower() or "Connection closed" in str(exc)):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 class _Converted(nn.Module):

@@ -31,6 +31,8 @@ from typing import Protocol
 
 import torch
 
+from .shares import Share, TreeSum
+
 #: How many times a Hessian that Cholesky refuses is dampened ten times more.
 MAX_RETRIES = 4
 
@@ -54,20 +56,44 @@ class Result:
 
 
 class HessianAccumulator:
-    """``2/n Σ xᵀx`` over the rows ``x`` of a layer's inputs (float32, in x in)."""
+    """``2/n Σ xᵀx`` over the rows ``x`` of a layer's inputs (float32, in x in), summed in the canonical
+    order of :mod:`~transformdsl.calibration.shares` (slice by slice, the slices as a tree), so that
+    processes holding different samples sum to the same bytes one process does."""
 
     def __init__(self, columns: int, device: torch.device):
-        self.matrix = torch.zeros(columns, columns, dtype=torch.float32, device=device)
+        self.columns = columns
+        self.device = device
+        self.sums = TreeSum()
+        #: Input rows added in this process.
         self.rows = 0
 
-    def add(self, x: torch.Tensor) -> None:
+    def add(self, x: torch.Tensor, part: int = 0) -> None:
+        """Add the rows of ``x`` (an input of a sample of slice ``part``)."""
         x = x.reshape(-1, x.shape[-1]).float()
-        added = x.shape[0]
-        if not added:
+        if not x.shape[0]:
             return
-        self.matrix.mul_(self.rows / (self.rows + added))
-        self.rows += added
-        self.matrix.addmm_(x.T, x, alpha=2.0 / self.rows)
+        current = self.sums.current(part)
+        if current is None:
+            self.sums.start(part, x.T @ x)
+        else:
+            current.addmm_(x.T, x)
+        self.rows += x.shape[0]
+
+    def total(self, share: Share | None = None) -> tuple[torch.Tensor | None, int]:
+        """``(Hessian, rows)`` over every process of ``share`` (collective when it has a group; None
+        when no process added a row); the sums are handed over, so call it once."""
+        share = share or Share.whole(1)
+        rows = share.count_sum(self.rows)
+        matrix = self.sums.total(share, (self.columns, self.columns), torch.float32)
+        if matrix is None or not rows:
+            return None, rows
+        return matrix.mul_(2.0 / rows), rows
+
+    @property
+    def matrix(self) -> torch.Tensor:
+        """The Hessian of what this process added (one process: :meth:`total`)."""
+        matrix, _ = self.total()
+        return matrix if matrix is not None else torch.zeros(self.columns, self.columns, device=self.device)
 
 
 def hessian(x: torch.Tensor) -> torch.Tensor:

@@ -408,13 +408,8 @@ class SmoothQuant(_ScaleMethod):
         folds = _Folds(unit, self.layers.ctx.edit).apply(plans)
         scaled = {id(group): scales for (group, scales), (_, where) in zip(plans, folds) if where is not None}
         if self.then is not None:
-            for index, group in enumerate(unit.groups):  # the Hessian of x / s is S^-1 H S^-1
-                scales = scaled.get(id(group))
-                if scales is not None:
-                    hessian = self.then.hessians[index]
-                    inverse = (1.0 / scales).to(hessian.matrix.device)
-                    hessian.matrix = hessian.matrix * inverse[:, None] * inverse[None, :]
-            self.then.finish(unit)
+            self.then.finish(unit, scaled={index: scaled[id(group)] for index, group in enumerate(unit.groups)
+                                           if id(group) in scaled})
         else:
             for group in unit.groups:
                 for path in group.paths:

@@ -33,6 +33,7 @@ from torch import nn
 from ..errors import TransformError
 from .activations import ActivationStore
 from .data import Sample
+from .shares import Share
 
 
 class _Stop(Exception):
@@ -61,6 +62,19 @@ class Unit:
     module: nn.Module
     groups: list[InputGroup]
     inputs: list[Sample]
+    #: Which of all the samples ``inputs`` are (this process's share of them: :mod:`.shares`).
+    share: Share | None = None
+    #: The index in ``inputs`` of the sample being run.
+    current: int = 0
+
+    def __post_init__(self):
+        if self.share is None:
+            self.share = Share.whole(len(self.inputs))
+
+    @property
+    def part(self) -> int:
+        """The slice (:mod:`.shares`) of the sample being run: where its statistics are summed."""
+        return self.share.slice_of(self.current)
 
     def run(self, sample: Sample) -> Any:
         """The unit's output for one of its inputs (as the model would compute it now)."""
@@ -238,7 +252,7 @@ def _trace_blocks(root: nn.Module, blocks: list[str], sample: Sample) -> tuple[l
 
 
 def capture_inputs(root: nn.Module, block: str, samples: list[Sample],
-                   store: ActivationStore | None = None) -> list[Sample]:
+                   store: ActivationStore | None = None, first: int = 0) -> list[Sample]:
     """Each sample's arguments to ``block``, by running the model up to it (kept by ``store``)."""
     module = root.get_submodule(block)
     captured: list[Sample] = []
@@ -257,7 +271,7 @@ def capture_inputs(root: nn.Module, block: str, samples: list[Sample],
             except _Stop:
                 pass
             if len(captured) == before:
-                raise TransformError(f"calibration: the model did not reach {block} on sample {index}")
+                raise TransformError(f"calibration: the model did not reach {block} on sample {first + index}")
     return captured
 
 
@@ -344,7 +358,8 @@ def _run_unit(unit: Unit, method: Method) -> None:
         handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
     with _hooks(handles):
         for index, sample in enumerate(unit.inputs):
-            _check_finite(unit.run(sample), unit.name, index)
+            unit.current = index
+            _check_finite(unit.run(sample), unit.name, unit.share.first + index)
     method.finish(unit)
 
 
@@ -399,15 +414,19 @@ def calibrate(root: nn.Module, targets: list[str], samples: list[Sample], method
     return report
 
 
-def _fit_block(root: nn.Module, block: str, targets: list[str], inputs: list[Sample], method: Method) -> None:
-    """Fit and replace ``block``'s ``targets`` with ``method`` on the block's ``inputs``."""
+def _fit_block(root: nn.Module, block: str, targets: list[str], inputs: list[Sample], method: Method,
+               share: Share | None = None) -> None:
+    """Fit and replace ``block``'s ``targets`` with ``method`` on the block's ``inputs`` (``share``
+    of all the samples: the processes holding the others fit the same layers with this one)."""
     module = root.get_submodule(block)
     groups = input_groups(module, block, targets, root, inputs[0])
-    _run_unit(Unit(root, block, module, groups, inputs), method)
+    share = share or Share.whole(len(inputs))
+    share.same(repr([group.paths for group in groups]), f"which of {block}'s layers read one input")
+    _run_unit(Unit(root, block, module, groups, inputs, share), method)
 
 
 def _next_inputs(root: nn.Module, block: str, inputs: list[Sample], link: Link | None,
-                 store: ActivationStore | None = None) -> list[Sample] | None:
+                 store: ActivationStore | None = None, first: int = 0) -> list[Sample] | None:
     """The next block's inputs: ``block`` (as it is now: quantized) run on ``inputs``, its outputs
     passed on by ``link`` (None: not derivable, captured again by running the model), each kept by
     ``store`` as it is made."""
@@ -416,7 +435,7 @@ def _next_inputs(root: nn.Module, block: str, inputs: list[Sample], link: Link |
     following: list[Sample] = []
     for index, sample in enumerate(inputs):
         output = _call(module, sample)
-        _check_finite(output, block, index)
+        _check_finite(output, block, first + index)
         if link is not None:
             following.extend(store.keep([link(sample, output)], of=len(inputs)))
     return None if link is None else following
@@ -475,8 +494,11 @@ class BlockStream:
     The blocks are those of one list, called in the list's order, each on what the one before
     it returns (checked on the first two, by :func:`trace_link`); every target is in a block."""
 
-    def __init__(self, root: nn.Module, targets: list[str], samples: list[Sample], activations: str = "auto"):
+    def __init__(self, root: nn.Module, targets: list[str], samples: list[Sample], activations: str = "auto",
+                 share: Share | None = None):
         self.root = root
+        #: Which of all the samples ``samples`` are (convert --workers N: this process's share).
+        self.share = share or Share.whole(len(samples))
         self.store = ActivationStore(activations)
         self.blocks, self.by_block, self.rest = split_into_blocks(root, targets)
         self.samples = samples
@@ -489,7 +511,7 @@ class BlockStream:
         """Capture the first block's inputs: the modules that run before it must be loaded."""
         if self.last >= 0:
             with evaluating(self.root):
-                self.inputs = capture_inputs(self.root, self.blocks[0], self.samples, self.store)
+                self.inputs = capture_inputs(self.root, self.blocks[0], self.samples, self.store, self.share.first)
 
     def advance(self, block: str, method: Callable[[], Method]) -> None:
         """Block ``block`` (loaded, the statements before this one applied to it): its targets fitted
@@ -499,6 +521,6 @@ class BlockStream:
             return
         with evaluating(self.root):
             if self.by_block.get(block):
-                _fit_block(self.root, block, self.by_block[block], self.inputs, method())
+                _fit_block(self.root, block, self.by_block[block], self.inputs, method(), self.share)
             self.inputs = None if position == self.last else _next_inputs(self.root, block, self.inputs, self.link,
-                                                                          self.store)
+                                                                          self.store, self.share.first)

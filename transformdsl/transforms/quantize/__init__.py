@@ -135,6 +135,10 @@ class Quantize(Transform):
     def needs_calibration(self) -> bool:  # depends on the options (see Transform.needs_calibration)
         return bool(getattr(self.options, "calibrated", False))
 
+    @property
+    def shares_samples(self) -> bool:  # GPTQ sums Hessians; AWQ and SmoothQuant decide on one sample's pass
+        return getattr(self.options, "method", "") == "gptq" and not getattr(self.options, "smooth", 0.0)
+
 
 class Int8Quantization(Quantize):
     quant_methods = ("bitsandbytes",)  # a stock bitsandbytes checkpoint reads as this statement

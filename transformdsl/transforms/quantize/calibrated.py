@@ -121,6 +121,7 @@ class GPTQ:
     def begin(self, unit) -> None:
         from ...calibration.gptq import HessianAccumulator
 
+        self.unit = unit
         self.hessians = []
         for group in unit.groups:
             module = unit.root.get_submodule(group.paths[0])
@@ -129,35 +130,91 @@ class GPTQ:
             self.hessians.append(HessianAccumulator(columns, device))
 
     def observe(self, group: int, x: torch.Tensor) -> None:
-        self.hessians[group].add(x)
+        self.hessians[group].add(x, self.unit.part)
 
-    def finish(self, unit, weights: dict[str, torch.Tensor] | None = None) -> None:
-        """Round the unit's members (``weights``: float weights to round instead of their own,
-        e.g. smoothed ones)."""
-        from ...calibration.gptq import factor, gptq
+    def finish(self, unit, weights: dict[str, torch.Tensor] | None = None,
+               scaled: dict[int, torch.Tensor] | None = None) -> None:
+        """Round the unit's members (``weights``: float weights to round instead of their own;
+        ``scaled``: per group index, the scales ``s`` its input was divided by (SmoothQuant), whose
+        Hessian is then ``S^-1 H S^-1``).
 
-        for group, hessian in zip(unit.groups, self.hessians):
-            prepared = None  # one factor of the Hessian for every member that reads it (q, k and v)
+        With processes sharing the samples (``convert --workers N``), the Hessians are summed over them
+        first; then each member is rounded by one of them (the members dealt out by their cost) and
+        its rounded weight sent to the others, so that every process replaces every member with the
+        same bytes, in the same order as one process."""
+        share = unit.share
+        hessians = []
+        for index, accumulator in enumerate(self.hessians):
+            hessian, _ = accumulator.total(share)  # in every process sharing the samples, in group order
+            if hessian is not None and index in (scaled or {}):
+                inverse = (1.0 / scaled[index]).to(hessian.device)
+                hessian = hessian * inverse[:, None] * inverse[None, :]
+            hessians.append(hessian)
+        self.hessians = []
+        members = [(index, path) for index, group in enumerate(unit.groups) for path in group.paths
+                   if hessians[index] is not None]
+        weight_of = lambda path: self._weight(unit, path, weights)  # noqa: E731 - read where it is needed
+        owners = dict(zip(members, share.deal([_cost(weight_of(path)) for _, path in members])))
+        factors: dict[int, Any] = {}  # one factor of a Hessian for every member that reads it (q, k and v)
+        # more than one process: this one's members first, so that the processes round theirs at once
+        held = {member: self._round(hessians, factors, member, weight_of(member[1]))
+                for member in members if share.size > 1 and owners[member] == share.rank}
+        for index, group in enumerate(unit.groups):
             for path in group.paths:
-                weight = (weights or {}).get(path)
-                if weight is None:
-                    weight = float_weight(unit.root.get_submodule(path))[0].float()
-                if hessian.rows == 0:
+                weight = weight_of(path)
+                if hessians[index] is None:
                     self.layers.rounded(path, weight)
                     self.layers.notes.append(f"{path} read no calibration input; rounded to nearest")
                     continue
-                grid = self.transform.calibration_grid(self.options, weight)
-                if prepared is None:
-                    prepared = factor(hessian.matrix, damp=self.options.damp, act_order=self.options.act_order)
-                result = gptq(weight, None, grid, block_size=self.options.block_size, prepared=prepared)
+                member = (index, path)
+                if member in held:
+                    result = held.pop(member)
+                elif owners[member] == share.rank:
+                    result = self._round(hessians, factors, member, weight)
+                else:
+                    result = None
+                if share.size > 1:
+                    result = _exchanged(share, result, owners[member], weight.shape)
                 if result.rounded:
                     self.layers.notes.append(f"{path}: its Hessian is not positive definite even dampened "
                                              f"{result.damp:g}; rounded to nearest")
                 elif result.damp != self.options.damp:
                     self.layers.notes.append(f"{path}: its Hessian needed damp={result.damp:g} (not "
                                              f"{self.options.damp:g}) to be positive definite")
-                self.layers.replace(path, grid, result.weight)
-        self.hessians = []
+                self.layers.replace(path, self.transform.calibration_grid(self.options, weight), result.weight)
+
+    def _weight(self, unit, path: str, weights: dict[str, torch.Tensor] | None) -> torch.Tensor:
+        weight = (weights or {}).get(path)
+        return weight if weight is not None else float_weight(unit.root.get_submodule(path))[0].float()
+
+    def _round(self, hessians: list, factors: dict, member: tuple[int, str], weight: torch.Tensor):
+        """GPTQ's result for one member (its group's factor made on first use)."""
+        from ...calibration.gptq import factor, gptq
+
+        index, _ = member
+        if index not in factors:
+            factors[index] = factor(hessians[index], damp=self.options.damp, act_order=self.options.act_order)
+        grid = self.transform.calibration_grid(self.options, weight)
+        return gptq(weight, None, grid, block_size=self.options.block_size, prepared=factors[index])
+
+
+def _cost(weight: torch.Tensor) -> float:
+    """GPTQ's work on a weight, roughly: the lazy updates touch ``out x in`` once per column."""
+    out, columns = weight.shape
+    return float(out) * columns * columns
+
+
+def _exchanged(share, result, owner: int, shape) -> Any:
+    """``result`` (a GPTQ :class:`~transformdsl.calibration.gptq.Result`, in process ``owner``) in every
+    process sharing the samples."""
+    from ...calibration.gptq import Result
+
+    mine = owner == share.rank
+    weight = result.weight.contiguous() if mine else torch.empty(tuple(shape), dtype=torch.float32)
+    flags = torch.tensor([result.damp, float(result.rounded)] if mine else [0.0, 0.0], dtype=torch.float64)
+    share.broadcast(weight, owner)
+    share.broadcast(flags, owner)
+    return Result(weight, float(flags[0]), bool(flags[1]))
 
 
 def module_weight(module: nn.Module) -> torch.Tensor:
