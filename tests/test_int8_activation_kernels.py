@@ -160,3 +160,99 @@ def test_narrower_builds_compute_the_same(variant, tmp_path):
     build._declare(library)
     assert (library.kernel_lanes(), library.q8_kernel_step()) == ((8, 1) if variant == "AVX2" else (1, 1))
     check_library(library, rows_list=(1, 3), shapes=SHAPES[:3])
+
+
+# --------------------------------------------------------------------------- quantize q8_0|q4_0|q4_1 activations=int8
+
+MODES = ("q8_0", "q4_0", "q4_1")
+
+
+def int8_layer(kind: str, shape=(48, 96), bias: bool = True, seed: int = 0):
+    from transformdsl.transforms.quantize.gguf_blocks import LAYERS
+
+    generator = torch.Generator().manual_seed(seed)
+    layer = LAYERS[kind].build(torch.randn(*shape, generator=generator),
+                               torch.randn(shape[0], generator=generator) if bias else None)
+    layer.activations = "int8"
+    return layer
+
+
+def torch_int8_arithmetic(layer, x):
+    """What an ``activations=int8`` layer computes, written out: x rounded as llama.cpp rounds it, times the
+    blocks' ``q * d``, plus Q4_1's minimum times Q8_1's block sums, plus the bias."""
+    from transformdsl.transforms.quantize.gguf_blocks import round_activations
+
+    rounded, sums = round_activations(x, sums=layer.kind == "q4_1")
+    d = layer.weight_scale.float()
+    q = layer.values().reshape(layer.out_features, -1, 32)
+    out = rounded.double() @ (q * (d[..., 0] if d.dim() == 3 else d)[..., None]).reshape(layer.out_features, -1).double().T
+    if sums is not None:
+        out += sums.double() @ d[..., 1].double().T
+    return out + layer.bias.double()
+
+
+@pytest.mark.parametrize("kind", MODES)
+@pytest.mark.parametrize("rows", [1, 2, 8, 40])
+def test_int8_activations_compute_llamacpps_arithmetic_at_every_input_size(kind, rows):
+    """Decode-sized inputs (our integer kernel) and larger ones (float32 on the dequantized blocks) give the
+    same arithmetic within float32 rounding; it differs from the float-activation product by the
+    activations' rounding."""
+    layer = int8_layer(kind)
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+    with torch.no_grad():
+        out = layer(x)
+        layer.activations = "float"
+        exact = layer(x)
+    reference = torch_int8_arithmetic(layer, x)
+    assert out.dtype == torch.float32 and out.shape == (rows, 48)
+    # float32 sums of products of ~1 over 96 inputs: an absolute error on the outputs' scale
+    torch.testing.assert_close(out.double(), reference, rtol=1e-5, atol=float(reference.abs().max()) * 1e-5)
+    assert not torch.allclose(out, exact, rtol=1e-5, atol=1e-5)  # the rounding shows
+    assert float((out - exact).norm() / exact.norm()) < 0.02
+
+
+@pytest.mark.parametrize("kind", MODES)
+def test_an_int8_activation_layer_compiles_to_the_custom_op(kind):
+    torch._dynamo.reset()
+    layer = int8_layer(kind)
+    x = torch.randn(1, 96, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        eager = layer(x)
+        compiled = torch.compile(layer, fullgraph=True)(x)
+    torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", MODES)
+def test_activations_int8_is_saved_reloaded_and_exported_as_the_same_blocks(kind, tmp_path):
+    """The option is part of the statement: a reload computes the same logits bit for bit; the blocks (and
+    their GGUF export) are those of ``activations=float``."""
+    import transformdsl
+    from transformdsl.models import tiny_llama
+
+    script = f"quantize {kind} activations=int8 except lm_head"
+    model = transformdsl.transform(tiny_llama(), script)
+    plain = transformdsl.transform(tiny_llama(), f"quantize {kind} except lm_head")
+    ids = torch.tensor([[5, 17, 3, 99, 42]])
+    with torch.no_grad():
+        logits = model(ids).logits
+        float_logits = plain(ids).logits
+    assert not torch.equal(logits, float_logits)
+    transformdsl.save(model, tmp_path / "saved")
+    loaded = transformdsl.load(tmp_path / "saved")
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, logits)
+    layers = [m for m in loaded.modules() if hasattr(m, "activations")]
+    assert layers and all(m.activations == "int8" for m in layers)
+    for (name, ours), (_, theirs) in zip(model.state_dict().items(), plain.state_dict().items()):
+        assert torch.equal(ours, theirs), name
+
+
+def test_activations_int8_is_refused_where_no_integer_arithmetic_is_defined():
+    import transformdsl
+    from transformdsl import ScriptError
+    from transformdsl.models import tiny_llama
+
+    with pytest.raises(ScriptError, match="activations"):
+        transformdsl.plan(tiny_llama(), "quantize q4_k activations=int8")
+    with pytest.raises(ScriptError, match="float.*int8|int8.*float"):
+        transformdsl.plan(tiny_llama(), "quantize q4_0 activations=int4")

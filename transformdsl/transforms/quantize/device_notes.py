@@ -115,6 +115,20 @@ def _row_kernel_note(stored: str, exact: str = "") -> str | None:
             "at 8 rows q4_0 0.75-0.9×, q4_1 0.55-0.7× (benchmarks/results/decode_kernels.md); larger inputs multiply a float copy of the weight")
 
 
+def gguf_int8_note(device_type: str) -> str:
+    """How ``quantize q8_0|q4_0|q4_1 activations=int8`` layers multiply on ``device_type``."""
+    from . import kernels  # imports torch: only when a plan asks
+
+    rounding = ("activations rounded per 32 inputs to int8 with a float16 scale, as llama.cpp's CPU backend rounds "
+                "them (q4_1: with Q8_1's block sums)")
+    if device_type == "cpu" and kernels.available():
+        return (f"{rounding}; decode-sized inputs (up to 8 rows) take transformdsl's integer kernel (kernels/rows.c, "
+                f"compiled here: {kernels.status()}; about 2x faster than float32 activations for 4-bit blocks at one "
+                "row, benchmarks/results/int8_activations.md), larger inputs the same arithmetic in float32 (within "
+                "its rounding)")
+    return f"{rounding}; computed in float32 on a dequantized weight at every call (no integer kernel runs here)"
+
+
 def gguf_block_note(device_type: str, dtypes: set[str], mode: str, narrow: int = 0) -> str | None:
     """How ``quantize q8_0|q4_0|q4_1|q4_k`` layers multiply on ``device_type``: decode-sized inputs with the
     packed int4 CPU kernel (what that rounds, what the packed copy costs), the rest exactly.

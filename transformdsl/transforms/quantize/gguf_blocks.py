@@ -75,6 +75,18 @@ def _inverse(d: torch.Tensor) -> torch.Tensor:
     return torch.where(d == 0, torch.zeros_like(d), 1 / d)
 
 
+def round_activations(x: torch.Tensor, sums: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``x`` (..., in) rounded per block of 32 inputs as llama.cpp's CPU backend rounds activations
+    (ggml's ``quantize_row_q8_0_ref``: ``d = amax / 127``, ``q = roundf(x / d)``, ``d`` stored as float16):
+    ``(q * d`` in float32, and with ``sums`` Q8_1's block sums ``s = float16(d * sum(q))``, else None).
+    What ``activations=int8`` layers compute with where no kernel of ours runs (and are tested against)."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, BLOCK)
+    d = blocks.abs().amax(-1) / 127
+    q = _roundf(blocks * _inverse(d)[..., None])
+    s = (q.sum(-1) * d).half().float() if sums else None
+    return (q * d.half().float()[..., None]).reshape(x.shape), s
+
+
 def _chunks(weight: torch.Tensor):
     rows, cols = weight.shape
     step = max(1, _CHUNK_ELEMENTS // max(cols, 1))
@@ -191,8 +203,12 @@ class _PackedLayout:
 class BlockQuantizedLinear(StoredWeight):
     """A linear layer whose weight is GGUF blocks (drop-in for ``nn.Linear``); subclasses say which."""
 
-    #: ``"q8_0"``, ``"q4_0"`` or ``"q4_k"``.
+    #: ``"q8_0"``, ``"q4_0"``, ``"q4_1"`` or ``"q4_k"``.
     kind: str = ""
+    #: ``"float"``: inputs multiply the stored blocks as they are (the exact product); ``"int8"``
+    #: (``quantize q4_0 activations=int8``; q8_0, q4_0, q4_1): rounded first per 32 inputs, as llama.cpp
+    #: rounds them (:func:`round_activations`), then multiplied as integers where our kernel runs.
+    activations: str = "float"
     #: Inputs per entry along ``weight_scale``'s second dimension: a block (Q4_K: a super-block).
     block_inputs: int = BLOCK
     weight_scale: torch.Tensor
@@ -296,6 +312,8 @@ class BlockQuantizedLinear(StoredWeight):
         layout = self._packed
         if not torch.compiler.is_compiling() and layout.source is not self._buffers["weight"]:
             self.repack()  # the stored tensors were replaced (a loader that assigns them directly)
+        if self.activations == "int8":
+            return self._int8_forward(x)
         if (self.row_kernel and x.numel() <= self._row_limit and x.is_floating_point() and x.device.type == "cpu"
                 and not (x.requires_grad and torch.is_grad_enabled())):  # the kernel has no derivative
             # decoding: the blocks read as stored, float32 activations: the exact product (kernels/rows.c)
@@ -320,10 +338,38 @@ class BlockQuantizedLinear(StoredWeight):
             return blocked.linear_by_blocks(x, self.out_features, dtype, cast, bias=bias)
         return F.linear(x.to(dtype), self.dequantize().to(dtype), bias)
 
+    def _int8_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``activations=int8``: decoding takes our integer kernel; larger inputs (prefill), other devices
+        and machines without the kernels the same arithmetic in float32 (within its rounding)."""
+        if (self.row_kernel and x.numel() <= self._row_limit and x.is_floating_point() and x.device.type == "cpu"
+                and not (x.requires_grad and torch.is_grad_enabled())):
+            return kernels.rows(self.kind, x, self._buffers["weight"], self._buffers["weight_scale"], self.bias,
+                                activations="int8")
+        rounded, sums = round_activations(x, sums=self.kind == "q4_1")
+        bias = None if self.bias is None else self.bias.float()
+        if blocked.by_blocks(rounded, self.out_features, torch.float32, bias=self.bias):
+            def cast(start: int, end: int, buffer: torch.Tensor) -> torch.Tensor:
+                return buffer.copy_(self._scaled(start, end))
+
+            out = blocked.linear_by_blocks(rounded, self.out_features, torch.float32, cast, bias=bias)
+        else:
+            out = F.linear(rounded, self._scaled(), bias)
+        if sums is not None:  # Q4_1's minimum times Q8_1's block sums of x, as ggml's vec_dot_q4_1_q8_1
+            out = out + sums @ self.weight_scale[..., 1].float().T
+        return out.to(x.dtype) if x.is_floating_point() else out
+
+    def _scaled(self, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """Rows ``start:end`` of ``q * d`` (float32): the weight without Q4_1's minimum."""
+        end = self.out_features if end is None else end
+        q = self.values(start, end).reshape(end - start, -1, BLOCK)
+        d = self.weight_scale[start:end].float()
+        d = d[..., 0] if d.dim() == 3 else d
+        return (q * d[..., None]).reshape(end - start, self.in_features)
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, weight={self.kind} (GGUF blocks of {BLOCK}), "
-                f"packed_kernel={self.packed_kernel}, row_kernel={self.row_kernel}")
+                f"activations={self.activations}, packed_kernel={self.packed_kernel}, row_kernel={self.row_kernel}")
 
 
 class Q8_0Linear(BlockQuantizedLinear):

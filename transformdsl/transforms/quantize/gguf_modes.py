@@ -35,6 +35,10 @@ class GGUFBlockBehaviour(QuantizeBehaviour):
         device = targets_device_type(tree, targets)
         if device is None:
             return None
+        if getattr(self.options, "activations", "float") == "int8":
+            from .device_notes import gguf_int8_note
+
+            return gguf_int8_note(device)
         narrow = sum(1 for p in targets if (linear_dims(tree[p]) or (0, 0))[1] % PACKED_OUT_MULTIPLE)
         return gguf_block_note(device, target_dtypes(tree, targets), self.mode, narrow)
 
@@ -51,7 +55,9 @@ class GGUFBlockBehaviour(QuantizeBehaviour):
 
     @classmethod
     def build(cls, backend, options, weight, bias, layer=None):
-        return backend.LAYERS[cls.mode].build(weight, bias)
+        built = backend.LAYERS[cls.mode].build(weight, bias)
+        built.activations = getattr(options, "activations", "float")
+        return built
 
     @classmethod
     def estimate_bytes(cls, options, in_features, out_features, bias, dtype):

@@ -164,11 +164,37 @@ def q4_1_q8_rows(q: torch.Tensor, d: torch.Tensor, s: torch.Tensor, weight: torc
 EAGER = {"int8": int8_rows, "q8_0": q8_0_rows, "q4_0": q4_0_rows, "q4_1": q4_1_rows}
 
 
-def _custom_op(kind: str):
-    """``torch.ops.transformdsl.<kind>_rows``: what a compiled graph calls (dynamo does not trace ctypes)."""
-    eager = EAGER[kind]
+def _int8_activations(kind: str):
+    """``x`` rounded to Q8_0 blocks (Q4_1: with Q8_1's sums), then ``kind``'s integer products: one call per
+    layer and token, as :data:`EAGER`'s take (``x``, ``weight``, ``scale``, ``bias``)."""
+    name, sums = f"{kind}_q8_rows", kind == "q4_1"
 
-    @torch.library.custom_op(f"transformdsl::{kind}_rows", mutates_args=())
+    def eager(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        width = x.shape[-1]
+        count = x.numel() // width if width else 0
+        q = torch.empty(x.shape, dtype=torch.int8)
+        d = torch.empty((*x.shape[:-1], width // 32), dtype=torch.float32)
+        s = torch.empty_like(d) if sums else None
+        _state["quantize_q8_rows"](x.data_ptr(), q.data_ptr(), d.data_ptr(), None if s is None else s.data_ptr(),
+                                   count, width)
+        out = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
+        extra = (s.data_ptr(),) if sums else ()
+        _state[name](q.data_ptr(), d.data_ptr(), *extra, weight.data_ptr(), scale.data_ptr(),
+                     None if bias is None else bias.data_ptr(), out.data_ptr(), count, weight.shape[0], width, 0)
+        return out
+
+    return eager
+
+
+#: ``activations=int8``: the activations rounded as llama.cpp's CPU backend rounds them (see :func:`rows`).
+EAGER_INT8 = {kind: _int8_activations(kind) for kind in ("q8_0", "q4_0", "q4_1")}
+
+
+def _custom_op(kind: str, eager=None, name: str | None = None):
+    """``torch.ops.transformdsl.<kind>_rows``: what a compiled graph calls (dynamo does not trace ctypes)."""
+    eager = eager or EAGER[kind]
+
+    @torch.library.custom_op(f"transformdsl::{name or kind + '_rows'}", mutates_args=())
     def op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         _library()
         return eager(x, weight, scale, bias)
@@ -181,6 +207,7 @@ def _custom_op(kind: str):
 
 
 COMPILED = {kind: _custom_op(kind) for kind in EAGER}
+COMPILED_INT8 = {kind: _custom_op(kind, eager, f"{kind}_q8_rows") for kind, eager in EAGER_INT8.items()}
 
 
 @torch.library.custom_op("transformdsl::int4_rows", mutates_args=())
@@ -215,9 +242,15 @@ def _run(eager, compiled, x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 
 
 def rows(kind: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-         bias: torch.Tensor | None) -> torch.Tensor:
+         bias: torch.Tensor | None, activations: str = "float") -> torch.Tensor:
     """The ``kind`` kernel (``"int8"``, ``"q8_0"``, ``"q4_0"``, ``"q4_1"``) on ``x`` (any float dtype, any
-    leading dimensions, a few rows in all) plus ``bias`` (any float dtype or None): (..., out) in ``x``'s dtype."""
+    leading dimensions, a few rows in all) plus ``bias`` (any float dtype or None): (..., out) in ``x``'s dtype.
+
+    ``activations="int8"`` (GGUF kinds): ``x`` rounded per 32 inputs to int8 with a float16 scale, as
+    llama.cpp's CPU backend rounds activations (ggml's reference ``quantize_row_q8_0``; Q4_1: ``q8_1``,
+    with the block's sum), then integer dot products per block times the two scales."""
+    if activations == "int8":
+        return _run(EAGER_INT8[kind], COMPILED_INT8[kind], x, weight, bias, scale)
     return _run(EAGER[kind], COMPILED[kind], x, weight, bias, scale)
 
 
