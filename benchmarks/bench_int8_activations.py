@@ -13,7 +13,7 @@ Both call the C functions directly with buffers allocated beforehand (the same P
 but for int8 x's second call).  The two alternate in one process, ``repeats`` times; medians.  Rate = stored
 bytes (weights and float16 scales) ÷ time.  Rel. diff: the largest over the distinct layers of
 ||int8 x's output - float x's|| / ||float x's|| (what rounding the activations to int8 changes; random
-weights and inputs).  Not yet a layer's path: an experiment (see rows.c).
+weights and inputs).  What `quantize q8_0|q4_0|q4_1 activations=int8` layers call (spec.md).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The int8-activation decode kernels (rows.c: ``quantize_q8_rows``, ``q8_0_q8_rows``, ``q4_0_q8_rows``,
-``q4_1_q8_rows``; an experiment no layer calls yet): llama.cpp's arithmetic, activations rounded to Q8_0
+``q4_1_q8_rows``; what ``activations=int8`` layers call): llama.cpp's arithmetic, activations rounded to Q8_0
 blocks, an exact integer dot product per block times ``d_w * d_x``, compared with a torch reference of
 the same arithmetic; the rounding compared with the ``gguf`` package's own Q8_0 bytes."""
 

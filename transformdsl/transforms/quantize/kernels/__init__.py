@@ -121,7 +121,7 @@ def quantize_q8_rows(x: torch.Tensor, sums: bool = False) -> tuple[torch.Tensor,
     """``x`` float32 (..., in) contiguous, ``in`` a multiple of 32, rounded to GGUF Q8_0 blocks as llama.cpp
     rounds activations (``quantize_row_q8_0_ref``): ``(q int8 (..., in), d float32 (..., in/32), s)``, ``d``
     holding values rounded to float16; ``s`` (with ``sums``) ``d * sum(q)`` per block rounded to float16
-    (ggml's Q8_1, what :func:`q4_1_q8_rows` takes), else None.  An experiment: no layer calls it."""
+    (ggml's Q8_1, what :func:`q4_1_q8_rows` takes), else None."""
     width = x.shape[-1]
     q = torch.empty(x.shape, dtype=torch.int8)
     d = torch.empty((*x.shape[:-1], width // 32), dtype=torch.float32)
@@ -144,20 +144,20 @@ def _q8_rows(name: str, q: torch.Tensor, d: torch.Tensor, weight: torch.Tensor, 
 def q8_0_q8_rows(q: torch.Tensor, d: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """As :func:`q8_0_rows` with activations already rounded by :func:`quantize_q8_rows` (``q``, ``d``):
-    llama.cpp's integer dot products per block.  An experiment: no layer calls it."""
+    llama.cpp's integer dot products per block."""
     return _q8_rows("q8_0_q8_rows", q, d, weight, scale, bias)
 
 
 def q4_0_q8_rows(q: torch.Tensor, d: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
-    """As :func:`q4_0_rows` with activations rounded by :func:`quantize_q8_rows`.  An experiment."""
+    """As :func:`q4_0_rows` with activations rounded by :func:`quantize_q8_rows`."""
     return _q8_rows("q4_0_q8_rows", q, d, weight, scale, bias)
 
 
 def q4_1_q8_rows(q: torch.Tensor, d: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """As :func:`q4_1_rows` with activations rounded by :func:`quantize_q8_rows` (``sums=True``: ``s``, ggml's
-    Q8_1).  An experiment."""
+    Q8_1)."""
     return _q8_rows("q4_1_q8_rows", q, d, weight, scale, bias, s)
 
 
@@ -165,23 +165,13 @@ EAGER = {"int8": int8_rows, "q8_0": q8_0_rows, "q4_0": q4_0_rows, "q4_1": q4_1_r
 
 
 def _int8_activations(kind: str):
-    """``x`` rounded to Q8_0 blocks (Q4_1: with Q8_1's sums), then ``kind``'s integer products: one call per
-    layer and token, as :data:`EAGER`'s take (``x``, ``weight``, ``scale``, ``bias``)."""
+    """``x`` rounded to Q8_0 blocks (Q4_1: with Q8_1's sums), then ``kind``'s integer products: what
+    ``activations=int8`` layers call, with (``x``, ``weight``, ``scale``, ``bias``) as :data:`EAGER`'s take."""
     name, sums = f"{kind}_q8_rows", kind == "q4_1"
 
     def eager(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        width = x.shape[-1]
-        count = x.numel() // width if width else 0
-        q = torch.empty(x.shape, dtype=torch.int8)
-        d = torch.empty((*x.shape[:-1], width // 32), dtype=torch.float32)
-        s = torch.empty_like(d) if sums else None
-        _state["quantize_q8_rows"](x.data_ptr(), q.data_ptr(), d.data_ptr(), None if s is None else s.data_ptr(),
-                                   count, width)
-        out = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
-        extra = (s.data_ptr(),) if sums else ()
-        _state[name](q.data_ptr(), d.data_ptr(), *extra, weight.data_ptr(), scale.data_ptr(),
-                     None if bias is None else bias.data_ptr(), out.data_ptr(), count, weight.shape[0], width, 0)
-        return out
+        q, d, s = quantize_q8_rows(x, sums)
+        return _q8_rows(name, q, d, weight, scale, bias, *((s,) if sums else ()))
 
     return eager
 

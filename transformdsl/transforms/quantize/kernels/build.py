@@ -33,7 +33,7 @@ SIGNATURES = {
     "q4_0_rows": [_P] * 5 + [_N] * 3 + [_I],
     "q4_1_rows": [_P] * 6 + [_N] * 3 + [_I],
     "int4_rows": [_P] * 4 + [_I, _N] + [_P] * 3 + [_N] * 3 + [_I],
-    # int8 activations (llama.cpp's arithmetic; an experiment, no layer calls them): x as Q8_0 blocks
+    # int8 activations (llama.cpp's arithmetic; ``activations=int8`` layers): x as Q8_0 blocks
     "quantize_q8_rows": [_P] * 4 + [_N] * 2,
     "q8_0_q8_rows": [_P] * 6 + [_N] * 3 + [_I],
     "q4_0_q8_rows": [_P] * 6 + [_N] * 3 + [_I],

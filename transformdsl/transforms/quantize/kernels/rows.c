@@ -366,7 +366,7 @@ void int4_rows(const float *x, const uint8_t *w, const void *scale, const void *
 }
 
 /* ---------------------------------------------------------------------------------------------------
- * int8 activations (an experiment, not used by the layers): llama.cpp's CPU arithmetic for Q8_0, Q4_0
+ * int8 activations (``quantize q4_0 activations=int8``): llama.cpp's CPU arithmetic for Q8_0, Q4_0
  * and Q4_1 weights.  The activations are rounded to Q8_0 blocks first (quantize_q8_rows: per 32 inputs
  * d = max|x| / 127, q = roundf(x / d), as ggml's quantize_row_q8_0_ref), each block's dot product with
  * the weight's block is an exact integer sum, and the float result is
