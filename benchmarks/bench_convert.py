@@ -525,13 +525,15 @@ def _save_digest(directory: Path) -> str:
     return digest.hexdigest()
 
 
-def workers_13b(args) -> None:
+def workers_13b(args, argv=None) -> None:
     """``convert --workers N`` against one process on the Llama-2-13B shape: wall time, peak RSS of the
     process tree, and whether the saves are the same bytes."""
     directory = Path(args.llama_13b)
     memory = _memory_total()
     count = args.workers
-    threads = os.cpu_count() or 1
+    # all the cores, unless --threads says (with fewer torch threads than cores, as on a larger machine,
+    # the processes have cores to themselves)
+    threads = args.threads if "--threads" in (argv or sys.argv) else os.cpu_count() or 1
     rows = []
     blocks = 2 if args.smoke else args.blocks
     try:
@@ -558,6 +560,7 @@ def workers_13b(args) -> None:
                 "script": script.replace(str(directory), "DIR").replace("\n", "; "),
                 "source": f"{made['params'] / 1e9:.2f} B params, {made['bytes'] / 1e9:.1f} GB bf16"
                           + (f" ({blocks} of the 40 blocks)" if blocks else ""),
+                "torch threads": str(threads),
                 "1 process s": f"{one['seconds']:.0f}" if one["status"] == "ok" else one["status"],
                 f"{count} workers s": f"{many['seconds']:.0f}" if many["status"] == "ok" else many["status"],
                 "time ÷ 1 process": f"{many['seconds'] / one['seconds']:.2f}" if ok else "",
@@ -571,20 +574,23 @@ def workers_13b(args) -> None:
     if not args.smoke:  # rows of scripts not run this time are kept from the last run
         previous = json.loads((RESULTS / "convert.json").read_text()).get("workers_13b", []) \
             if (RESULTS / "convert.json").exists() else []
-        ran = {(row["script"], row["source"]) for row in rows}
-        rows = [row for row in previous if (row["script"], row["source"]) not in ran] + rows
+        ran = {(row["script"], row["source"], row.get("torch threads", "2")) for row in rows}
+        rows = [{"torch threads": "2", **row} for row in previous
+                if (row["script"], row["source"], row.get("torch threads", "2")) not in ran] + rows
     text = (f"\n## convert --workers {count} on the Llama-2-13B shape\n\n"
             f"Measured on this machine ({cpu_model()}, {threads} cores, {memory / 2**30:.1f} GiB), at the time of each "
             f"row.  Command: `nice -n 10 .venv/bin/python benchmarks/bench_convert.py --llama-13b /work/bigllama "
             f"--workers {count} [--scripts gptq --blocks 4]`.  The same source as above (random bf16 weights, written "
             f"then deleted; `--blocks 4`: 4 of its 40 blocks, each of the 13B shape); each way in "
-            f"a fresh process: one process with all {threads} torch threads, and `workers={count}` (each worker "
-            f"{max(1, threads // count)} thread(s), the parent writing; for the GPTQ row, {count} processes each "
-            f"holding a share of the 8 samples, each with all {threads} threads, summing the Hessians: spec.md, "
-            "\"Calibration across processes\").  Peak RSS: the watchdog's highest sample of "
+            f"a fresh process: one process with the row's torch threads, and `workers={count}` (each worker "
+            f"a share of them, the parent writing; for the GPTQ rows, {count} processes each "
+            f"holding a share of the 8 samples, each with the row's threads, summing the Hessians: spec.md, "
+            "\"Calibration across processes\"; `--threads 1`: one thread per process, so that the processes have "
+            "a core each, as on a machine with more cores than one process's threads).  Peak RSS: the watchdog's highest sample of "
             "the process and its children together (file pages of the mapped source counted in each process that "
             "touched them).  Same bytes: SHA-256 over every file of the two saves, save id masked.\n\n")
-    text += table(rows, list(rows[0])) + "\n"
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    text += table([{key: row.get(key, "") for key in columns} for row in rows], columns) + "\n"
     if args.smoke:
         print(text)
         return
@@ -615,7 +621,7 @@ def main(argv=None) -> None:
     if args.llama_13b and args.workers:
         if "--max-rss-gb" not in (argv or sys.argv):
             args.max_rss_gb = 16.0
-        workers_13b(args)
+        workers_13b(args, argv)
     elif args.llama_13b:
         if "--max-rss-gb" not in (argv or sys.argv):
             args.max_rss_gb = 10.0
