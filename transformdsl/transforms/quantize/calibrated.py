@@ -154,12 +154,14 @@ class GPTQ:
         members = [(index, path) for index, group in enumerate(unit.groups) for path in group.paths
                    if hessians[index] is not None]
         weight_of = lambda path: self._weight(unit, path, weights)  # noqa: E731 - read where it is needed
-        owners = dict(zip(members, share.deal([_cost(weight_of(path)) for _, path in members])))
+        owners = dict(zip(members, share.deal([_cost(unit, path) for _, path in members])))
         factors: dict[int, Any] = {}  # one factor of a Hessian for every member that reads it (q, k and v)
         # more than one process: this one's members first, so that the processes round theirs at once
         held = {member: self._round(hessians, factors, member, weight_of(member[1]))
                 for member in members if share.size > 1 and owners[member] == share.rank}
+        factors.clear()
         for index, group in enumerate(unit.groups):
+            factors.pop(index - 1, None)  # a factor is as large as its Hessian (764 MB for a 13824-wide input)
             for path in group.paths:
                 weight = weight_of(path)
                 if hessians[index] is None:
@@ -168,11 +170,11 @@ class GPTQ:
                     continue
                 member = (index, path)
                 if member in held:
-                    result = held.pop(member)
+                    result, grid = held.pop(member)
                 elif owners[member] == share.rank:
-                    result = self._round(hessians, factors, member, weight)
+                    result, grid = self._round(hessians, factors, member, weight)
                 else:
-                    result = None
+                    result, grid = None, self.transform.calibration_grid(self.options, weight)
                 if share.size > 1:
                     result = _exchanged(share, result, owners[member], weight.shape)
                 if result.rounded:
@@ -181,26 +183,26 @@ class GPTQ:
                 elif result.damp != self.options.damp:
                     self.layers.notes.append(f"{path}: its Hessian needed damp={result.damp:g} (not "
                                              f"{self.options.damp:g}) to be positive definite")
-                self.layers.replace(path, self.transform.calibration_grid(self.options, weight), result.weight)
+                self.layers.replace(path, grid, result.weight)
 
     def _weight(self, unit, path: str, weights: dict[str, torch.Tensor] | None) -> torch.Tensor:
         weight = (weights or {}).get(path)
         return weight if weight is not None else float_weight(unit.root.get_submodule(path))[0].float()
 
     def _round(self, hessians: list, factors: dict, member: tuple[int, str], weight: torch.Tensor):
-        """GPTQ's result for one member (its group's factor made on first use)."""
+        """``(GPTQ's result, the grid)`` for one member (its group's factor made on first use)."""
         from ...calibration.gptq import factor, gptq
 
         index, _ = member
         if index not in factors:
             factors[index] = factor(hessians[index], damp=self.options.damp, act_order=self.options.act_order)
         grid = self.transform.calibration_grid(self.options, weight)
-        return gptq(weight, None, grid, block_size=self.options.block_size, prepared=factors[index])
+        return gptq(weight, None, grid, block_size=self.options.block_size, prepared=factors[index]), grid
 
 
-def _cost(weight: torch.Tensor) -> float:
-    """GPTQ's work on a weight, roughly: the lazy updates touch ``out x in`` once per column."""
-    out, columns = weight.shape
+def _cost(unit, path: str) -> float:
+    """GPTQ's work on a member, roughly: the lazy updates touch ``out x in`` once per column."""
+    out, columns = float_weight(unit.root.get_submodule(path))[0].shape
     return float(out) * columns * columns
 
 
