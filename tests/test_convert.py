@@ -484,12 +484,20 @@ def test_workers_share_the_calibration_samples_and_write_the_one_process_save(so
     """A GPTQ statement with ``workers=N``: each process runs the blocks on its share of the samples and
     the Hessians are summed in one order whatever the split, so the save is the one-process save, byte
     for byte (save id aside)."""
+    from transformdsl.streaming import ContendedWarning
+
     data = _token_samples(samples)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # few samples: said by a warning
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # few samples: said by a warning
         one = transformdsl.convert(sources[name], script, tmp_path / "one", calibration=data)
         many = transformdsl.convert(sources[name], script, tmp_path / "many", calibration=data, workers=workers)
     assert_same_bytes(one, many)
+    # the processes' threads (each this process's count) outnumber the cores: said, with what would not
+    contended = [w for w in caught if w.category is ContendedWarning]
+    processes = min(workers, samples)
+    assert bool(contended) == (processes * torch.get_num_threads() > len(os.sched_getaffinity(0)))
+    if contended:
+        assert "thread(s) per process" in str(contended[0].message)
 
 
 def test_a_helper_failing_on_its_share_of_the_samples_is_the_one_process_error(sources, tmp_path):

@@ -720,6 +720,15 @@ class _Stream:
             return
         plugins = [(cls.__module__, cls.__qualname__) for cls in registry.registered_at_run_time()]
         # every process computes with this one's thread count: a float sum's bytes depend on it
+        threads = torch.get_num_threads()
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        if len(shares) * threads > cores:
+            warnings.warn(f"convert: {len(shares)} processes share the calibration samples, each with this process's "
+                          f"{threads} torch threads (the bytes written depend on the thread count), on {cores} "
+                          f"cores: they contend for them and the run may be slower than one process (measured 1.56x "
+                          f"on 2 cores with 2 threads each, 0.70x with 1 each); {max(1, cores // len(shares))} "
+                          "thread(s) per process (torch.set_num_threads, OMP_NUM_THREADS) lets them run side by side",
+                          ContendedWarning, stacklevel=2)
         group = SampleGroup(shares, _share_helper, (source, component, script, torch.get_num_threads(), plugins,
                                                     self.data))
         try:
@@ -918,6 +927,10 @@ def _worker_unit(index: int):
         return _WORKER["stream"].convert_part(_WORKER["units"], index, _WORKER["deferred"])
     except Exception as exc:  # noqa: BLE001 - raised again in the parent
         return failure(exc)
+
+
+class ContendedWarning(UserWarning):
+    """``convert --workers N`` with calibration: the processes' threads outnumber the cores."""
 
 
 def _share_helper(rank: int, size: int, port: int, share: tuple[int, int], source: str, component: str | None,
