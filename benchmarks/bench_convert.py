@@ -578,7 +578,7 @@ def workers_13b(args, argv=None) -> None:
         rows = [{"torch threads": "2", **row} for row in previous
                 if (row["script"], row["source"], row.get("torch threads", "2")) not in ran] + rows
     text = (f"\n## convert --workers {count} on the Llama-2-13B shape\n\n"
-            f"Measured on this machine ({cpu_model()}, {threads} cores, {memory / 2**30:.1f} GiB), at the time of each "
+            f"Measured on this machine ({cpu_model()}, {os.cpu_count()} cores, {memory / 2**30:.1f} GiB), at the time of each "
             f"row.  Command: `nice -n 10 .venv/bin/python benchmarks/bench_convert.py --llama-13b /work/bigllama "
             f"--workers {count} [--scripts gptq --blocks 4]`.  The same source as above (random bf16 weights, written "
             f"then deleted; `--blocks 4`: 4 of its 40 blocks, each of the 13B shape); each way in "
