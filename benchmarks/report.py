@@ -577,6 +577,9 @@ def serving_section() -> str:
     # bench_decode_kernels.py: why the quantized layers decode with kernels of ours
     text += _subsection("decode_kernels.md", "Why our own decode kernels: quantized layers fed a few rows, ours "
                         "against aten's packed kernels")
+    # bench_int8_activations.py: why activations=int8 (llama.cpp's arithmetic) decodes faster
+    text += _subsection("int8_activations.md", "activations=int8: llama.cpp's arithmetic in our kernels, against "
+                        "float32 activations")
     # bench_gguf_kquant.py: llama.cpp's own Q4_K_M file read by our import
     text += _subsection("serving_kquant.md", "A GGUF file a user already has: llama.cpp's Q4_K_M, read by our import")
     return text
