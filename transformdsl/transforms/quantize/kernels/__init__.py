@@ -165,13 +165,18 @@ EAGER = {"int8": int8_rows, "q8_0": q8_0_rows, "q4_0": q4_0_rows, "q4_1": q4_1_r
 
 
 def _int8_activations(kind: str):
-    """``x`` rounded to Q8_0 blocks (Q4_1: with Q8_1's sums), then ``kind``'s integer products: what
-    ``activations=int8`` layers call, with (``x``, ``weight``, ``scale``, ``bias``) as :data:`EAGER`'s take."""
-    name, sums = f"{kind}_q8_rows", kind == "q4_1"
+    """``x`` rounded to Q8_0 blocks (Q4_1: with Q8_1's sums), then ``kind``'s integer products, in one call
+    (``<kind>_q8x_rows``): what ``activations=int8`` layers call, with (``x``, ``weight``, ``scale``,
+    ``bias``) as :data:`EAGER`'s take."""
+    name = f"{kind}_q8x_rows"
 
     def eager(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        q, d, s = quantize_q8_rows(x, sums)
-        return _q8_rows(name, q, d, weight, scale, bias, *((s,) if sums else ()))
+        out = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
+        width = x.shape[-1]
+        if _state[name](x.data_ptr(), weight.data_ptr(), scale.data_ptr(), None if bias is None else bias.data_ptr(),
+                        out.data_ptr(), x.numel() // width if width else 0, weight.shape[0], width, 0):
+            raise MemoryError(f"{name}: no memory for the rounded activations of a {tuple(x.shape)} input")
+        return out
 
     return eager
 

@@ -38,6 +38,10 @@ SIGNATURES = {
     "q8_0_q8_rows": [_P] * 6 + [_N] * 3 + [_I],
     "q4_0_q8_rows": [_P] * 6 + [_N] * 3 + [_I],
     "q4_1_q8_rows": [_P] * 7 + [_N] * 3 + [_I],
+    # the two in one call, x given as float32 (what the layers call); these return 0, or -1 out of memory
+    "q8_0_q8x_rows": [_P] * 5 + [_N] * 3 + [_I],
+    "q4_0_q8x_rows": [_P] * 5 + [_N] * 3 + [_I],
+    "q4_1_q8x_rows": [_P] * 5 + [_N] * 3 + [_I],
 }
 FUNCTIONS = tuple(SIGNATURES)
 
@@ -146,7 +150,7 @@ def build() -> tuple[ctypes.CDLL | None, str]:
 def _declare(library: ctypes.CDLL) -> None:
     for name, argtypes in SIGNATURES.items():
         function = getattr(library, name)
-        function.restype = None
+        function.restype = ctypes.c_int if name.endswith("_q8x_rows") else None
         function.argtypes = argtypes
     library.kernel_lanes.restype = ctypes.c_int
     library.kernel_lanes.argtypes = []

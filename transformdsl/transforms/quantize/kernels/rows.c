@@ -24,6 +24,7 @@
  * AVX2+FMA, or plain C).  Rows are split between OpenMP threads, the runtime torch itself uses.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
@@ -687,4 +688,42 @@ void q4_1_q8_rows(const int8_t *x, const float *dx, const float *sx, const uint8
                   const float *bias, float *y, int64_t M, int64_t N, int64_t K, int threads)
 {
     Q8X_LOOP(2, sx + m * nb)
+}
+
+/* x as float32: rounded to Q8_0 blocks in a buffer of this call's (quantize_q8_rows), then the integer
+ * products above: what an activations=int8 layer calls, one call per layer and token as the float
+ * kernels are (the Python side of two calls cost as much as the integer products saved on a small model).
+ * Returns 0, or -1 (nothing written) when the few bytes of the buffer cannot be allocated. */
+static int q8x_rows(const float *x, const uint8_t *w, const uint16_t *d, const float *bias, float *y,
+                    int64_t M, int64_t N, int64_t K, int threads, int kind)
+{
+    const int64_t nb = K / 32;
+    float *dx = malloc((size_t)(M * nb * (kind == 2 ? 2 : 1)) * sizeof(float) + (size_t)(M * K) + 1);
+    if (!dx) return -1;
+    float *sx = kind == 2 ? dx + M * nb : NULL;
+    int8_t *q = (int8_t *)(dx + M * nb * (kind == 2 ? 2 : 1));
+    quantize_q8_rows(x, q, dx, sx, M, K);
+    if (kind == 0) q8_0_q8_rows(q, dx, w, d, bias, y, M, N, K, threads);
+    else if (kind == 1) q4_0_q8_rows(q, dx, w, d, bias, y, M, N, K, threads);
+    else q4_1_q8_rows(q, dx, sx, w, d, bias, y, M, N, K, threads);
+    free(dx);
+    return 0;
+}
+
+int q8_0_q8x_rows(const float *x, const uint8_t *w, const uint16_t *d, const float *bias, float *y,
+                  int64_t M, int64_t N, int64_t K, int threads)
+{
+    return q8x_rows(x, w, d, bias, y, M, N, K, threads, 0);
+}
+
+int q4_0_q8x_rows(const float *x, const uint8_t *w, const uint16_t *d, const float *bias, float *y,
+                  int64_t M, int64_t N, int64_t K, int threads)
+{
+    return q8x_rows(x, w, d, bias, y, M, N, K, threads, 1);
+}
+
+int q4_1_q8x_rows(const float *x, const uint8_t *w, const uint16_t *d, const float *bias, float *y,
+                  int64_t M, int64_t N, int64_t K, int threads)
+{
+    return q8x_rows(x, w, d, bias, y, M, N, K, threads, 2);
 }
