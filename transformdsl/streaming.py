@@ -729,8 +729,7 @@ class _Stream:
                           f"on 2 cores with 2 threads each, 0.70x with 1 each); {max(1, cores // len(shares))} "
                           "thread(s) per process (torch.set_num_threads, OMP_NUM_THREADS) lets them run side by side",
                           ContendedWarning, stacklevel=2)
-        group = SampleGroup(shares, _share_helper, (source, component, script, torch.get_num_threads(), plugins,
-                                                    self.data))
+        group = SampleGroup(shares, _share_helper, (source, component, script, threads, plugins, self.data))
         try:
             self.share = Share(*shares[0], total, group.group, 0, group.size)
             try:
