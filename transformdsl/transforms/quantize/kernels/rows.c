@@ -224,7 +224,7 @@ INLINE void gguf_block(const float *x, const float *xsum, const uint8_t *w, cons
 
 /* The loop every layout shares: blocks of ROWS weight rows split between threads (``threads`` <= 0:
  * torch's count); each block meets the input rows two at a time (the weights stay in L1 meanwhile;
- * only the first pass prefetches the next block's bytes). */
+ * only the first pass prefetches the next block's bytes).  BLOCK_CALL(MT) reads input rows m.. */
 #define ROW_LOOP(BLOCK_CALL)                                                                  \
     threads = thread_count(threads);                                                          \
     _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1)")        \
@@ -232,7 +232,6 @@ INLINE void gguf_block(const float *x, const float *xsum, const uint8_t *w, cons
         int64_t rows = N - n < ROWS ? N - n : ROWS;                                           \
         float out[MT_MAX][ROWS];                                                              \
         for (int64_t m = 0; m < M; m += MT_MAX) {                                             \
-            const float *xm = x + m * K;                                                      \
             int mt = M - m >= MT_MAX ? MT_MAX : 1;                                            \
             if (mt == MT_MAX) BLOCK_CALL(MT_MAX); else BLOCK_CALL(1);                         \
             for (int j = 0; j < mt; j++)                                                      \
@@ -244,21 +243,21 @@ INLINE void gguf_block(const float *x, const float *xsum, const uint8_t *w, cons
 void int8_rows(const float *x, const int8_t *w, const float *scale, const float *bias, float *y,
                int64_t M, int64_t N, int64_t K, int threads)
 {
-#define INT8_CALL(MT) int8_block(xm, w, scale, n, rows, K, MT, m == 0, out)
+#define INT8_CALL(MT) int8_block(x + m * K, w, scale, n, rows, K, MT, m == 0, out)
     ROW_LOOP(INT8_CALL)
 }
 
 void q8_0_rows(const float *x, const uint8_t *w, const uint16_t *d, const float *bias, float *y,
                int64_t M, int64_t N, int64_t K, int threads)
 {
-#define Q8_0_CALL(MT) gguf_block(xm, NULL, w, d, n, rows, K, MT, m == 0, 0, out)
+#define Q8_0_CALL(MT) gguf_block(x + m * K, NULL, w, d, n, rows, K, MT, m == 0, 0, out)
     ROW_LOOP(Q8_0_CALL)
 }
 
 void q4_0_rows(const float *x, const uint8_t *w, const uint16_t *d, const float *bias, float *y,
                int64_t M, int64_t N, int64_t K, int threads)
 {
-#define Q4_0_CALL(MT) gguf_block(xm, NULL, w, d, n, rows, K, MT, m == 0, 1, out)
+#define Q4_0_CALL(MT) gguf_block(x + m * K, NULL, w, d, n, rows, K, MT, m == 0, 1, out)
     ROW_LOOP(Q4_0_CALL)
 }
 
@@ -268,7 +267,7 @@ void q4_1_rows(const float *x, const uint8_t *w, const uint16_t *d, float *scrat
 {
     for (int64_t b = 0; b < M * K / 32; b++)
         for (int e = 0; e < 16; e++) scratch[b * 16 + e] = x[b * 32 + e] + x[b * 32 + 16 + e];
-#define Q4_1_CALL(MT) gguf_block(xm, scratch + m * (K / 2), w, d, n, rows, K, MT, m == 0, 2, out)
+#define Q4_1_CALL(MT) gguf_block(x + m * K, scratch + m * (K / 2), w, d, n, rows, K, MT, m == 0, 2, out)
     ROW_LOOP(Q4_1_CALL)
 }
 
@@ -348,22 +347,8 @@ void int4_rows(const float *x, const uint8_t *w, const void *scale, const void *
     float *xp = scratch, *xsum = scratch + M * K;
     int4_inputs(x, xp, xsum, M, K, G);
     const int64_t groups = K / G;
-    threads = thread_count(threads);
-    #pragma omp parallel for schedule(static) num_threads(threads) if(threads > 1)
-    for (int64_t n = 0; n < N; n += ROWS) {
-        int64_t rows = N - n < ROWS ? N - n : ROWS;
-        float out[MT_MAX][ROWS];
-        for (int64_t m = 0; m < M; m += MT_MAX) {
-            int mt = M - m >= MT_MAX ? MT_MAX : 1;
-            if (mt == MT_MAX)
-                int4_block(xp + m * K, xsum + m * groups, w, scale, zero, bf, n, rows, K, G, MT_MAX, m == 0, out);
-            else
-                int4_block(xp + m * K, xsum + m * groups, w, scale, zero, bf, n, rows, K, G, 1, m == 0, out);
-            for (int j = 0; j < mt; j++)
-                for (int64_t i = 0; i < rows; i++)
-                    y[(m + j) * N + n + i] = out[j][i] + (bias ? bias[n + i] : 0.0f);
-        }
-    }
+#define INT4_CALL(MT) int4_block(xp + m * K, xsum + m * groups, w, scale, zero, bf, n, rows, K, G, MT, m == 0, out)
+    ROW_LOOP(INT4_CALL)
 }
 
 /* ---------------------------------------------------------------------------------------------------
@@ -652,42 +637,30 @@ INLINE void q8x_block(const int8_t *x, const float *dx, const float *sx, const u
 
 /* x: M x K int8 (quantize_q8_rows' q), dx (and Q4_1's sx): M x K/32 float32; w, d as q8_0_rows/q4_0_rows/
  * q4_1_rows take them; K a multiple of 32 */
-#define Q8X_LOOP(KIND, SX)                                                                                \
-    const int64_t nb = K / 32;                                                                          \
-    threads = thread_count(threads);                                                                    \
-    _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1)")                  \
-    for (int64_t n = 0; n < N; n += ROWS) {                                                             \
-        int64_t rows = N - n < ROWS ? N - n : ROWS;                                                     \
-        float out[MT_MAX][ROWS];                                                                        \
-        for (int64_t m = 0; m < M; m += MT_MAX) {                                                       \
-            int mt = M - m >= MT_MAX ? MT_MAX : 1;                                                      \
-            if (mt == MT_MAX)                                                                           \
-                q8x_block(x + m * K, dx + m * nb, SX, w, d, n, rows, K, MT_MAX, m == 0, KIND, out);     \
-            else                                                                                        \
-                q8x_block(x + m * K, dx + m * nb, SX, w, d, n, rows, K, 1, m == 0, KIND, out);          \
-            for (int j = 0; j < mt; j++)                                                                \
-                for (int64_t i = 0; i < rows; i++)                                                      \
-                    y[(m + j) * N + n + i] = out[j][i] + (bias ? bias[n + i] : 0.0f);                   \
-        }                                                                                               \
-    }
+#define Q8X_LOOP(KIND)                                                                        \
+    const int64_t nb = K / 32;                                                              \
+    ROW_LOOP(Q8X_CALL_##KIND)
+#define Q8X_CALL_0(MT) q8x_block(x + m * K, dx + m * nb, NULL, w, d, n, rows, K, MT, m == 0, 0, out)
+#define Q8X_CALL_1(MT) q8x_block(x + m * K, dx + m * nb, NULL, w, d, n, rows, K, MT, m == 0, 1, out)
+#define Q8X_CALL_2(MT) q8x_block(x + m * K, dx + m * nb, sx + m * nb, w, d, n, rows, K, MT, m == 0, 2, out)
 
 void q8_0_q8_rows(const int8_t *x, const float *dx, const uint8_t *w, const uint16_t *d, const float *bias,
                   float *y, int64_t M, int64_t N, int64_t K, int threads)
 {
-    Q8X_LOOP(0, NULL)
+    Q8X_LOOP(0)
 }
 
 void q4_0_q8_rows(const int8_t *x, const float *dx, const uint8_t *w, const uint16_t *d, const float *bias,
                   float *y, int64_t M, int64_t N, int64_t K, int threads)
 {
-    Q8X_LOOP(1, NULL)
+    Q8X_LOOP(1)
 }
 
 /* sx: quantize_q8_rows' s (d_x * sum of the block's q_x, rounded to float16) */
 void q4_1_q8_rows(const int8_t *x, const float *dx, const float *sx, const uint8_t *w, const uint16_t *d,
                   const float *bias, float *y, int64_t M, int64_t N, int64_t K, int threads)
 {
-    Q8X_LOOP(2, sx + m * nb)
+    Q8X_LOOP(2)
 }
 
 /* x as float32: rounded to Q8_0 blocks in a buffer of this call's (quantize_q8_rows), then the integer
