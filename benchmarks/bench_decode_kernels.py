@@ -10,11 +10,16 @@ For ``quantize int8 weight_only=true``, ``q8_0``, ``q4_0``, ``q4_1`` and ``int4`
 - **aten**: the layer's earlier path, aten's packed kernel (``_weight_int8pack_mm`` for int8,
   ``_weight_int4pack_mm_for_cpu`` for q8_0 (two 4-bit halves), q4_0, q4_1 and int4), bfloat16 activations and
   scales;
-- **float32**: ``F.linear`` with the float32 weight (what the quantization replaces).
+- **float32**: ``F.linear`` with the float32 weight (what the quantization replaces);
+- **floor**: ``torch.sum`` over a float32 tensor of as many bytes as the layers store, on the same threads,
+  right after ours: the rate this machine reads memory at (the bound a decode kernel can reach).
+
+``q8_0``/``q4_0`` with ``activations=int8`` (llama.cpp's arithmetic: the input rounded to int8 blocks, integer
+products; benchmarks/results/int8_activations.md) have no aten counterpart: their aten columns are empty.
 
 Two weight sets: SmolLM2-135M's 30 blocks (the serving benchmark's model: q/k/v/o/gate/up/down, 106 M
 weights) and four Llama-7B-wide blocks (4096/11008, 809 M weights: past this CPU's caches).  Rate =
-stored bytes (weights and scales) ÷ time; all three measured in one process, one after another.  An int4
+stored bytes (weights and scales) ÷ time; all measured in one process, one after another.  An int4
 layer beside aten's packed kernel takes ours for 1-2 rows only: its 8-row "ours" is aten's kernel again.
 """
 
@@ -37,9 +42,21 @@ from transformdsl.transforms.quantize.gguf_blocks import Q4_0Linear, Q4_1Linear,
 from transformdsl.transforms.quantize.int4 import Int4WeightOnlyLinear  # noqa: E402
 from transformdsl.transforms.quantize.int8_weight_only import Int8WeightOnlyLinear  # noqa: E402
 
+
+def _int8_activations(build):
+    def built(weight, bias):
+        layer = build(weight, bias)
+        layer.activations = "int8"
+        return layer
+    return built
+
+
 LAYERS = {"int8 weight-only": Int8WeightOnlyLinear.build, "q8_0": Q8_0Linear.build, "q4_0": Q4_0Linear.build,
           "q4_1": Q4_1Linear.build,
-          "int4 group_size=64": lambda weight, bias: Int4WeightOnlyLinear.build(weight, bias, 64)}
+          "int4 group_size=64": lambda weight, bias: Int4WeightOnlyLinear.build(weight, bias, 64),
+          # llama.cpp's arithmetic (no aten counterpart: its "aten" columns stay empty)
+          "q8_0 activations=int8": _int8_activations(Q8_0Linear.build),
+          "q4_0 activations=int8": _int8_activations(Q4_0Linear.build)}
 SETS = {
     "SmolLM2-135M, 30 blocks": [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576),
                                 (576, 1536)] * 30,
@@ -79,18 +96,26 @@ def measure(shapes, kind: str, rows: int) -> dict:
         for layer in layers:
             layer(inputs[layer.in_features])
 
+    # the memory floor: reading as many bytes as the layers store, the fastest way torch reads (a sum), on the
+    # same threads, right after ours; the layers' bytes and these are both past the caches for the 7B set
+    floor_bytes = torch.ones(nbytes // 4)
     with torch.inference_mode():
         ours = best_time(run)
+        floor = best_time(floor_bytes.sum)
+        del floor_bytes
+        int8 = "activations=int8" in kind
         for layer in layers:
             use_aten(layer)
-        aten = best_time(run)
+        aten = None if int8 else best_time(run)
         floats = [layer.dequantize() for layer in layers]
         layers.clear()
         fp32 = best_time(lambda: [F.linear(inputs[w.shape[1]], w) for w in floats])
     return {"ours ms": f"{ours * 1e3:.2f}", "ours GB/s": f"{nbytes / ours / 1e9:.1f}",
-            "aten ms": f"{aten * 1e3:.2f}", "aten GB/s": f"{nbytes / aten / 1e9:.1f}",
-            "float32 ms": f"{fp32 * 1e3:.2f}", "ours ÷ aten": f"{ours / aten:.2f}×",
-            "ours ÷ float32": f"{ours / fp32:.2f}×"}
+            "aten ms": "" if aten is None else f"{aten * 1e3:.2f}",
+            "aten GB/s": "" if aten is None else f"{nbytes / aten / 1e9:.1f}",
+            "float32 ms": f"{fp32 * 1e3:.2f}", "ours ÷ aten": "" if aten is None else f"{ours / aten:.2f}×",
+            "ours ÷ float32": f"{ours / fp32:.2f}×", "floor GB/s": f"{nbytes / floor / 1e9:.1f}",
+            "ours ÷ floor": f"{ours / floor:.2f}×"}
 
 
 def main() -> None:
@@ -117,7 +142,7 @@ def main() -> None:
     text += (f"\nCPU: {cpu_model()}; our kernels: {kernels.status()}. Command: {command}.\n\n"
              + __doc__.split("\n\n", 2)[2].strip() + "\n\n"
              + table(rows_out, ["threads", "weights", "layer", "rows", "ours ms", "ours GB/s", "aten ms", "aten GB/s",
-                                "float32 ms", "ours ÷ aten", "ours ÷ float32"]) + "\n")
+                                "float32 ms", "ours ÷ aten", "ours ÷ float32", "floor GB/s", "ours ÷ floor"]) + "\n")
     write(args.out, text)
 
 
