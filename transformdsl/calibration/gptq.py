@@ -89,18 +89,13 @@ class HessianAccumulator:
             return None, rows
         return matrix.mul_(2.0 / rows), rows
 
-    @property
-    def matrix(self) -> torch.Tensor:
-        """The Hessian of what this process added (one process: :meth:`total`)."""
-        matrix, _ = self.total()
-        return matrix if matrix is not None else torch.zeros(self.columns, self.columns, device=self.device)
-
 
 def hessian(x: torch.Tensor) -> torch.Tensor:
     """The Hessian of one batch of inputs (for tests and examples)."""
     accumulator = HessianAccumulator(x.shape[-1], x.device)
     accumulator.add(x)
-    return accumulator.matrix
+    matrix, _ = accumulator.total()
+    return matrix if matrix is not None else torch.zeros(x.shape[-1], x.shape[-1], device=x.device)
 
 
 def _inverse_cholesky(h: torch.Tensor, damp: float) -> tuple[torch.Tensor | None, float]:

@@ -284,9 +284,7 @@ class BlockQuantizedLinear(StoredWeight):
 
     def dequantize(self, start: int = 0, end: int | None = None) -> torch.Tensor:
         """Rows ``start:end`` of the float32 weight: ``q * d``, block by block (ggml's dequantization)."""
-        end = self.out_features if end is None else end
-        q = self.values(start, end).reshape(end - start, -1, BLOCK)
-        return (q * self.weight_scale[start:end].float()[..., None]).reshape(end - start, self.in_features)
+        return self._scaled(start, end)
 
     def gguf_bytes(self) -> np.ndarray:
         """The weight as the GGUF tensor's bytes (see :func:`block_bytes`)."""
@@ -312,12 +310,14 @@ class BlockQuantizedLinear(StoredWeight):
         layout = self._packed
         if not torch.compiler.is_compiling() and layout.source is not self._buffers["weight"]:
             self.repack()  # the stored tensors were replaced (a loader that assigns them directly)
-        if self.activations == "int8":
-            return self._int8_forward(x)
         if (self.row_kernel and x.numel() <= self._row_limit and x.is_floating_point() and x.device.type == "cpu"
                 and not (x.requires_grad and torch.is_grad_enabled())):  # the kernel has no derivative
-            # decoding: the blocks read as stored, float32 activations: the exact product (kernels/rows.c)
-            return kernels.rows(self.kind, x, self._buffers["weight"], self._buffers["weight_scale"], self.bias)
+            # decoding: the blocks read as stored (kernels/rows.c), float32 activations (the exact product) or
+            # activations=int8's integer products
+            return kernels.rows(self.kind, x, self._buffers["weight"], self._buffers["weight_scale"], self.bias,
+                                activations=self.activations)
+        if self.activations == "int8":
+            return self._int8_forward(x)
         if (layout.parts and x.dtype in PACKED_INPUTS and x.device.type == "cpu"
                 and x.numel() <= PACKED_MAX_ROWS * self.in_features
                 and not (torch.is_grad_enabled() and x.requires_grad)):  # the kernel has no derivative
@@ -339,12 +339,8 @@ class BlockQuantizedLinear(StoredWeight):
         return F.linear(x.to(dtype), self.dequantize().to(dtype), bias)
 
     def _int8_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``activations=int8``: decoding takes our integer kernel; larger inputs (prefill), other devices
-        and machines without the kernels the same arithmetic in float32 (within its rounding)."""
-        if (self.row_kernel and x.numel() <= self._row_limit and x.is_floating_point() and x.device.type == "cpu"
-                and not (x.requires_grad and torch.is_grad_enabled())):
-            return kernels.rows(self.kind, x, self._buffers["weight"], self._buffers["weight_scale"], self.bias,
-                                activations="int8")
+        """``activations=int8`` where our integer kernel does not run (larger inputs such as a prefill, other
+        devices, machines without the kernels): the same arithmetic in float32 (within its rounding)."""
         rounded, sums = round_activations(x, sums=self.kind == "q4_1")
         bias = None if self.bias is None else self.bias.float()
         if blocked.by_blocks(rounded, self.out_features, torch.float32, bias=self.bias):
@@ -426,9 +422,9 @@ class Q4_1Linear(BlockQuantizedLinear):
 
     def dequantize(self, start: int = 0, end: int | None = None) -> torch.Tensor:
         end = self.out_features if end is None else end
-        q = self.values(start, end).reshape(end - start, -1, BLOCK)
-        d, m = self.weight_scale[start:end].float().unbind(-1)
-        return (q * d[..., None] + m[..., None]).reshape(end - start, self.in_features)
+        m = self.weight_scale[start:end, :, 1].float()
+        return (self._scaled(start, end).reshape(end - start, -1, BLOCK) + m[..., None]).reshape(end - start,
+                                                                                                 self.in_features)
 
     def pack(self):
         d, m = self.weight_scale.float().unbind(-1)

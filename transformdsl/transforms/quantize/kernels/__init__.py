@@ -23,6 +23,7 @@ What a user may rely on:
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 
 import torch
@@ -67,11 +68,14 @@ def reset() -> None:
 
 def _rows(name: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
           bias: torch.Tensor | None) -> torch.Tensor:
-    """The ``name`` kernel on a contiguous float32 ``x`` of any leading dimensions: (..., out) float32."""
+    """The ``name`` kernel on a contiguous float32 ``x`` of any leading dimensions: (..., out) float32.
+    (The ``*_q8x_rows`` kernels return -1 when they cannot allocate their rounded activations; the others
+    return nothing.)"""
     out = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
     width = x.shape[-1]
-    _state[name](x.data_ptr(), weight.data_ptr(), scale.data_ptr(), None if bias is None else bias.data_ptr(),
-                 out.data_ptr(), x.numel() // width if width else 0, weight.shape[0], width, 0)
+    if _state[name](x.data_ptr(), weight.data_ptr(), scale.data_ptr(), None if bias is None else bias.data_ptr(),
+                    out.data_ptr(), x.numel() // width if width else 0, weight.shape[0], width, 0):
+        raise MemoryError(f"{name}: no memory for the rounded activations of a {tuple(x.shape)} input")
     return out
 
 
@@ -164,25 +168,9 @@ def q4_1_q8_rows(q: torch.Tensor, d: torch.Tensor, s: torch.Tensor, weight: torc
 EAGER = {"int8": int8_rows, "q8_0": q8_0_rows, "q4_0": q4_0_rows, "q4_1": q4_1_rows}
 
 
-def _int8_activations(kind: str):
-    """``x`` rounded to Q8_0 blocks (Q4_1: with Q8_1's sums), then ``kind``'s integer products, in one call
-    (``<kind>_q8x_rows``): what ``activations=int8`` layers call, with (``x``, ``weight``, ``scale``,
-    ``bias``) as :data:`EAGER`'s take."""
-    name = f"{kind}_q8x_rows"
-
-    def eager(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        out = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
-        width = x.shape[-1]
-        if _state[name](x.data_ptr(), weight.data_ptr(), scale.data_ptr(), None if bias is None else bias.data_ptr(),
-                        out.data_ptr(), x.numel() // width if width else 0, weight.shape[0], width, 0):
-            raise MemoryError(f"{name}: no memory for the rounded activations of a {tuple(x.shape)} input")
-        return out
-
-    return eager
-
-
-#: ``activations=int8``: the activations rounded as llama.cpp's CPU backend rounds them (see :func:`rows`).
-EAGER_INT8 = {kind: _int8_activations(kind) for kind in ("q8_0", "q4_0", "q4_1")}
+#: ``activations=int8`` (:func:`rows`): ``x`` rounded to Q8_0 blocks (Q4_1: with Q8_1's sums), then the integer
+#: products, in one call (``<kind>_q8x_rows``), with (``x``, ``weight``, ``scale``, ``bias``) as :data:`EAGER`'s take.
+EAGER_INT8 = {kind: functools.partial(_rows, f"{kind}_q8x_rows") for kind in ("q8_0", "q4_0", "q4_1")}
 
 
 def _custom_op(kind: str, eager=None, name: str | None = None):
