@@ -2,13 +2,13 @@
 
     .venv/bin/python benchmarks/bench_decode_kernels.py [--threads 1 2]
 
-For ``quantize int8 weight_only=true``, ``q8_0``, ``q4_0``, ``q4_1`` and ``int4`` (bfloat16 compute) layers, the time of a decode-sized call
+For ``quantize int8 weight_only=true``, ``q8_0``, ``q4_0``, ``q4_1``, ``q4_k`` and ``int4`` (bfloat16 compute) layers, the time of a decode-sized call
 (1 and 8 rows) through every layer of a model, in the model's order, on:
 
 - **ours**: :mod:`transformdsl.transforms.quantize.kernels` (``rows.c``, compiled here): the stored
   bytes read as they are, float32 activations;
 - **aten**: the layer's earlier path, aten's packed kernel (``_weight_int8pack_mm`` for int8,
-  ``_weight_int4pack_mm_for_cpu`` for q8_0 (two 4-bit halves), q4_0, q4_1 and int4), bfloat16 activations and
+  ``_weight_int4pack_mm_for_cpu`` for q8_0 (two 4-bit halves), q4_0, q4_1, q4_k and int4), bfloat16 activations and
   scales;
 - **float32**: ``F.linear`` with the float32 weight (what the quantization replaces);
 - **floor**: ``torch.sum`` over a float32 tensor of as many bytes as the layers store, on the same threads,
@@ -18,7 +18,8 @@ For ``quantize int8 weight_only=true``, ``q8_0``, ``q4_0``, ``q4_1`` and ``int4`
 products; benchmarks/results/int8_activations.md) have no aten counterpart: their aten columns are empty.
 
 Two weight sets: SmolLM2-135M's 30 blocks (the serving benchmark's model: q/k/v/o/gate/up/down, 106 M
-weights) and four Llama-7B-wide blocks (4096/11008, 809 M weights: past this CPU's caches).  Rate =
+weights) and four Llama-7B-wide blocks (4096/11008, 809 M weights: past this CPU's caches); ``q4_k`` on the
+second only (its super-blocks are 256 inputs: SmolLM2's 576-wide layers have none).  Rate =
 stored bytes (weights and scales) ÷ time; all measured in one process, one after another.  An int4
 layer beside aten's packed kernel takes ours for 1-2 rows only: its 8-row "ours" is aten's kernel again.
 """
@@ -38,7 +39,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.common import cpu_model, header, table, write  # noqa: E402
 from transformdsl.transforms.quantize import kernels  # noqa: E402
-from transformdsl.transforms.quantize.gguf_blocks import Q4_0Linear, Q4_1Linear, Q8_0Linear  # noqa: E402
+from transformdsl.transforms.quantize.gguf_blocks import Q4_0Linear, Q4_1Linear, Q4_KLinear, Q8_0Linear  # noqa: E402
 from transformdsl.transforms.quantize.int4 import Int4WeightOnlyLinear  # noqa: E402
 from transformdsl.transforms.quantize.int8_weight_only import Int8WeightOnlyLinear  # noqa: E402
 
@@ -51,8 +52,19 @@ def _int8_activations(build):
     return built
 
 
+def _random_q4_k(weight, bias):
+    """A Q4_K layer of ``weight``'s shape holding random valid super-blocks: the kernels' speed does not depend
+    on the values, and ggml's reference quantizer takes about 0.25 µs a weight (200 s for the 7B-wide set)."""
+    rows, cols = weight.shape
+    generator = torch.Generator().manual_seed(rows * cols)
+    values = torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=generator)
+    scale = (torch.rand(rows, cols // 256, 2, generator=generator) * 1e-3).half()
+    sub = torch.randint(0, 256, (rows, cols // 256, 12), dtype=torch.uint8, generator=generator)
+    return Q4_KLinear(values, scale, sub, bias)
+
+
 LAYERS = {"int8 weight-only": Int8WeightOnlyLinear.build, "q8_0": Q8_0Linear.build, "q4_0": Q4_0Linear.build,
-          "q4_1": Q4_1Linear.build,
+          "q4_1": Q4_1Linear.build, "q4_k": _random_q4_k,
           "int4 group_size=64": lambda weight, bias: Int4WeightOnlyLinear.build(weight, bias, 64),
           # llama.cpp's arithmetic (no aten counterpart: its "aten" columns stay empty)
           "q8_0 activations=int8": _int8_activations(Q8_0Linear.build),
@@ -131,6 +143,8 @@ def main() -> None:
         torch.set_num_threads(threads)
         for set_name, shapes in SETS.items():
             for kind in LAYERS:
+                if kind == "q4_k" and any(shape[1] % 256 for shape in shapes):
+                    continue  # Q4_K's super-blocks are 256 inputs: SmolLM2's 576-wide layers have none
                 for rows in (1, 8):
                     row = {"threads": threads, "weights": set_name, "layer": kind, "rows": rows}
                     row.update(measure(shapes, kind, rows))

@@ -13,7 +13,7 @@ from torch import nn
 import transformdsl
 from transformdsl.models import tiny_llama
 from transformdsl.transforms.quantize import kernels
-from transformdsl.transforms.quantize.gguf_blocks import Q4_0Linear, Q4_1Linear, Q8_0Linear
+from transformdsl.transforms.quantize.gguf_blocks import Q4_0Linear, Q4_1Linear, Q4_KLinear, Q8_0Linear
 from transformdsl.transforms.quantize.int4 import Int4WeightOnlyLinear
 from transformdsl.transforms.quantize.int8_weight_only import Int8WeightOnlyLinear
 
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"decode kernels
 LAYERS = {"int8": Int8WeightOnlyLinear.build, "q8_0": Q8_0Linear.build, "q4_0": Q4_0Linear.build,
           "q4_1": Q4_1Linear.build,
           "int4": lambda weight, bias: Int4WeightOnlyLinear.build(weight, bias, 32, torch.float32)}
-CLASSES = (Int8WeightOnlyLinear, Q8_0Linear, Q4_0Linear, Q4_1Linear, Int4WeightOnlyLinear)
+CLASSES = (Int8WeightOnlyLinear, Q8_0Linear, Q4_0Linear, Q4_1Linear, Q4_KLinear, Int4WeightOnlyLinear)
 
 
 def relative_error(out: torch.Tensor, exact: torch.Tensor) -> float:
@@ -56,6 +56,34 @@ def test_decode_sized_inputs_give_the_exact_product_of_the_stored_weight(kind, s
         out = half(x.bfloat16())
     assert out.dtype == torch.bfloat16
     assert relative_error(out, x.bfloat16().double() @ exact_weight.t() + half.bias.double()) < 1e-2
+
+
+@pytest.mark.parametrize("shape", [(61, 256), (576, 1536), (64, 2816)])  # 1, 6 and 11 super-blocks a row
+def test_q4_k_super_blocks_give_the_exact_product_with_no_packed_copy(shape):
+    """Q4_K (256 inputs a super-block, 6-bit scales and mins unpacked per row in the kernel): the exact
+    product of ggml's dequantization of the stored bytes, for 1-8 rows, with nothing kept beside the bytes."""
+    generator = torch.Generator().manual_seed(shape[1])
+    layer = Q4_KLinear.build(torch.randn(*shape, generator=generator), torch.randn(shape[0], generator=generator))
+    assert layer.row_kernel and not layer.packed_kernel and layer._packed.parts == ()
+    exact_weight = layer.dequantize().double()
+    for leading in [(1,), (3,), (2, 4)]:
+        x = torch.randn(*leading, shape[1], generator=generator)
+        with torch.no_grad():
+            out = layer(x)
+        assert relative_error(out, x.double() @ exact_weight.t() + layer.bias.double()) < 1e-6
+    x = torch.randn(4, shape[1], generator=generator)
+    before = torch.get_num_threads()
+    try:
+        with torch.no_grad():
+            torch.set_num_threads(1)
+            one = layer(x)
+            torch.set_num_threads(2)
+            assert torch.equal(layer(x), one)
+    finally:
+        torch.set_num_threads(before)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(layer, fullgraph=True)(x[:1]), one[:1], rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("kind", sorted(LAYERS))

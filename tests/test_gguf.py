@@ -779,16 +779,39 @@ def test_gguf_import_keeps_q4_k_super_blocks_as_the_file_holds_them(q4_k_file, t
             assert np.array_equal(np.asarray(tensor.data).reshape(written[tensor.name].shape), written[tensor.name])
 
 
-@needs_packed
-def test_q4_k_layers_decode_with_the_packed_kernel_within_bfloat16_rounding(q4_k_file):
+def test_q4_k_layers_decode_the_files_super_blocks_as_they_are(q4_k_file):
+    """Our decode kernel reads the file's Q4_K bytes (no packed copy beside them): the exact product."""
+    from transformdsl.transforms.quantize import kernels
+
+    if not kernels.available():
+        pytest.skip(f"decode kernels not built here: {kernels.status()}")
     path, _ = q4_k_file
     layer = transformdsl.load(path).model.layers[0].mlp.down_proj
-    assert layer.packed_kernel
-    exact_weight = layer.dequantize().double()
+    assert layer.row_kernel and not layer.packed_kernel
     x = torch.randn(1, layer.in_features, generator=torch.Generator().manual_seed(8))
     with torch.no_grad():
-        out = layer(x)
-    assert 1e-6 < relative_error(out, x.double() @ exact_weight.t()) < 5e-3
+        assert relative_error(layer(x), x.double() @ layer.dequantize().double().t()) < 1e-6
+
+
+@needs_packed
+def test_without_our_kernels_q4_k_layers_decode_with_the_packed_kernel_within_bfloat16_rounding(q4_k_file,
+                                                                                               monkeypatch):
+    from transformdsl.transforms.quantize import kernels
+
+    monkeypatch.setenv(kernels.SWITCH, "off")
+    kernels.reset()
+    try:
+        path, _ = q4_k_file
+        layer = transformdsl.load(path).model.layers[0].mlp.down_proj
+        assert layer.packed_kernel and not layer.row_kernel
+        exact_weight = layer.dequantize().double()
+        x = torch.randn(1, layer.in_features, generator=torch.Generator().manual_seed(8))
+        with torch.no_grad():
+            out = layer(x)
+        assert 1e-6 < relative_error(out, x.double() @ exact_weight.t()) < 5e-3
+    finally:
+        monkeypatch.undo()
+        kernels.reset()
 
 
 def test_q4_k_bytes_are_llama_cpps_reference_quantizers():

@@ -136,9 +136,9 @@ def gguf_block_note(device_type: str, dtypes: set[str], mode: str, narrow: int =
     if device_type != "cpu":
         return (f"on {device_type} these layers dequantize their GGUF blocks at every call (no block kernel is "
                 "wired there)")
-    row_kernel = mode != "q4_k" and _row_kernel_note("the GGUF blocks", exact=" (the exact product of what "
-                                                     "format='gguf' writes; no packed copy)")
-    if row_kernel:  # (no kernel of ours reads Q4_K's super-blocks)
+    row_kernel = _row_kernel_note("the GGUF blocks", exact=" (the exact product of what format='gguf' writes; no "
+                                  "packed copy)")
+    if row_kernel:
         return row_kernel
     if "int4" not in packed_cpu_kernels():
         return ("this torch has no packed int4 CPU kernel: these layers dequantize their GGUF blocks at every "

@@ -246,8 +246,9 @@ class BlockQuantizedLinear(StoredWeight):
         #: Whether decode-sized inputs take our kernel (:mod:`.kernels`), which reads the stored blocks
         #: themselves: then no packed copy is made.
         self._row_limit = PACKED_MAX_ROWS * self.in_features
-        self.row_kernel = (self.kind in kernels.EAGER and stored.device.type == "cpu" and not stored.is_meta
-                           and stored.is_contiguous() and self._buffers["weight_scale"].is_contiguous()
+        self.row_kernel = (self.kind in kernels.BLOCK_KINDS and stored.device.type == "cpu"
+                           and not stored.is_meta and stored.is_contiguous()
+                           and all(self._buffers[name].is_contiguous() for name in self._buffers if name != "weight")
                            and kernels.available())
         if (self.row_kernel or stored.is_meta or stored.device.type != "cpu"
                 or self.out_features % PACKED_OUT_MULTIPLE or not packed_kernel_available()):
@@ -314,8 +315,7 @@ class BlockQuantizedLinear(StoredWeight):
                 and not (x.requires_grad and torch.is_grad_enabled())):  # the kernel has no derivative
             # decoding: the blocks read as stored (kernels/rows.c), float32 activations (the exact product) or
             # activations=int8's integer products
-            return kernels.rows(self.kind, x, self._buffers["weight"], self._buffers["weight_scale"], self.bias,
-                                activations=self.activations)
+            return self._row_product(x)
         if self.activations == "int8":
             return self._int8_forward(x)
         if (layout.parts and x.dtype in PACKED_INPUTS and x.device.type == "cpu"
@@ -337,6 +337,11 @@ class BlockQuantizedLinear(StoredWeight):
 
             return blocked.linear_by_blocks(x, self.out_features, dtype, cast, bias=bias)
         return F.linear(x.to(dtype), self.dequantize().to(dtype), bias)
+
+    def _row_product(self, x: torch.Tensor) -> torch.Tensor:
+        """Our decode kernel on ``x`` (a few rows): the stored blocks as they are."""
+        return kernels.rows(self.kind, x, self._buffers["weight"], self._buffers["weight_scale"], self.bias,
+                            activations=self.activations)
 
     def _int8_forward(self, x: torch.Tensor) -> torch.Tensor:
         """``activations=int8`` where our integer kernel does not run (larger inputs such as a prefill, other
@@ -618,6 +623,10 @@ class Q4_KLinear(BlockQuantizedLinear):
 
     def values(self, start=0, end=None):
         raise NotImplementedError("Q4_K values have an offset per sub-block; use dequantize()")
+
+    def _row_product(self, x: torch.Tensor) -> torch.Tensor:
+        buffers = self._buffers
+        return kernels.q4_k(x, buffers["weight"], buffers["weight_scale"], buffers["weight_sub"], self.bias)
 
     def pack(self):
         # the kernel multiplies by (q - 8) * scale + zero: scale = d * sc, zero = 8 * d * sc - dmin * m

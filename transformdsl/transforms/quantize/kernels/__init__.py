@@ -1,8 +1,8 @@
 """Decode kernels for quantized layers: ``rows.c``, compiled here for this CPU on first use.
 
-``int8_rows``, ``q8_0_rows``, ``q4_0_rows``, ``q4_1_rows`` and ``int4_rows`` multiply a few float32 rows
-(decoding: one token per sequence) by a weight stored as ``quantize int8 weight_only=true``, ``q8_0``,
-``q4_0``, ``q4_1`` or ``int4`` store it, reading the stored bytes directly: no dequantized copy, no packed second copy, and
+``int8_rows``, ``q8_0_rows``, ``q4_0_rows``, ``q4_1_rows``, ``q4_k_rows`` and ``int4_rows`` multiply a few
+float32 rows (decoding: one token per sequence) by a weight stored as ``quantize int8 weight_only=true``,
+``q8_0``, ``q4_0``, ``q4_1``, ``q4_k`` or ``int4`` store it, reading the stored bytes directly: no dequantized copy, no packed second copy, and
 float32 activations (the exact product of the stored values, up to float32 summation order).  Measured
 against aten's packed kernels, which these replace for decode-sized inputs: benchmarks/results/decode_kernels.md.
 
@@ -30,8 +30,8 @@ import torch
 
 from .build import FUNCTIONS, SWITCH, build
 
-__all__ = ["SWITCH", "available", "status", "reset", "rows", "int4", "int8_rows", "q8_0_rows", "q4_0_rows",
-           "q4_1_rows", "int4_rows"]
+__all__ = ["SWITCH", "available", "status", "reset", "rows", "int4", "q4_k", "int8_rows", "q8_0_rows", "q4_0_rows",
+           "q4_1_rows", "int4_rows", "q4_k_rows"]
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -121,6 +121,20 @@ def int4_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: 
     return out
 
 
+def q4_k_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, sub: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The product with GGUF Q4_K super-blocks: weight uint8 (out, in/2) as GGUF orders each super-block's 128
+    value bytes, scale float16 (out, in/256, 2: ``d``, ``dmin``), sub uint8 (out, in/256, 12: the packed 6-bit
+    scales and mins); ``in`` a multiple of 256."""
+    width = x.shape[-1]
+    rows = x.numel() // width if width else 0
+    out = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
+    scratch = torch.empty(rows * (width // 32), dtype=torch.float32)
+    _state["q4_k_rows"](x.data_ptr(), weight.data_ptr(), scale.data_ptr(), sub.data_ptr(), scratch.data_ptr(),
+                        None if bias is None else bias.data_ptr(), out.data_ptr(), rows, weight.shape[0], width, 0)
+    return out
+
+
 def quantize_q8_rows(x: torch.Tensor, sums: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``x`` float32 (..., in) contiguous, ``in`` a multiple of 32, rounded to GGUF Q8_0 blocks as llama.cpp
     rounds activations (``quantize_row_q8_0_ref``): ``(q int8 (..., in), d float32 (..., in/32), s)``, ``d``
@@ -166,6 +180,8 @@ def q4_1_q8_rows(q: torch.Tensor, d: torch.Tensor, s: torch.Tensor, weight: torc
 
 
 EAGER = {"int8": int8_rows, "q8_0": q8_0_rows, "q4_0": q4_0_rows, "q4_1": q4_1_rows}
+#: The GGUF block kinds a kernel here reads (Q4_K through :func:`q4_k`, the others through :func:`rows`).
+BLOCK_KINDS = frozenset(("q8_0", "q4_0", "q4_1", "q4_k"))
 
 
 #: ``activations=int8`` (:func:`rows`): ``x`` rounded to Q8_0 blocks (Q4_1: with Q8_1's sums), then the integer
@@ -205,6 +221,18 @@ def _(x, weight, scale, zero, group_size, bias):
     return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
 
 
+@torch.library.custom_op("transformdsl::q4_k_rows", mutates_args=())
+def _q4_k_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, sub: torch.Tensor,
+             bias: torch.Tensor | None) -> torch.Tensor:
+    _library()
+    return q4_k_rows(x, weight, scale, sub, bias)
+
+
+@_q4_k_op.register_fake
+def _(x, weight, scale, sub, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
+
+
 def _run(eager, compiled, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *args) -> torch.Tensor:
     """``eager(x, weight, *args, bias)`` (``compiled`` under ``torch.compile``) on ``x`` made contiguous
     float32, the bias fused where it is float32 and added after otherwise; in ``x``'s dtype.  Only what a
@@ -241,3 +269,9 @@ def int4(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch
          bias: torch.Tensor | None) -> torch.Tensor:
     """As :func:`rows`, for ``quantize int4`` layers (:func:`int4_rows`)."""
     return _run(int4_rows, _int4_op, x, weight, bias, scale, zero, group_size)
+
+
+def q4_k(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, sub: torch.Tensor,
+         bias: torch.Tensor | None) -> torch.Tensor:
+    """As :func:`rows`, for ``quantize q4_k`` layers (:func:`q4_k_rows`)."""
+    return _run(q4_k_rows, _q4_k_op, x, weight, bias, scale, sub)

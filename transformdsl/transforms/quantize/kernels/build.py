@@ -33,6 +33,7 @@ SIGNATURES = {
     "q4_0_rows": [_P] * 5 + [_N] * 3 + [_I],
     "q4_1_rows": [_P] * 6 + [_N] * 3 + [_I],
     "int4_rows": [_P] * 4 + [_I, _N] + [_P] * 3 + [_N] * 3 + [_I],
+    "q4_k_rows": [_P] * 7 + [_N] * 3 + [_I],
     # int8 activations (llama.cpp's arithmetic; ``activations=int8`` layers): x as Q8_0 blocks
     "quantize_q8_rows": [_P] * 4 + [_N] * 2,
     "q8_0_q8_rows": [_P] * 6 + [_N] * 3 + [_I],
@@ -180,6 +181,9 @@ def _self_check(library: ctypes.CDLL) -> str | None:
                       None, out.data_ptr(), 3, 21, 64, 1)
     if not torch.allclose(out.double(), x.double() @ values.T, rtol=1e-5, atol=1e-4):
         return "the compiled int4_rows failed its self-check"
+    # GGUF Q4_K: one super-block of 256 inputs; random bytes for the values and the packed 6-bit scales
+    if _q4_k_wrong(library, generator):
+        return "the compiled q4_k_rows failed its self-check"
     # GGUF Q4_1: Q4_0's nibbles standing for q * d + m
     dm = torch.stack((d, (torch.randn(21, 2, generator=generator)).half()), dim=-1)
     values41 = torch.cat((lo, hi), dim=-1).double() * dm[..., 0].double()[..., None] + dm[..., 1].double()[..., None]
@@ -226,3 +230,23 @@ def _self_check(library: ctypes.CDLL) -> str | None:
         if not torch.allclose(out.double(), reference, rtol=1e-5, atol=1e-4):
             return f"the compiled {name} failed its self-check (largest error {(out - reference).abs().max():.3g})"
     return None
+
+
+def _q4_k_wrong(library: ctypes.CDLL, generator: torch.Generator) -> bool:
+    """Whether q4_k_rows misses the float64 product with ggml's dequantization of random Q4_K blocks
+    (two super-blocks, three input rows; the scales unpacked as ``get_scale_min_k4`` does)."""
+    rows, width = 21, 512
+    x = torch.randn(3, width, generator=generator)
+    values = torch.randint(0, 256, (rows, width // 2), dtype=torch.uint8, generator=generator)
+    dm = (torch.rand(rows, width // 256, 2, generator=generator) * 0.01).half()
+    sub = torch.randint(0, 256, (rows, width // 256, 12), dtype=torch.uint8, generator=generator)
+    d, m, md = sub[..., 0:4].long(), sub[..., 4:8].long(), sub[..., 8:12].long()
+    sc = torch.cat((d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)), dim=-1).double()
+    mins = torch.cat((m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)), dim=-1).double()
+    chunks = values.reshape(rows, -1, 4, 1, 32)
+    q = torch.cat((chunks & 0xF, chunks >> 4), dim=3).reshape(rows, -1, 8, 32).double()
+    weight = (dm[..., :1].double() * sc)[..., None] * q - (dm[..., 1:].double() * mins)[..., None]
+    out, scratch = torch.empty(3, rows), torch.empty(3 * width // 32)
+    library.q4_k_rows(x.data_ptr(), values.data_ptr(), dm.data_ptr(), sub.data_ptr(), scratch.data_ptr(), None,
+                      out.data_ptr(), 3, rows, width, 1)
+    return not torch.allclose(out.double(), x.double() @ weight.reshape(rows, width).T, rtol=1e-5, atol=1e-4)

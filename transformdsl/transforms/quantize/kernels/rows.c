@@ -271,6 +271,115 @@ void q4_1_rows(const float *x, const uint8_t *w, const uint16_t *d, float *scrat
     ROW_LOOP(Q4_1_CALL)
 }
 
+/* GGUF Q4_K: super-blocks of 256 inputs, 8 sub-blocks of 32 standing for d1 * q - m1 (q 0..15), with
+ * d1 = d * sc and m1 = dmin * m in float32 as ggml's dequantize_row_q4_K computes them (sc, m: 6 bits each,
+ * packed in 12 bytes per super-block; d, dmin float16).  A super-block's 128 bytes are 4 chunks of 32:
+ * byte j of chunk c holds sub-block 2c's q[j] in its low nibble and 2c + 1's in its high one.  As for Q4_0,
+ * the nibbles are widened as q - 8, so per sub-block
+ *
+ *     sum_k x_k (d1 q_k - m1) = d1 * sum_k (q_k - 8) x_k  +  (8 d1 - m1) * sum_k x_k
+ *
+ * the first a vector sum per sub-block times d1, the second a vector product of the sub-blocks' offsets
+ * with the input's sums per 32 (``xs``), both accumulated in vector lanes. */
+#define SUPERS 8  /* super-blocks whose scales are unpacked to float32 at a time (8 rows: 4 KB on the stack) */
+
+/* One super-block's 8 multipliers d1 = d * sc and offsets 8 d1 - m1 (m1 = dmin * m) from its 12 packed bytes:
+ * ggml's get_scale_min_k4, four 6-bit fields a 32-bit word (sc 0..3 = q[0..3] & 63, sc 4..7 = q[8..11] & 15
+ * with q[0..3]'s top two bits above; m alike from q[4..7] and q[8..11] >> 4).  d1 and m1 are float32
+ * products, as ggml's dequantize_row_q4_K computes them. */
+static inline void q4_k_unpack(const uint8_t *q, float d, float dmin, float *scale, float *offset)
+{
+    uint32_t a, b, c;
+    memcpy(&a, q, 4);
+    memcpy(&b, q + 4, 4);
+    memcpy(&c, q + 8, 4);
+    const uint64_t sc = (uint64_t)(a & 0x3f3f3f3fu) | (uint64_t)((c & 0x0f0f0f0fu) | ((a >> 2) & 0x30303030u)) << 32;
+    const uint64_t m = (uint64_t)(b & 0x3f3f3f3fu) | (uint64_t)(((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u)) << 32;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 d1 = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)sc))));
+    const __m256 m1 = _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)m))));
+    _mm256_storeu_ps(scale, d1);
+    _mm256_storeu_ps(offset, _mm256_sub_ps(_mm256_mul_ps(_mm256_set1_ps(8.0f), d1), m1));
+#else
+    for (int k = 0; k < 8; k++) {
+        const float d1 = d * (float)((sc >> (8 * k)) & 0xff), m1 = dmin * (float)((m >> (8 * k)) & 0xff);
+        scale[k] = d1;
+        offset[k] = 8.0f * d1 - m1;
+    }
+#endif
+}
+
+INLINE void q4_k_block(const float *x, const float *xs, const uint8_t *w, const uint16_t *dm, const uint8_t *sub,
+                       int64_t n, int64_t rows, int64_t K, const int mt, int fetch, float out[MT_MAX][ROWS])
+{
+    const int64_t supers = K / 256, row_bytes = K / 2;
+    const uint8_t *wr[ROWS];
+    int64_t first[ROWS];
+    vf acc[MT_MAX][ROWS];
+    float scale[ROWS][SUPERS * 8], offset[ROWS][SUPERS * 8], rest[MT_MAX][ROWS];
+    for (int i = 0; i < ROWS; i++) {
+        first[i] = n + (i < rows ? i : 0);
+        wr[i] = w + first[i] * row_bytes;
+        for (int j = 0; j < mt; j++) { acc[j][i] = vzero(); rest[j][i] = 0.0f; }
+    }
+    for (int64_t s0 = 0; s0 < supers; s0 += SUPERS) {
+        const int64_t count = supers - s0 < SUPERS ? supers - s0 : SUPERS;
+        for (int i = 0; i < ROWS; i++)
+            for (int64_t c = 0; c < count; c++) {
+                const int64_t at = first[i] * supers + s0 + c;
+                q4_k_unpack(sub + at * 12, half(dm[at * 2]), half(dm[at * 2 + 1]), &scale[i][c * 8], &offset[i][c * 8]);
+            }
+        for (int64_t c = 0; c < count; c++) {
+            const int64_t S = s0 + c;
+            const float *xb = x + S * 256;
+            for (int i = 0; i < ROWS; i++) {
+                const uint8_t *q = wr[i] + S * 128;
+                if (fetch)
+                    for (int l = 0; l < 128; l += LINE) prefetch(q + l + ROWS * row_bytes);
+                for (int half_ = 0; half_ < 4; half_++) {  /* chunk: sub-blocks 2 half_ (low) and 2 half_ + 1 */
+                    vf lo_t[MT_MAX], hi_t[MT_MAX];
+                    for (int j = 0; j < mt; j++) { lo_t[j] = vzero(); hi_t[j] = vzero(); }
+                    for (int e = 0; e < 32; e += LANES) {
+                        vf lo, hi;
+                        vnibbles(q + half_ * 32 + e, &lo, &hi);
+                        for (int j = 0; j < mt; j++) {
+                            lo_t[j] = vfma(vload(xb + j * K + half_ * 64 + e), lo, lo_t[j]);
+                            hi_t[j] = vfma(vload(xb + j * K + half_ * 64 + 32 + e), hi, hi_t[j]);
+                        }
+                    }
+                    for (int j = 0; j < mt; j++) {
+                        acc[j][i] = vfma(lo_t[j], vset(scale[i][c * 8 + 2 * half_]), acc[j][i]);
+                        acc[j][i] = vfma(hi_t[j], vset(scale[i][c * 8 + 2 * half_ + 1]), acc[j][i]);
+                    }
+                }
+            }
+        }
+        for (int i = 0; i < ROWS; i++) {  /* the offsets times the sums per 32 inputs, LANES sub-blocks a step */
+            int64_t b = 0;
+            for (; b + LANES <= count * 8; b += LANES)
+                for (int j = 0; j < mt; j++)
+                    acc[j][i] = vfma(vload(xs + j * (K / 32) + s0 * 8 + b), vload(&offset[i][b]), acc[j][i]);
+            for (; b < count * 8; b++)
+                for (int j = 0; j < mt; j++) rest[j][i] += xs[j * (K / 32) + s0 * 8 + b] * offset[i][b];
+        }
+    }
+    for (int j = 0; j < mt; j++)
+        for (int i = 0; i < ROWS; i++) out[j][i] = vsum(acc[j][i]) + rest[j][i];
+}
+
+/* ``scratch``: M * K / 32 floats (the caller's): each 32 inputs' sum */
+void q4_k_rows(const float *x, const uint8_t *w, const uint16_t *dm, const uint8_t *sub, float *scratch,
+               const float *bias, float *y, int64_t M, int64_t N, int64_t K, int threads)
+{
+    for (int64_t b = 0; b < M * K / 32; b++) {
+        float sum = 0.0f;
+        for (int e = 0; e < 32; e++) sum += x[b * 32 + e];
+        scratch[b] = sum;
+    }
+#define Q4_K_CALL(MT) q4_k_block(x + m * K, scratch + m * (K / 32), w, dm, sub, n, rows, K, MT, m == 0, out)
+    ROW_LOOP(Q4_K_CALL)
+}
+
 /* quantize int4: nibbles interleaved (even input low, odd high), a scale and a zero per group of G inputs.
  * Per 32 inputs, x is read from a copy reordered to (even inputs, odd inputs) so that the nibbles pair
  * with it as Q4_0's do; the zeros contribute z * (sum of the group's x), summed once per group. */
