@@ -847,3 +847,52 @@ def test_quantize_q4_k_on_a_float_model_exports_what_stock_transformers_reads(tm
         assert torch.equal(transformdsl.load(tmp_path / "ours")(TOKENS).logits, got)
     narrow = transformdsl.plan(tiny_llama(), "quantize q4_k").steps[0]
     assert not narrow.targets and "not a multiple of GGUF's block of 256" in str(narrow.skipped)
+
+
+# --------------------------------------------------------------------------- a GGUF import's blocks, options set
+
+
+def test_an_imports_blocks_take_options_from_their_own_modes_statement_and_keep_their_bytes(tmp_path):
+    """``quantize q4_0 activations=int8`` on a file's Q4_0 layers: llama.cpp's arithmetic on the file's
+    bytes (never dequantized and quantized again); other modes leave them, saying why; saved and reloaded
+    bit-exactly, and written back to GGUF byte for byte."""
+    from transformdsl.executor import NothingToDoWarning
+
+    model = tiny_llama()
+    transformdsl.transform(model, "quantize q4_0")
+    transformdsl.save(model, tmp_path / "file", format="gguf")
+    path = tmp_path / "file" / "model.gguf"
+    loaded = transformdsl.load(path)
+    blocks = {p: m for p, m in loaded.named_modules() if isinstance(m, gguf_blocks.Q4_0Linear)}
+    stored = {p: m.gguf_bytes().copy() for p, m in blocks.items()}
+    for script, reason in (("quantize q8_0", "holds GGUF Q4_0 blocks already (Q4_0Linear); only 'quantize q4_0'"),
+                           ("quantize q4_0", "the statement sets no option")):
+        step = transformdsl.plan(loaded, script).steps[0]
+        assert not step.targets and len(step.skipped) == len(blocks)
+        assert all(reason in why for _, why in step.skipped)
+        with pytest.warns(NothingToDoWarning, match=re.escape(reason)):
+            transformdsl.transform(loaded, script)
+    step = transformdsl.plan(loaded, "quantize q4_0 activations=int8").steps[0]
+    assert sorted(step.targets) == sorted(blocks)
+    assert any("already hold Q4_0 blocks: their blocks are kept" in note for note in step.notes)
+    transformdsl.transform(loaded, "quantize q4_0 activations=int8")
+    assert all(m.activations == "int8" and np.array_equal(m.gguf_bytes(), stored[p]) for p, m in blocks.items())
+    by_hand = transformdsl.load(path)  # the same bytes, the option set by hand: the same logits
+    for module in by_hand.modules():
+        if isinstance(module, gguf_blocks.Q4_0Linear):
+            module.activations = "int8"
+    with torch.no_grad():
+        ours = loaded(TOKENS[:, -1:]).logits  # one row a layer: the integer kernel where built
+        assert torch.equal(ours, by_hand(TOKENS[:, -1:]).logits)
+        assert not torch.equal(ours, transformdsl.load(path)(TOKENS[:, -1:]).logits)
+    transformdsl.save(loaded, tmp_path / "ours")
+    again = transformdsl.load(tmp_path / "ours")
+    statements = [s.statement for s in transformdsl.history.history_of(again).steps]
+    assert statements[0] == "quantize q4_0" and statements[-1] == "quantize q4_0 activations=int8"
+    with torch.no_grad():
+        assert torch.equal(again(TOKENS[:, -1:]).logits, ours)
+    transformdsl.save(again, tmp_path / "back", format="gguf")
+    written = {t.name: np.asarray(t.data).copy() for t in gguf.GGUFReader(path).tensors}
+    for tensor in gguf.GGUFReader(tmp_path / "back" / "model.gguf").tensors:
+        if tensor.tensor_type == gguf.GGMLQuantizationType.Q4_0:
+            assert np.array_equal(np.asarray(tensor.data), written[tensor.name])

@@ -254,6 +254,9 @@ class GGUFBlockQuantization(Quantize):
 
     #: The GGUF block: inputs per block (a layer's ``in_features`` must be a multiple).
     block_size = 32
+    #: Float linear layers, and layers already holding GGUF blocks (a GGUF import's): a statement whose mode
+    #: is a layer's own grid sets its options (``activations=``) and keeps its blocks (gguf_modes.py).
+    default_target = LINEAR_TARGETS + ("BlockQuantizedLinear",)
 
 
 class Q8_0Quantization(GGUFBlockQuantization):

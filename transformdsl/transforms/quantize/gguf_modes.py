@@ -4,22 +4,49 @@ and reload (:mod:`.quantization`) with the GGUF block layers of :mod:`.gguf_bloc
 A layer whose ``in_features`` is not a multiple of the block (32; Q4_K's super-block, 256) is a near miss.  In a
 transformers/diffusers layout these layers are refused (no stock loader reads GGUF blocks from
 safetensors): ``save(..., format="gguf")`` writes them as they are.
+
+A layer that already holds GGUF blocks (a GGUF import's, or an earlier script's) is a target of the statement
+whose mode is its own grid only: that statement sets the layer's options (``activations=``) and keeps its
+blocks byte for byte (quantizing a dequantized block again is not always the identity: a Q4_0 block whose
+largest magnitude is positive would move to another grid).  Other modes leave it, saying why.
 """
 
 from __future__ import annotations
 
+from ...errors import LoadError
 from ...tree import ModuleInfo, ModuleTree
 from . import Q4_0Quantization as Q4_0Declaration
 from . import Q4_1Quantization as Q4_1Declaration
 from . import Q4_KQuantization as Q4_KDeclaration
 from . import Q8_0Quantization as Q8_0Declaration
-from .quantization import QuantizeBehaviour, linear_dims, target_dtypes, targets_device_type
+from .quantization import (
+    FLOAT_DTYPES,
+    QuantizeBehaviour,
+    checked_layers,
+    linear_dims,
+    target_dtypes,
+    targets_device_type,
+)
+from .weights import state_bytes
+
+
+def held_grid(info: ModuleInfo) -> str | None:
+    """The GGUF grid (``"q4_0"``...) a planned module's blocks are on, or None for any other module."""
+    return getattr(info.cls, "kind", None) if "BlockQuantizedLinear" in info.class_names else None
 
 
 class GGUFBlockBehaviour(QuantizeBehaviour):
     float_weight = True  # BlockQuantizedLinear.weight: the dequantized weight
 
     def candidate(self, info: ModuleInfo, tree: ModuleTree) -> str | None:
+        held = held_grid(info)
+        if held is not None:
+            if held != self.mode:
+                return (f"it holds GGUF {held.upper()} blocks already ({info.cls.__name__}); only 'quantize {held}' "
+                        "applies to it, to set its options")
+            if not self.statement.options:
+                return f"it holds GGUF {held.upper()} blocks already; the statement sets no option"
+            return None
         reason = super().candidate(info, tree)
         dims = linear_dims(info)
         if reason is not None or dims is None:
@@ -41,6 +68,55 @@ class GGUFBlockBehaviour(QuantizeBehaviour):
             return gguf_int8_note(device)
         narrow = sum(1 for p in targets if (linear_dims(tree[p]) or (0, 0))[1] % PACKED_OUT_MULTIPLE)
         return gguf_block_note(device, target_dtypes(tree, targets), self.mode, narrow)
+
+    def notes(self, tree: ModuleTree, targets: list[str]) -> list[str]:
+        held = sum(1 for path in targets if held_grid(tree[path]) is not None)
+        floats = [path for path in targets if held_grid(tree[path]) is None]
+        notes = super().notes(tree, floats) if floats else []
+        if held:
+            options = ", ".join(f"{option.name}={option.value}" for option in self.statement.options)
+            notes.append(f"{held} layer(s) already hold {self.mode.upper()} blocks: their blocks are kept as they "
+                         f"are, the statement sets {options}")
+        return notes
+
+    def apply(self, ctx, targets: list[str]) -> dict:
+        """Float layers quantized; layers already on this grid keep their blocks and take the options."""
+        held = [path for path in targets if getattr(ctx.root.get_submodule(path), "kind", None) == self.mode
+                and hasattr(ctx.root.get_submodule(path), "gguf_bytes")]
+        done = super().apply(ctx, [path for path in targets if path not in held]) if len(held) < len(targets) else \
+            {"layers": [], "bytes_before": 0, "bytes_after": 0}
+        for path in held:
+            layer = ctx.root.get_submodule(path)
+            self._set_options(layer, path)
+            size = state_bytes(layer)
+            done["layers"].append({"path": path, "in": layer.in_features, "out": layer.out_features,
+                                   "dtype": FLOAT_DTYPES[layer.weight_dtype],
+                                   "bias": None if layer.bias is None else FLOAT_DTYPES[layer.bias.dtype],
+                                   "source": type(layer).__name__, "kept": True})
+            done["bytes_before"] += size
+            done["bytes_after"] += size
+        return done
+
+    def _set_options(self, layer, path: str) -> None:
+        layer.activations = getattr(self.options, "activations", "float")
+
+    @classmethod
+    def rebuild(cls, root, record: dict, options) -> None:
+        """Layers the statement found on its grid are those an earlier statement of the record rebuilt: they
+        take the options; the others are built as quantized layers."""
+        kept = [layer for layer in checked_layers(record, cls.key()) if layer.get("kept") is True]
+        for entry in kept:
+            try:
+                layer = root.get_submodule(entry["path"])
+            except AttributeError:
+                layer = None
+            if getattr(layer, "kind", None) != cls.mode or not hasattr(layer, "gguf_bytes"):
+                raise LoadError(f"'{cls.key()}': {entry['path']} should hold {cls.mode.upper()} blocks from an "
+                                f"earlier statement of the record, but holds {type(layer).__name__}")
+            layer.activations = getattr(options, "activations", "float")
+        rest = [layer for layer in record["layers"] if layer.get("kept") is not True]
+        if rest:
+            super().rebuild(root, {**record, "layers": rest}, options)
 
     @classmethod
     def export(cls, step, out) -> None:

@@ -248,14 +248,14 @@ class QuantizeBehaviour:
     @classmethod
     def rebuild(cls, root: nn.Module, record: dict, options: Any) -> None:
         backend = cls.backend(options)
-        for layer in _checked_layers(record, cls.key()):
+        for layer in checked_layers(record, cls.key()):
             with torch.device("meta"):
                 weight = torch.empty(layer["out"], layer["in"], dtype=DTYPES[layer["dtype"]])
                 bias = None if layer["bias"] is None else torch.empty(layer["out"], dtype=DTYPES[layer["bias"]])
             put_module(root, layer["path"], cls.build(backend, options, weight, bias, layer), cls.key())
 
 
-def _checked_layers(record: dict, key: str) -> list[dict]:
+def checked_layers(record: dict, key: str) -> list[dict]:
     """The record's layer entries, checked field by field (it comes from a file)."""
     layers = record.get("layers")
     if not isinstance(layers, list):
