@@ -31,6 +31,19 @@ def relative_error(out: torch.Tensor, exact: torch.Tensor) -> float:
     return ((out.double() - exact).norm() / exact.norm()).item()
 
 
+def on_one_and_two_threads(layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``layer(x)`` with torch on one thread, then on two (the caller's count restored)."""
+    before = torch.get_num_threads()
+    try:
+        with torch.no_grad():
+            torch.set_num_threads(1)
+            one = layer(x)
+            torch.set_num_threads(2)
+            return one, layer(x)
+    finally:
+        torch.set_num_threads(before)
+
+
 def layer_of(kind: str, shape: tuple[int, int], bias: bool = True):
     generator = torch.Generator().manual_seed(sum(shape))
     weight = torch.randn(*shape, generator=generator)
@@ -72,15 +85,8 @@ def test_q4_k_super_blocks_give_the_exact_product_with_no_packed_copy(shape):
             out = layer(x)
         assert relative_error(out, x.double() @ exact_weight.t() + layer.bias.double()) < 1e-6
     x = torch.randn(4, shape[1], generator=generator)
-    before = torch.get_num_threads()
-    try:
-        with torch.no_grad():
-            torch.set_num_threads(1)
-            one = layer(x)
-            torch.set_num_threads(2)
-            assert torch.equal(layer(x), one)
-    finally:
-        torch.set_num_threads(before)
+    one, two = on_one_and_two_threads(layer, x)
+    assert torch.equal(one, two)
     torch._dynamo.reset()
     with torch.no_grad():
         torch.testing.assert_close(torch.compile(layer, fullgraph=True)(x[:1]), one[:1], rtol=1e-6, atol=1e-6)
@@ -90,15 +96,7 @@ def test_q4_k_super_blocks_give_the_exact_product_with_no_packed_copy(shape):
 def test_results_do_not_depend_on_the_thread_count(kind):
     layer = layer_of(kind, (1536, 576), bias=False)
     x = torch.randn(4, 576, generator=torch.Generator().manual_seed(1))
-    before = torch.get_num_threads()
-    try:
-        with torch.no_grad():
-            torch.set_num_threads(1)
-            one = layer(x)
-            torch.set_num_threads(2)
-            two = layer(x)
-    finally:
-        torch.set_num_threads(before)
+    one, two = on_one_and_two_threads(layer, x)
     assert torch.equal(one, two)  # each output is one thread's sum, in one order, whatever the split
 
 
