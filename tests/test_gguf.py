@@ -872,6 +872,10 @@ def test_an_imports_blocks_take_options_from_their_own_modes_statement_and_keep_
         assert all(reason in why for _, why in step.skipped)
         with pytest.warns(NothingToDoWarning, match=re.escape(reason)):
             transformdsl.transform(loaded, script)
+    with pytest.warns(NothingToDoWarning, match=re.escape(  # a mode of another family: why, and what would do
+            "the model's linear layers are quantized already (Q4_0Linear x14); quantize changes float layers "
+            "('quantize q4_0 activations=int8' sets its Q4_0 layers' option)")):
+        transformdsl.transform(transformdsl.load(path), "quantize int8")  # (recorded: a GGUF save would refuse it)
     step = transformdsl.plan(loaded, "quantize q4_0 activations=int8").steps[0]
     assert sorted(step.targets) == sorted(blocks)
     assert any("already hold Q4_0 blocks: their blocks are kept" in note for note in step.notes)

@@ -63,8 +63,8 @@ def idle_statements(the_plan: Plan) -> list[str]:
         if step.targets:
             continue
         why = (f"its {len(step.skipped)} selected module(s) cannot be changed ({step.skipped[0][1]})"
-               if step.skipped else "it selects no module" if not step.excluded else
-               "its exclusions remove every module it selects (" + ", ".join(step.excluded) + ")")
+               if step.skipped else step.idle_reason or ("it selects no module" if not step.excluded else
+               "its exclusions remove every module it selects (" + ", ".join(step.excluded) + ")"))
         out.append(f"line {step.statement.line}: '{step.text(source)}' changes nothing on this model: {why}")
     return out
 

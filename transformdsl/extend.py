@@ -191,6 +191,11 @@ class Transform:
         """Extra lines for the plan (e.g. a hardware fallback), after targets are known."""
         return []
 
+    def idle_reason(self, tree: ModuleTree) -> str | None:
+        """Why the statement changes nothing on this model where what it selected and skipped does not say
+        it (asked only when it targets no module and skips none): the warning's reason."""
+        return None
+
     def device_note(self, tree: ModuleTree, targets: list[str]) -> str | None:
         """One line when the backend this statement uses has no fast kernel on the device the
         targets are on (detected by :mod:`transformdsl.capabilities`): shown by the plan and logged

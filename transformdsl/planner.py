@@ -93,6 +93,9 @@ class Step:
     #: Why the chosen backend is slow on the device the targets are on (no fast kernel there),
     #: what that costs as measured, and the faster alternative; None when it is fast there.
     device_note: str | None = None
+    #: Why a statement that targets and skips nothing changes nothing, where the transform can say more
+    #: than the selection (``Transform.idle_reason``); None otherwise.
+    idle_reason: str | None = None
 
     @property
     def statement(self):
@@ -482,6 +485,8 @@ class Planner:
         step.device_note = transform.device_note(tree, step.targets) if step.targets else None
         if not step.targets:
             step.notes.append("selects no module: this statement does nothing on this model")
+            if not step.skipped:
+                step.idle_reason = transform.idle_reason(tree)
         transform.plan_effect(tree, list(step.targets))
         return step
 

@@ -128,6 +128,28 @@ class QuantizeBehaviour:
                 return f"its weight is tied to {others}; quantizing it would untie them"
         return None
 
+    def idle_reason(self, tree: ModuleTree) -> str | None:
+        """Where nothing was selected because the model's linear layers are quantized already (their classes
+        are no ``Linear``), say so, with the classes, instead of naming the default exclusions."""
+        if self.statement.target or self.statement.scope:  # (a selection of the user's: its own words say more)
+            return None
+        held: dict[str, int] = {}
+        grids = set()
+        for info in tree:
+            names = set(info.class_names)
+            if names & QUANTIZED_CLASS_NAMES or "BlockQuantizedLinear" in names:
+                held[info.cls.__name__] = held.get(info.cls.__name__, 0) + 1
+                if "BlockQuantizedLinear" in names:
+                    grids.add(getattr(info.cls, "kind", ""))
+        if not held:
+            return None
+        shown = ", ".join(f"{name} x{count}" for name, count in sorted(held.items(), key=lambda kv: -kv[1]))
+        text = f"the model's linear layers are quantized already ({shown}); quantize changes float layers"
+        settable = sorted(grid for grid in grids if grid != "q4_k")  # (q4_k has no option to set)
+        if settable:
+            text += f" ('quantize {settable[0]} activations=int8' sets its {settable[0].upper()} layers' option)"
+        return text
+
     def plan_effect(self, tree: ModuleTree, targets: list[str]) -> None:
         # The class stays (conflicts with later statements are found on the same paths);
         # the size becomes the quantized one, so later statements and explain see it.
