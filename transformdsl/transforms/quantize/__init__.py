@@ -22,6 +22,8 @@ LINEAR_TARGETS = ("Linear", "Conv1D")
 #: measurements.
 DEFAULT_EXCEPT = ("norm", "embed", "embedding", "embedder", "lm_head", "re:^proj_out$")
 #: Class names of layers that already hold quantized weights (ours derive from these).
+#: The class every GGUF block layer derives from (gguf_blocks.py), by name: what planning recognises them by.
+BLOCK_LAYER_CLASS = "BlockQuantizedLinear"
 QUANTIZED_CLASS_NAMES = frozenset({"Linear8bitLt", "Linear4bit", "HQQLinear", "Int8WeightOnlyLinear",
                                    "Int4WeightOnlyLinear"})
 #: int4 group sizes the packed kernels take (torchao's ``Int4WeightOnlyConfig`` allows the same).
@@ -256,7 +258,7 @@ class GGUFBlockQuantization(Quantize):
     block_size = 32
     #: Float linear layers, and layers already holding GGUF blocks (a GGUF import's): a statement whose mode
     #: is a layer's own grid sets its options (``activations=``) and keeps its blocks (gguf_modes.py).
-    default_target = LINEAR_TARGETS + ("BlockQuantizedLinear",)
+    default_target = LINEAR_TARGETS + (BLOCK_LAYER_CLASS,)
 
 
 class Q8_0Quantization(GGUFBlockQuantization):

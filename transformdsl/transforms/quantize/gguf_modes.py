@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from ...errors import LoadError
 from ...tree import ModuleInfo, ModuleTree
+from . import BLOCK_LAYER_CLASS
 from . import Q4_0Quantization as Q4_0Declaration
 from . import Q4_1Quantization as Q4_1Declaration
 from . import Q4_KQuantization as Q4_KDeclaration
@@ -32,7 +33,7 @@ from .weights import state_bytes
 
 def held_grid(info: ModuleInfo) -> str | None:
     """The GGUF grid (``"q4_0"``...) a planned module's blocks are on, or None for any other module."""
-    return getattr(info.cls, "kind", None) if "BlockQuantizedLinear" in info.class_names else None
+    return getattr(info.cls, "kind", None) if BLOCK_LAYER_CLASS in info.class_names else None
 
 
 class GGUFBlockBehaviour(QuantizeBehaviour):

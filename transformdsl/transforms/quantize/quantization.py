@@ -31,7 +31,7 @@ from ...options import DTYPES
 from ...tree import ModuleInfo, ModuleTree
 from ..common.modules import is_conv1d, put_module, tied_weights
 from ..lora import ADAPTER_CLASS, HOLDS_ADAPTERS
-from . import QUANTIZED_CLASS_NAMES, HQQOptions
+from . import BLOCK_LAYER_CLASS, QUANTIZED_CLASS_NAMES, HQQOptions
 from . import FP4Quantization as FP4Declaration
 from . import HQQQuantization as HQQDeclaration
 from . import Int8Quantization as Int8Declaration
@@ -137,9 +137,9 @@ class QuantizeBehaviour:
         grids = set()
         for info in tree:
             names = set(info.class_names)
-            if names & QUANTIZED_CLASS_NAMES or "BlockQuantizedLinear" in names:
+            if names & QUANTIZED_CLASS_NAMES or BLOCK_LAYER_CLASS in names:
                 held[info.cls.__name__] = held.get(info.cls.__name__, 0) + 1
-                if "BlockQuantizedLinear" in names:
+                if BLOCK_LAYER_CLASS in names:
                     grids.add(getattr(info.cls, "kind", ""))
         if not held:
             return None
