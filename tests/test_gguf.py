@@ -900,3 +900,25 @@ def test_an_imports_blocks_take_options_from_their_own_modes_statement_and_keep_
     for tensor in gguf.GGUFReader(tmp_path / "back" / "model.gguf").tensors:
         if tensor.tensor_type == gguf.GGMLQuantizationType.Q4_0:
             assert np.array_equal(np.asarray(tensor.data), written[tensor.name])
+
+
+def test_a_statement_that_fails_midway_leaves_the_imports_options_as_they_were(tmp_path, monkeypatch):
+    from transformdsl.transforms.quantize import gguf_modes
+
+    model = tiny_llama()
+    transformdsl.transform(model, "quantize q4_0")
+    transformdsl.save(model, tmp_path / "file", format="gguf")
+    loaded = transformdsl.load(tmp_path / "file" / "model.gguf")
+    calls = []
+
+    def failing(layer):  # the third layer's bookkeeping fails, after two layers took the option
+        calls.append(layer)
+        if len(calls) == 3:
+            raise RuntimeError("injected")
+        return 0
+
+    monkeypatch.setattr(gguf_modes, "state_bytes", failing)
+    with pytest.raises(TransformError, match="injected"):
+        transformdsl.transform(loaded, "quantize q4_0 activations=int8")
+    assert len(calls) == 3
+    assert {m.activations for m in loaded.modules() if isinstance(m, gguf_blocks.Q4_0Linear)} == {"float"}

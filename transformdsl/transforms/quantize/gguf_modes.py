@@ -81,14 +81,13 @@ class GGUFBlockBehaviour(QuantizeBehaviour):
         return notes
 
     def apply(self, ctx, targets: list[str]) -> dict:
-        """Float layers quantized; layers already on this grid keep their blocks and take the options."""
-        held = [path for path in targets if getattr(ctx.root.get_submodule(path), "kind", None) == self.mode
-                and hasattr(ctx.root.get_submodule(path), "gguf_bytes")]
-        done = super().apply(ctx, [path for path in targets if path not in held]) if len(held) < len(targets) else \
-            {"layers": [], "bytes_before": 0, "bytes_after": 0}
-        for path in held:
-            layer = ctx.root.get_submodule(path)
-            self._set_options(layer, path)
+        """Float layers quantized; layers already on this grid keep their blocks and take the options (through
+        ``ctx.edit``, so that a failure later on puts them back)."""
+        held = {path: layer for path in targets if self._on_grid(layer := ctx.root.get_submodule(path))}
+        done = (super().apply(ctx, [path for path in targets if path not in held]) if len(held) < len(targets)
+                else {"layers": [], "bytes_before": 0, "bytes_after": 0})
+        for path, layer in held.items():
+            ctx.edit.setattr(layer, "activations", self._activations(self.options))
             size = state_bytes(layer)
             done["layers"].append({"path": path, "in": layer.in_features, "out": layer.out_features,
                                    "dtype": FLOAT_DTYPES[layer.weight_dtype],
@@ -98,24 +97,34 @@ class GGUFBlockBehaviour(QuantizeBehaviour):
             done["bytes_after"] += size
         return done
 
-    def _set_options(self, layer, path: str) -> None:
-        layer.activations = getattr(self.options, "activations", "float")
+    @classmethod
+    def _on_grid(cls, layer) -> bool:
+        """Whether ``layer`` holds this mode's GGUF blocks already."""
+        from .gguf_blocks import BlockQuantizedLinear
+
+        return isinstance(layer, BlockQuantizedLinear) and layer.kind == cls.mode
+
+    @staticmethod
+    def _activations(options) -> str:
+        return getattr(options, "activations", "float")  # (q4_k has no option)
 
     @classmethod
     def rebuild(cls, root, record: dict, options) -> None:
         """Layers the statement found on its grid are those an earlier statement of the record rebuilt: they
         take the options; the others are built as quantized layers."""
-        kept = [layer for layer in checked_layers(record, cls.key()) if layer.get("kept") is True]
-        for entry in kept:
+        layers = checked_layers(record, cls.key())
+        for entry in layers:
+            if entry.get("kept") is not True:
+                continue
             try:
                 layer = root.get_submodule(entry["path"])
             except AttributeError:
                 layer = None
-            if getattr(layer, "kind", None) != cls.mode or not hasattr(layer, "gguf_bytes"):
+            if not cls._on_grid(layer):
                 raise LoadError(f"'{cls.key()}': {entry['path']} should hold {cls.mode.upper()} blocks from an "
                                 f"earlier statement of the record, but holds {type(layer).__name__}")
-            layer.activations = getattr(options, "activations", "float")
-        rest = [layer for layer in record["layers"] if layer.get("kept") is not True]
+            layer.activations = cls._activations(options)
+        rest = [entry for entry in layers if entry.get("kept") is not True]
         if rest:
             super().rebuild(root, {**record, "layers": rest}, options)
 
@@ -133,7 +142,7 @@ class GGUFBlockBehaviour(QuantizeBehaviour):
     @classmethod
     def build(cls, backend, options, weight, bias, layer=None):
         built = backend.LAYERS[cls.mode].build(weight, bias)
-        built.activations = getattr(options, "activations", "float")
+        built.activations = cls._activations(options)
         return built
 
     @classmethod
