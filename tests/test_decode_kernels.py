@@ -13,7 +13,14 @@ from torch import nn
 import transformdsl
 from transformdsl.models import tiny_llama
 from transformdsl.transforms.quantize import kernels
-from transformdsl.transforms.quantize.gguf_blocks import Q4_0Linear, Q4_1Linear, Q4_KLinear, Q8_0Linear
+from transformdsl.transforms.quantize.gguf_blocks import (
+    Q4_0Linear,
+    Q4_1Linear,
+    Q4_KLinear,
+    Q5_0Linear,
+    Q6_KLinear,
+    Q8_0Linear,
+)
 from transformdsl.transforms.quantize.int4 import Int4WeightOnlyLinear
 from transformdsl.transforms.quantize.int8_weight_only import Int8WeightOnlyLinear
 
@@ -22,9 +29,10 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"decode kernels
 #: Layer builders by name: ``build(weight, bias)``.  int4 with ``compute=float32`` (scales and zeros in
 #: float32) takes our kernel up to 8 rows; with bfloat16 (beside aten's packed kernel) up to 2.
 LAYERS = {"int8": Int8WeightOnlyLinear.build, "q8_0": Q8_0Linear.build, "q4_0": Q4_0Linear.build,
-          "q4_1": Q4_1Linear.build,
+          "q4_1": Q4_1Linear.build, "q5_0": Q5_0Linear.build,
           "int4": lambda weight, bias: Int4WeightOnlyLinear.build(weight, bias, 32, torch.float32)}
-CLASSES = (Int8WeightOnlyLinear, Q8_0Linear, Q4_0Linear, Q4_1Linear, Q4_KLinear, Int4WeightOnlyLinear)
+CLASSES = (Int8WeightOnlyLinear, Q8_0Linear, Q4_0Linear, Q4_1Linear, Q5_0Linear, Q4_KLinear, Q6_KLinear,
+           Int4WeightOnlyLinear)
 
 
 def relative_error(out: torch.Tensor, exact: torch.Tensor) -> float:
@@ -71,12 +79,14 @@ def test_decode_sized_inputs_give_the_exact_product_of_the_stored_weight(kind, s
     assert relative_error(out, x.bfloat16().double() @ exact_weight.t() + half.bias.double()) < 1e-2
 
 
+@pytest.mark.parametrize("layer_class", [Q4_KLinear, Q6_KLinear])
 @pytest.mark.parametrize("shape", [(61, 256), (576, 1536), (64, 2816)])  # 1, 6 and 11 super-blocks a row
-def test_q4_k_super_blocks_give_the_exact_product_with_no_packed_copy(shape):
-    """Q4_K (256 inputs a super-block, 6-bit scales and mins unpacked per row in the kernel): the exact
-    product of ggml's dequantization of the stored bytes, for 1-8 rows, with nothing kept beside the bytes."""
+def test_k_quant_super_blocks_give_the_exact_product_with_no_packed_copy(layer_class, shape):
+    """Q4_K (256 inputs a super-block, 6-bit scales and mins unpacked per row in the kernel) and Q6_K (16 int8
+    scales a super-block, 6-bit values from two arrays): the exact product of ggml's dequantization of the stored
+    bytes, for 1-8 rows, with nothing kept beside the bytes."""
     generator = torch.Generator().manual_seed(shape[1])
-    layer = Q4_KLinear.build(torch.randn(*shape, generator=generator), torch.randn(shape[0], generator=generator))
+    layer = layer_class.build(torch.randn(*shape, generator=generator), torch.randn(shape[0], generator=generator))
     assert layer.row_kernel and not layer.packed_kernel and layer._packed.parts == ()
     exact_weight = layer.dequantize().double()
     for leading in [(1,), (3,), (2, 4)]:
@@ -141,13 +151,13 @@ def test_a_compiled_layer_calls_the_kernel_as_a_custom_op(kind):
 
 
 def test_block_layers_keep_no_packed_copy_beside_the_stored_blocks():
-    for kind in ("q8_0", "q4_0", "q4_1"):
+    for kind in ("q8_0", "q4_0", "q4_1", "q5_0"):
         layer = layer_of(kind, (64, 128))
         assert layer.row_kernel and not layer.packed_kernel and layer._packed.parts == ()
         assert "row_kernel=True" in repr(layer)
 
 
-@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_1", "int8 weight_only=true", "int4 group_size=32 compute=float32",
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_1", "q5_0", "int8 weight_only=true", "int4 group_size=32 compute=float32",
                                   "int4 group_size=32"])
 def test_a_quantized_llama_decodes_as_the_float_model_of_its_stored_weights(kind):
     """The model checked here is the model its stored bytes describe: a decode step's logits equal, to

@@ -21,7 +21,7 @@ from transformdsl.transforms.quantize import gguf_blocks
 from transformdsl.transforms.quantize.gguf_blocks import LAYERS
 
 QTYPES = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
-          "q4_1": gguf.GGMLQuantizationType.Q4_1}
+          "q4_1": gguf.GGMLQuantizationType.Q4_1, "q5_0": gguf.GGMLQuantizationType.Q5_0}
 TOKENS = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
 
 
@@ -41,7 +41,7 @@ def hard_weight(dtype=torch.float32) -> torch.Tensor:
     return w.to(dtype)
 
 
-@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_1", "q5_0"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_block_bytes_are_the_gguf_reference_quantizers(kind, dtype):
     weight = hard_weight(dtype)
@@ -74,7 +74,7 @@ def relative_error(out: torch.Tensor, exact: torch.Tensor) -> float:
 
 
 @needs_packed
-@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q5_0"])
 @pytest.mark.parametrize("shape", [(48, 128), (1536, 576)])
 def test_block_layers_decode_with_the_packed_kernel_within_bfloat16_rounding(kind, shape, aten_kernels):
     weight = hard_weight() if shape == (48, 128) else torch.randn(*shape, generator=torch.Generator().manual_seed(2))
@@ -367,10 +367,10 @@ def _rewrite(source, target, convert):
 
 
 def test_gguf_import_dequantizes_block_types_it_does_not_keep(exported_q8, tmp_path):
-    """A Q5_0 projection and a Q8_0 embedding (no mode of ours is Q5_0; an embedding is no linear layer)
+    """A Q5_1 projection and a Q8_0 embedding (no mode of ours is Q5_1; an embedding is no linear layer)
     are read as float32 with gguf's reference dequantization."""
     _, _, path = exported_q8
-    q5, q8 = gguf.GGMLQuantizationType.Q5_0, gguf.GGMLQuantizationType.Q8_0
+    q5, q8 = gguf.GGMLQuantizationType.Q5_1, gguf.GGMLQuantizationType.Q8_0
 
     def convert(name, floats, kind, raw):
         if name == "blk.0.ffn_up.weight":
@@ -847,6 +847,121 @@ def test_quantize_q4_k_on_a_float_model_exports_what_stock_transformers_reads(tm
         assert torch.equal(transformdsl.load(tmp_path / "ours")(TOKENS).logits, got)
     narrow = transformdsl.plan(tiny_llama(), "quantize q4_k").steps[0]
     assert not narrow.targets and "not a multiple of GGUF's block of 256" in str(narrow.skipped)
+
+
+def test_q6_k_bytes_are_llama_cpps_reference_quantizers():
+    """tests/golden/q6_k_reference.npz: the bytes ggml's ``quantize_row_q6_K_ref`` (llama-cpp-python 0.3.36's
+    libggml-base) wrote for q4_k_reference.npz's 48 hard rows; the gguf package has no Q6_K quantizer."""
+    golden = Path(__file__).parent / "golden"
+    weight = np.load(golden / "q4_k_reference.npz")["weight"]
+    blocks = np.load(golden / "q6_k_reference.npz")["blocks"]
+    layer = gguf_blocks.Q6_KLinear.build(torch.from_numpy(weight), None)
+    assert np.array_equal(layer.gguf_bytes(), blocks)
+    reference = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q6_K)
+    assert np.array_equal(layer.dequantize().numpy(), reference.reshape(48, 512))
+
+
+@pytest.mark.parametrize("kind", ["q5_0", "q6_k"])
+def test_quantize_q5_0_and_q6_k_export_what_stock_transformers_reads_and_import_back(kind, tmp_path):
+    """The two block types llama.cpp's ``Q4_K_M`` files hold beside Q4_K: our quantizers' layers are written as
+    they are, read by stock transformers with our logits, imported back as the same layers, byte for byte."""
+    model = wide_llama()
+    with torch.no_grad():
+        want = model(TOKENS).logits
+    transformdsl.transform(model, f"quantize {kind}")
+    assert len([m for m in model.modules() if isinstance(m, LAYERS[kind])]) == 14
+    with torch.no_grad():
+        got = model(TOKENS).logits
+    assert 1e-6 < kl_per_token(want, got).mean() < (0.01 if kind == "q5_0" else 0.002)
+    transformdsl.save(model, tmp_path / "gguf", format="gguf")
+    from transformers import AutoModelForCausalLM
+
+    stock = AutoModelForCausalLM.from_pretrained(tmp_path / "gguf", gguf_file="model.gguf", dtype=torch.float32)
+    with torch.no_grad():
+        assert kl_per_token(got, stock(TOKENS).logits).max() <= 1e-6
+    loaded = transformdsl.load(tmp_path / "gguf" / "model.gguf")
+    pairs = [(m, loaded.get_submodule(p)) for p, m in model.named_modules() if isinstance(m, LAYERS[kind])]
+    assert all(type(b) is LAYERS[kind] and np.array_equal(a.gguf_bytes(), b.gguf_bytes()) for a, b in pairs)
+    with torch.no_grad():
+        assert torch.equal(loaded(TOKENS).logits, got)
+    transformdsl.save(model, tmp_path / "ours")
+    with torch.no_grad():
+        assert torch.equal(transformdsl.load(tmp_path / "ours")(TOKENS).logits, got)
+
+
+def test_without_our_kernels_q5_0_takes_the_packed_kernel_and_q6_k_dequantizes(monkeypatch):
+    from transformdsl.transforms.quantize import kernels
+
+    monkeypatch.setenv(kernels.SWITCH, "off")
+    kernels.reset()
+    try:
+        weight = torch.randn(64, 512, generator=torch.Generator().manual_seed(3))
+        x = torch.randn(1, 512, generator=torch.Generator().manual_seed(4))
+        q5, q6 = gguf_blocks.Q5_0Linear.build(weight, None), gguf_blocks.Q6_KLinear.build(weight, None)
+        assert not q5.row_kernel and not q6.row_kernel and not q6.packed_kernel
+        with torch.no_grad():
+            assert relative_error(q6(x), x.double() @ q6.dequantize().double().t()) < 1e-6
+            error = relative_error(q5(x), x.double() @ q5.dequantize().double().t())
+        assert (1e-6 < error < 1e-2) if q5.packed_kernel else error < 1e-6  # two bfloat16 halves, or exact
+        note = transformdsl.plan(wide_llama(), "quantize q6_k").steps[0].device_note
+        assert "dequantize their GGUF blocks at every call" in note
+    finally:
+        monkeypatch.undo()
+        kernels.reset()
+
+
+def llama_cpp_mix(name: str, floats: np.ndarray, kind, raw):
+    """What llama.cpp's ``Q4_K_M`` writes where the widths allow it, on our float file: attn_v and ffn_down Q6_K
+    in the first block and Q4_K after, the other projections Q5_0 (its fallback for widths no multiple of 256) in
+    the first block and Q4_K after, the embedding Q8_0; ggml's reference quantizers throughout."""
+    projection = re.search(r"^blk\.(\d+)\.(attn_[qkv]|attn_output|ffn_(gate|up|down))\.weight$", name)
+    if name == "token_embd.weight":
+        return gguf.quants.quantize(floats, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
+    if not projection:
+        return raw, kind
+    first = projection.group(1) == "0"
+    if projection.group(2) in ("attn_v", "ffn_down") and first:
+        layer = gguf_blocks.Q6_KLinear.build(torch.tensor(floats), None)
+        return layer.gguf_bytes(), gguf.GGMLQuantizationType.Q6_K
+    if first:
+        return gguf.quants.quantize(floats, gguf.GGMLQuantizationType.Q5_0), gguf.GGMLQuantizationType.Q5_0
+    return gguf_blocks.Q4_KLinear.build(torch.tensor(floats), None).gguf_bytes(), gguf.GGMLQuantizationType.Q4_K
+
+
+def test_a_k_quant_mix_is_kept_block_for_block_and_held_in_about_the_files_bytes(tmp_path):
+    """A file mixing Q5_0, Q4_K, Q6_K and a Q8_0 embedding (a ``Q4_K_M``'s types): every projection kept as the
+    file holds it, memory within a few percent of the file (the embedding is read as float32: no quantized
+    embedding layer yet), logits stock transformers', written back byte for byte."""
+    transformdsl.save(wide_llama(), tmp_path / "float", format="gguf")
+    _rewrite(tmp_path / "float" / "model.gguf", tmp_path / "mix.gguf", llama_cpp_mix)
+    path = tmp_path / "mix.gguf"
+    loaded = transformdsl.load(path)
+    kinds = {}
+    for module in loaded.modules():
+        if isinstance(module, gguf_blocks.BlockQuantizedLinear):
+            kinds[module.kind] = kinds.get(module.kind, 0) + 1
+    assert kinds == {"q5_0": 5, "q6_k": 2, "q4_k": 7}
+    assert [s.key for s in transformdsl.history.history_of(loaded).steps] == ["quantize q5_0", "quantize q4_k",
+                                                                             "quantize q6_k"]
+    reader = gguf.GGUFReader(path)
+    embedding = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    held = sum(t.numel() * t.element_size() for t in loaded.state_dict().values())
+    dequantized_embedding = embedding.n_elements * 4 - embedding.n_bytes
+    assert 0.97 < held / (path.stat().st_size + dequantized_embedding) < 1.03
+    from transformers import AutoModelForCausalLM
+
+    stock = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="mix.gguf", dtype=torch.float32)
+    with torch.no_grad():
+        ours = loaded(TOKENS).logits
+        torch.testing.assert_close(ours, stock(TOKENS).logits, atol=1e-5, rtol=1e-5)
+        one = loaded(TOKENS[:, :1]).logits  # decode-sized: our kernels on the file's bytes
+        torch.testing.assert_close(one, stock(TOKENS[:, :1]).logits, atol=1e-4, rtol=1e-4)
+    transformdsl.save(loaded, tmp_path / "back", format="gguf")
+    back = {t.name: t for t in gguf.GGUFReader(tmp_path / "back" / "model.gguf").tensors}
+    for tensor in reader.tensors:
+        if tensor.name.startswith("blk.") and tensor.name.endswith(".weight") and "norm" not in tensor.name:
+            assert back[tensor.name].tensor_type == tensor.tensor_type
+            assert np.array_equal(np.asarray(back[tensor.name].data), np.asarray(tensor.data))
 
 
 # --------------------------------------------------------------------------- a GGUF import's blocks, options set

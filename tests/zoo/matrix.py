@@ -67,9 +67,11 @@ SCRIPTS = {
     "quantize q8_0": "quantize q8_0",
     "quantize q4_0": "quantize q4_0",
     "quantize q4_1": "quantize q4_1",
+    "quantize q5_0": "quantize q5_0",
     # llama.cpp's arithmetic: activations rounded to int8 blocks, integer products (decode-sized inputs)
     "quantize q4_0 activations=int8": "quantize q4_0 activations=int8",
     "quantize q4_k": "quantize q4_k",  # super-blocks of 256 inputs: not applicable to most tiny models
+    "quantize q6_k": "quantize q6_k",  # as q4_k
     # Methods that learn from data, calibrated on the cell's generated samples (the test input and the
     # verify samples; the held-out sample stays unseen).
     "quantize int4 method=gptq": "quantize int4 group_size=32 method=gptq",

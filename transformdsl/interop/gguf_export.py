@@ -10,9 +10,9 @@ What it holds (spec.md "Interchange", GGUF):
   made the model (``transformdsl.scripts``);
 - float weights as they are: F32, F16 or BF16 (1-D tensors, norms and biases, in F32 as llama.cpp's
   converter writes them: exact);
-- ``quantize q8_0`` / ``q4_0`` / ``q4_1`` layers as GGUF Q8_0 / Q4_0 / Q4_1 blocks, byte for byte the layer's own
-  values and scales (lossless: the model verified here is the model llama.cpp runs), and the Q4_K
-  layers (``quantize q4_k``, or a GGUF file's Q4_K read by ``load``) as Q4_K super-blocks.
+- ``quantize q8_0`` / ``q4_0`` / ``q4_1`` / ``q5_0`` layers as GGUF Q8_0 / Q4_0 / Q4_1 / Q5_0 blocks, byte for byte
+  the layer's own values and scales (lossless: the model verified here is the model llama.cpp runs), and the
+  Q4_K / Q6_K layers (``quantize q4_k`` / ``q6_k``, or a GGUF file's read by ``load``) as those super-blocks.
 
 Any other applied statement is refused before anything is written, naming the mode that fits
 (``quantize int8 weight_only=true`` → ``quantize q8_0``, ``quantize int4`` → ``quantize q4_0``);
@@ -31,14 +31,14 @@ from torch import nn
 
 from ..errors import TransformError
 from ..history import AppliedStep, History, history_of
-from ..transforms.quantize.gguf_blocks import BlockQuantizedLinear
+from ..transforms.quantize.gguf_blocks import LAYERS, BlockQuantizedLinear
 from . import gguf_layout, gguf_vocab
 from .gguf_read import GGUF_FILE, WRITTEN_KEY, is_our_save  # noqa: F401  (importable from here)
 
 #: Steps that store nothing a GGUF reader would use: dropped (with a note).
 _NOTHING_STORED = ("compile", "compile regional")
 #: The quantize modes GGUF holds exactly.
-_BLOCK_MODES = ("quantize q8_0", "quantize q4_0", "quantize q4_1", "quantize q4_k")
+_BLOCK_MODES = ("quantize q8_0", "quantize q4_0", "quantize q4_1", "quantize q5_0", "quantize q4_k", "quantize q6_k")
 
 
 def refuse(step: AppliedStep, why: str) -> TransformError:
@@ -122,13 +122,12 @@ def gguf_tensors(model: nn.Module, arch: gguf_layout.Architecture) -> list[tuple
     config = model.config
     names = gguf_layout.tensor_names(arch, config.num_hidden_layers)
     quantized = {path: module for path, module in model.named_modules() if isinstance(module, BlockQuantizedLinear)}
-    kinds = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
-             "q4_1": gguf.GGMLQuantizationType.Q4_1, "q4_k": gguf.GGMLQuantizationType.Q4_K}
+    kinds = {kind: gguf.GGMLQuantizationType[kind.upper()] for kind in LAYERS}
     tied = bool(getattr(config, "tie_word_embeddings", False))
     out = []
     for key, tensor in model.state_dict(keep_vars=False).items():
         path, _, leaf = key.rpartition(".")
-        if path in quantized and leaf in ("weight_scale", "weight_sub"):
+        if path in quantized and leaf not in ("weight", "bias"):  # a block layer's other tensors: in its bytes
             continue
         if tied and key == "lm_head.weight":
             continue
@@ -159,7 +158,10 @@ def _file_type(entries) -> int:
              gguf.GGMLQuantizationType.BF16: gguf.LlamaFileType.MOSTLY_BF16,
              gguf.GGMLQuantizationType.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0,
              gguf.GGMLQuantizationType.Q4_0: gguf.LlamaFileType.MOSTLY_Q4_0,
-             gguf.GGMLQuantizationType.Q4_K: gguf.LlamaFileType.MOSTLY_Q4_K_S}
+             gguf.GGMLQuantizationType.Q4_1: gguf.LlamaFileType.MOSTLY_Q4_1,
+             gguf.GGMLQuantizationType.Q5_0: gguf.LlamaFileType.MOSTLY_Q5_0,
+             gguf.GGMLQuantizationType.Q4_K: gguf.LlamaFileType.MOSTLY_Q4_K_S,
+             gguf.GGMLQuantizationType.Q6_K: gguf.LlamaFileType.MOSTLY_Q6_K}
     return int(types[kind])
 
 

@@ -251,7 +251,7 @@ class Int4Quantization(Quantize):
 
 
 class GGUFBlockQuantization(Quantize):
-    """``quantize q8_0|q4_0|q4_1|q4_k``: the grid of a GGUF (llama.cpp) block type, so that ``save(...,
+    """``quantize q8_0|q4_0|q4_1|q5_0|q4_k|q6_k``: the grid of a GGUF (llama.cpp) block type, so that ``save(...,
     format="gguf")`` writes these layers as they are (spec.md "Interchange")."""
 
     #: The GGUF block: inputs per block (a layer's ``in_features`` must be a multiple).
@@ -288,6 +288,14 @@ class Q4_1Quantization(GGUFBlockQuantization):
     implementation = ".gguf_modes:Q4_1Quantization"
 
 
+class Q5_0Quantization(GGUFBlockQuantization):
+    mode = "q5_0"
+    summary = "GGUF Q5_0: 5-bit symmetric weights in blocks of 32 with a float16 scale (llama.cpp's grid)"
+    #: As q4_0's, a bound (one bit finer: the rounding error is half q4_0's).
+    error_bound = {"kl": 1.2, "top1": 0.5, "rms": 0.4, "max": 0.4}
+    implementation = ".gguf_modes:Q5_0Quantization"
+
+
 class Q4_KQuantization(GGUFBlockQuantization):
     mode = "q4_k"
     summary = "GGUF Q4_K: 4-bit weights in sub-blocks of 32 with 6-bit scales and mins per super-block of 256 (llama.cpp's grid)"
@@ -295,3 +303,12 @@ class Q4_KQuantization(GGUFBlockQuantization):
     #: As q4_0's (4 bits per weight, asymmetric sub-blocks of 32 whose scale and min are searched).
     error_bound = {"kl": 1.2, "top1": 0.5, "rms": 0.4, "max": 0.4}
     implementation = ".gguf_modes:Q4_KQuantization"
+
+
+class Q6_KQuantization(GGUFBlockQuantization):
+    mode = "q6_k"
+    summary = "GGUF Q6_K: 6-bit weights in groups of 16 with int8 scales per super-block of 256 (llama.cpp's grid)"
+    block_size = 256
+    #: As q8_0's, a bound (6 bits with a searched scale per 16 inputs, two bits coarser than q8_0).
+    error_bound = {"kl": 0.4, "top1": 0.25, "rms": 0.1, "max": 0.1}
+    implementation = ".gguf_modes:Q6_KQuantization"

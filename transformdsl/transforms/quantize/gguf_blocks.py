@@ -41,11 +41,18 @@ from . import kernels
 #: Inputs per block (GGUF's QK8_0 and QK4_0).
 BLOCK = 32
 #: Bytes per block in a GGUF file: the float16 scale, then the values.
-BLOCK_BYTES = {"q8_0": 2 + BLOCK, "q4_0": 2 + BLOCK // 2, "q4_1": 4 + BLOCK // 2}
+BLOCK_BYTES = {"q8_0": 2 + BLOCK, "q4_0": 2 + BLOCK // 2, "q4_1": 4 + BLOCK // 2, "q5_0": 2 + 4 + BLOCK // 2}
 #: Q4_K's super-block: 256 inputs in 8 sub-blocks of 32, stored in 144 bytes (float16 ``d`` and
 #: ``dmin``, 12 bytes of 6-bit sub-block scales and mins, 128 bytes of 4-bit values).
 SUPER = 256
 Q4_K_BYTES = 4 + 12 + SUPER // 2
+#: Q6_K's super-block: 256 inputs in 16 groups of 16, stored in 210 bytes (128 bytes of low 4 bits, 64 of high
+#: 2 bits, 16 int8 group scales, the float16 ``d``).
+Q6_K_BYTES = SUPER // 2 + SUPER // 4 + SUPER // 16 + 2
+#: Bytes per super-block, per K-quant kind.
+SUPER_BYTES = {"q4_k": Q4_K_BYTES, "q6_k": Q6_K_BYTES}
+#: ggml's ``GROUP_MAX_EPS``: a group whose largest magnitude is below it quantizes to zeros.
+_GROUP_MAX_EPS = 1e-15
 #: Rows quantized at a time: bounds the float32 working copy.
 _CHUNK_ELEMENTS = 1 << 22
 #: Inputs of at most this many rows (decoding) take the packed int4 CPU kernel.  Measured against
@@ -145,6 +152,39 @@ def quantize_q4_1(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, scale
 
 
+def quantize_q5_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(packed uint8 (out, in/2) as Q4_0's, d float16 (out, in/32), high uint8 (out, in/32, 4))``: GGUF Q5_0,
+    ``d = m / -16`` (``m`` as Q4_0's), ``q = trunc(w / d + 16.5)`` at most 31, standing for ``(q - 16) * d``; the
+    low 4 bits in the nibbles, the fifth bits as each block's little-endian word ``qh`` (bit ``j``: input ``j``)."""
+    rows, cols = weight.shape
+    packed = torch.empty(rows, cols // 2, dtype=torch.uint8, device=weight.device)
+    scale = torch.empty(rows, cols // BLOCK, dtype=torch.float16, device=weight.device)
+    high = torch.empty(rows, cols // BLOCK, 4, dtype=torch.uint8, device=weight.device)
+    if weight.is_meta:
+        return packed, scale, high
+    bit = torch.arange(BLOCK, device=weight.device)
+    for start, blocks in _chunks(weight):
+        index = blocks.abs().argmax(dim=-1, keepdim=True)  # the first of equal magnitudes, as ggml's strict <
+        d = torch.gather(blocks, -1, index) / -16
+        q = torch.trunc(blocks * _inverse(d) + 16.5).clamp_(0, 31).to(torch.int64)
+        nibbles = (q[..., :BLOCK // 2] & 0xF) | ((q[..., BLOCK // 2:] & 0xF) << 4)
+        word = ((q >> 4) << bit).sum(-1, keepdim=True)
+        count = len(blocks)
+        packed[start:start + count] = nibbles.to(torch.uint8).reshape(count, cols // 2)
+        scale[start:start + count] = d.squeeze(-1).to(torch.float16)
+        high[start:start + count] = ((word >> torch.tensor([0, 8, 16, 24], device=word.device)) & 0xFF).to(torch.uint8)
+    return packed, scale, high
+
+
+def unpack_q5_0(packed: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """(out, in/2) nibbles and (out, in/32, 4) fifth bits -> (out, in) values 0..31."""
+    rows = packed.shape[0]
+    word = (high.to(torch.int64) << torch.tensor([0, 8, 16, 24], device=high.device)).sum(-1, keepdim=True)
+    bits = (word >> torch.arange(BLOCK, device=high.device)) & 1
+    low = unpack_q4_0(packed).reshape(rows, -1, BLOCK).to(torch.int64)
+    return (low | (bits << 4)).reshape(rows, -1)
+
+
 def unpack_q4_0(packed: torch.Tensor) -> torch.Tensor:
     """(out, in/2) packed bytes -> (out, in) values 0..15."""
     rows = packed.shape[0]
@@ -162,8 +202,19 @@ def block_bytes(values: torch.Tensor, scale: torch.Tensor) -> np.ndarray:
 
 
 def from_block_bytes(data: np.ndarray, kind: str, rows: int, cols: int) -> tuple[torch.Tensor, ...]:
-    """The inverse of :func:`block_bytes` (and of :meth:`Q4_KLinear.gguf_bytes`): the tensors a ``kind``
-    layer stores, in its constructor's order (``values, scale`` and, for Q4_K, ``sub``)."""
+    """The inverse of :func:`block_bytes` (and of the layers' ``gguf_bytes``): the tensors a ``kind`` layer
+    stores, in its constructor's order (``values, scale`` and, for Q4_K, ``sub``; Q5_0: ``high``; Q6_K:
+    ``high, sub``)."""
+    if kind == "q6_k":
+        raw = torch.from_numpy(np.ascontiguousarray(data, dtype=np.uint8).reshape(rows, cols // SUPER, Q6_K_BYTES).copy())
+        low, high = SUPER // 2, SUPER // 2 + SUPER // 4
+        return (raw[..., :low].contiguous().reshape(rows, cols // 2), raw[..., -2:].contiguous().view(torch.float16)
+                .reshape(rows, cols // SUPER), raw[..., low:high].contiguous().reshape(rows, cols // 4),
+                raw[..., high:-2].contiguous().view(torch.int8))
+    if kind == "q5_0":
+        raw = torch.from_numpy(np.ascontiguousarray(data, dtype=np.uint8).reshape(rows, cols // BLOCK, BLOCK_BYTES[kind]).copy())
+        return (raw[..., 6:].contiguous().reshape(rows, cols // 2),
+                raw[..., :2].contiguous().view(torch.float16).reshape(rows, cols // BLOCK), raw[..., 2:6].contiguous())
     if kind == "q4_k":
         raw = torch.from_numpy(np.ascontiguousarray(data, dtype=np.uint8).reshape(rows, cols // SUPER, Q4_K_BYTES).copy())
         scale = raw[..., :4].contiguous().view(torch.float16).reshape(rows, cols // SUPER, 2)
@@ -649,5 +700,216 @@ class Q4_KLinear(BlockQuantizedLinear):
                 f"packed_kernel={self.packed_kernel}")
 
 
+class Q5_0Linear(BlockQuantizedLinear):
+    """GGUF Q5_0: Q4_0's nibbles plus a fifth bit each, standing for ``(q - 16) * d``: ``weight`` uint8 (out x in/2,
+    as Q4_0's), ``weight_scale`` float16 (out x in/32), ``weight_high`` uint8 (out x in/32 x 4: each block's fifth
+    bits as GGUF's little-endian ``qh`` word, bit ``j`` for input ``j``).  The fallback type llama.cpp writes
+    for a Q4_K tensor whose width is no multiple of 256 (most of SmolLM2's projections in a ``Q4_K_M`` file)."""
+
+    kind = "q5_0"
+    weight_high: torch.Tensor
+
+    def __init__(self, values: torch.Tensor, scale: torch.Tensor, high: torch.Tensor, bias: torch.Tensor | None,
+                 weight_dtype: torch.dtype = torch.float32):
+        super().__init__(values, scale, bias, weight_dtype, extra={"weight_high": high})
+
+    @classmethod
+    def build(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> Q5_0Linear:
+        """Quantize an ``(out, in)`` float weight (left untouched) as ggml's reference quantizer does; on meta,
+        the empty structure."""
+        return cls(*quantize_q5_0(weight), bias, weight.dtype)
+
+    def values(self, start=0, end=None):
+        return unpack_q5_0(self.stored_weight[start:end], self.weight_high[start:end]).float() - 16
+
+    def _row_product(self, x: torch.Tensor) -> torch.Tensor:
+        buffers = self._buffers
+        return kernels.q5_0(x, buffers["weight"], buffers["weight_scale"], buffers["weight_high"], self.bias)
+
+    def pack(self):
+        # q = 16 * h + low (h: the fifth bit): (h + 8 - 8) * 16d - 8d, plus (low - 8) * d; each part centred on 0
+        # (a part's bfloat16 rounding is relative to its size), and both round d alike
+        q = unpack_q5_0(self.stored_weight, self.weight_high)
+        d = self.weight_scale.float()
+        return (_int4pack((q >> 4) + 8, 16 * d, -8 * d), _int4pack(q & 0xF, d, torch.zeros_like(d)))
+
+    def gguf_bytes(self) -> np.ndarray:
+        """The weight as the GGUF tensor's bytes: per block ``d``, the 4 ``qh`` bytes, the 16 nibble bytes."""
+        rows, groups = self.weight_scale.shape
+        d = self.weight_scale.detach().cpu().contiguous().view(torch.uint8).reshape(rows, groups, 2)
+        values = self.stored_weight.detach().cpu().reshape(rows, groups, BLOCK // 2)
+        return torch.cat((d, self.weight_high.detach().cpu(), values), dim=-1).reshape(rows, -1).numpy()
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, weight=q5_0 (GGUF blocks of {BLOCK}), "
+                f"packed_kernel={self.packed_kernel}, row_kernel={self.row_kernel}")
+
+
+def _make_qx_quants(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ggml's ``make_qx_quants(16, 32, x, L, 1, NULL)`` (Q6_K's search, weights ``x * x``) for every group at
+    once (``x``: (G, 16) float32): ``(scale (G,), L (G, 16) int64, 0..63)``, every sum in ggml's order, each
+    product and sum rounded to float32 as C computes it (no FMA contraction)."""
+    nmax = 32
+    x = x.t().contiguous()  # (16, G): input i of every group one contiguous row
+    n = x.shape[0]
+    magnitude = x.abs()
+    index = magnitude.argmax(dim=0, keepdim=True)  # the first of equal magnitudes (ggml's strict >)
+    peak = torch.gather(x, 0, index).squeeze(0)
+    amax = torch.gather(magnitude, 0, index).squeeze(0)
+    zero = amax < _GROUP_MAX_EPS
+    peak = torch.where(zero, torch.ones_like(peak), peak)
+    weights = x * x
+
+    def search(iscale):
+        levels = _nearest_int(iscale * x).clamp_(-nmax, nmax - 1)
+        levels_f = levels.float()
+        sum_lx = torch.zeros_like(iscale)
+        sum_l2 = torch.zeros_like(iscale)
+        for i in range(n):
+            sum_lx = sum_lx + weights[i] * x[i] * levels_f[i]
+            sum_l2 = sum_l2 + weights[i] * levels_f[i] * levels_f[i]
+        return levels, sum_lx, sum_l2
+
+    levels, sum_lx, sum_l2 = search(_over(float(-nmax), peak))
+    scale = torch.where(sum_l2 != 0, sum_lx / torch.where(sum_l2 != 0, sum_l2, torch.ones_like(sum_l2)),
+                        torch.zeros_like(sum_l2))
+    best = scale * sum_lx
+    for step in range(-9, 10):
+        if step == 0:
+            continue
+        factor = np.float32(nmax) + np.float32(0.1) * np.float32(step)
+        trial, sum_lx, sum_l2 = search(_over(float(-factor), peak))
+        better = (sum_l2 > 0) & (sum_lx * sum_lx > best * sum_l2)
+        levels = torch.where(better, trial, levels)
+        scale = torch.where(better, sum_lx / torch.where(better, sum_l2, torch.ones_like(sum_l2)), scale)
+        best = torch.where(better, scale * sum_lx, best)
+    levels = torch.where(zero, torch.full_like(levels, -nmax), levels)
+    scale = torch.where(zero, torch.zeros_like(scale), scale)
+    return scale, (levels + nmax).t()
+
+
+def quantize_q6_k(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(ql uint8 (out, in/2), d float16 (out, in/256), qh uint8 (out, in/4), scales int8 (out, in/256, 16))`` for
+    an ``(out, in)`` float weight, ``in`` a multiple of 256: ggml's reference quantizer (``quantize_row_q6_K_ref``,
+    what ``llama-quantize`` runs without an importance matrix), step for step in float32.  On meta, empty tensors
+    of those shapes."""
+    rows, cols = weight.shape
+    supers = cols // SUPER
+    device = weight.device
+    ql = torch.empty(rows, cols // 2, dtype=torch.uint8, device=device)
+    d_out = torch.empty(rows, supers, dtype=torch.float16, device=device)
+    qh = torch.empty(rows, cols // 4, dtype=torch.uint8, device=device)
+    sc_out = torch.empty(rows, supers, 16, dtype=torch.int8, device=device)
+    if weight.is_meta:
+        return ql, d_out, qh, sc_out
+    step = max(1, (_CHUNK_ELEMENTS // 4) // max(cols, 1))
+    for start in range(0, rows, step):
+        x = weight[start:start + step].detach().to(torch.float32).reshape(-1, 16)  # (groups, 16)
+        count = x.shape[0] // 16  # super-blocks
+        scales, levels = _make_qx_quants(x)
+        scales, levels = scales.reshape(count, 16), levels.reshape(count, 16, 16)
+        index = scales.abs().argmax(dim=1, keepdim=True)  # the first of equal magnitudes (strict >)
+        max_scale = torch.gather(scales, 1, index).squeeze(1)
+        zero = max_scale.abs() < _GROUP_MAX_EPS
+        max_scale = torch.where(zero, torch.ones_like(max_scale), max_scale)
+        iscale = _over(-128.0, max_scale)
+        d = _over(1.0, iscale).to(torch.float16)
+        sc = _nearest_int(iscale[:, None] * scales).clamp_(max=127)
+        multiplier = d.float()[:, None] * sc.float()
+        blocks = x.reshape(count, 16, 16)
+        divisor = torch.where(multiplier != 0, multiplier, torch.ones_like(multiplier))
+        final = _nearest_int(blocks / divisor[..., None]).clamp_(-32, 31) + 32
+        levels = torch.where((multiplier != 0)[..., None], final, levels)  # a group whose scale is 0 keeps the search's
+        levels = torch.where(zero[:, None, None], torch.zeros_like(levels), levels)
+        sc = torch.where(zero[:, None], torch.zeros_like(sc), sc)
+        d = torch.where(zero, torch.zeros_like(d), d)
+        halves = levels.reshape(count, 2, 4, 32)  # (super, half, quarter, l): input half * 128 + quarter * 32 + l
+        low, top = halves & 0xF, halves >> 4
+        packed_low = torch.cat((low[:, :, 0] | (low[:, :, 2] << 4), low[:, :, 1] | (low[:, :, 3] << 4)), dim=-1)
+        packed_high = top[:, :, 0] | (top[:, :, 1] << 2) | (top[:, :, 2] << 4) | (top[:, :, 3] << 6)
+        end = start + count // supers
+        ql[start:end] = packed_low.to(torch.uint8).reshape(end - start, cols // 2)
+        qh[start:end] = packed_high.to(torch.uint8).reshape(end - start, cols // 4)
+        d_out[start:end] = d.reshape(end - start, supers)
+        sc_out[start:end] = sc.to(torch.int8).reshape(end - start, supers, 16)
+    return ql, d_out, qh, sc_out
+
+
+def unpack_q6_k(ql: torch.Tensor, qh: torch.Tensor) -> torch.Tensor:
+    """(out, in/2) low bits and (out, in/4) high bits -> (out, in/256, 16, 16) values 0..63 in input order, groups
+    of 16 (ggml's ``dequantize_row_q6_K``'s layout)."""
+    rows = ql.shape[0]
+    low = ql.to(torch.int64).reshape(rows, -1, 2, 2, 32)  # (super, half, ql[l] or ql[l + 32], l)
+    high = qh.to(torch.int64).reshape(rows, -1, 2, 32)
+    q = torch.stack(((low[..., 0, :] & 15) | ((high & 3) << 4), (low[..., 1, :] & 15) | (((high >> 2) & 3) << 4),
+                     (low[..., 0, :] >> 4) | (((high >> 4) & 3) << 4), (low[..., 1, :] >> 4) | (((high >> 6) & 3) << 4)),
+                    dim=-2)
+    return q.reshape(rows, -1, 16, 16)
+
+
+class Q6_KLinear(BlockQuantizedLinear):
+    """GGUF Q6_K, as a GGUF file holds it (llama.cpp's ``Q4_K_M``/``Q5_K_M`` files hold some projections, often
+    the output head, in it).
+
+    Each row is cut into super-blocks of 256 inputs, each into 16 groups of 16 that stand for ``d * sc * (q - 32)``
+    (``q`` 6 bits; ``sc`` an int8 per group; ``d`` float16 per super-block).  Stored as GGUF orders them:
+    ``weight`` uint8 (out x in/2: the ``ql`` bytes, low 4 bits), ``weight_high`` uint8 (out x in/4: the ``qh``
+    bytes, high 2 bits), ``weight_sub`` int8 (out x in/256 x 16: ``sc``), ``weight_scale`` float16 (out x in/256:
+    ``d``).  Built by :func:`quantize_q6_k` (llama.cpp's reference quantizer, byte for byte) or read from a GGUF
+    file; ``format="gguf"`` writes the bytes as they are.  No packed-kernel fallback (aten's takes groups of 32
+    and up): where our kernel does not run, a call dequantizes.
+    """
+
+    kind = "q6_k"
+    block_inputs = SUPER
+    weight_high: torch.Tensor
+    weight_sub: torch.Tensor
+
+    def __init__(self, values: torch.Tensor, scale: torch.Tensor, high: torch.Tensor, sub: torch.Tensor,
+                 bias: torch.Tensor | None, weight_dtype: torch.dtype = torch.float32):
+        super().__init__(values, scale, bias, weight_dtype, extra={"weight_high": high, "weight_sub": sub})
+
+    @classmethod
+    def build(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> Q6_KLinear:
+        """Quantize an ``(out, in)`` float weight (left untouched) with ggml's reference quantizer; on meta, the
+        empty structure."""
+        return cls(*quantize_q6_k(weight), bias, weight.dtype)
+
+    def dequantize(self, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """Rows ``start:end`` of the float32 weight: ``(d * sc) * (q - 32)``, as ggml computes it."""
+        end = self.out_features if end is None else end
+        q = unpack_q6_k(self.stored_weight[start:end], self.weight_high[start:end]).float() - 32
+        multiplier = self.weight_scale[start:end].float()[..., None] * self.weight_sub[start:end].float()
+        return (multiplier[..., None] * q).reshape(end - start, self.in_features)
+
+    def values(self, start=0, end=None):
+        raise NotImplementedError("Q6_K values have a scale per 16 inputs; use dequantize()")
+
+    def _row_product(self, x: torch.Tensor) -> torch.Tensor:
+        buffers = self._buffers
+        return kernels.q6_k(x, buffers["weight"], buffers["weight_scale"], buffers["weight_high"],
+                            buffers["weight_sub"], self.bias)
+
+    def pack(self):
+        return ()
+
+    def gguf_bytes(self) -> np.ndarray:
+        """The weight as the GGUF tensor's bytes: per super-block the 128 ``ql`` bytes, the 64 ``qh`` bytes, the
+        16 scales, ``d``."""
+        rows, supers = self.weight_scale.shape
+        parts = (self.stored_weight.detach().cpu().reshape(rows, supers, SUPER // 2),
+                 self.weight_high.detach().cpu().reshape(rows, supers, SUPER // 4),
+                 self.weight_sub.detach().cpu().view(torch.uint8),
+                 self.weight_scale.detach().cpu().contiguous().view(torch.uint8).reshape(rows, supers, 2))
+        return torch.cat(parts, dim=-1).reshape(rows, -1).numpy()
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, weight=q6_k (GGUF super-blocks of {SUPER}), "
+                f"row_kernel={self.row_kernel}")
+
+
 #: Layer class per mode.
-LAYERS = {"q8_0": Q8_0Linear, "q4_0": Q4_0Linear, "q4_1": Q4_1Linear, "q4_k": Q4_KLinear}
+LAYERS = {"q8_0": Q8_0Linear, "q4_0": Q4_0Linear, "q4_1": Q4_1Linear, "q5_0": Q5_0Linear, "q4_k": Q4_KLinear,
+          "q6_k": Q6_KLinear}

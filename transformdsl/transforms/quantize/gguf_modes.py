@@ -1,4 +1,4 @@
-"""``quantize q8_0``, ``q4_0``, ``q4_1`` and ``q4_k`` (implementation): the quantize family's planning, apply
+"""``quantize q8_0``, ``q4_0``, ``q4_1``, ``q5_0``, ``q4_k`` and ``q6_k`` (implementation): the quantize family's planning, apply
 and reload (:mod:`.quantization`) with the GGUF block layers of :mod:`.gguf_blocks`.
 
 A layer whose ``in_features`` is not a multiple of the block (32; Q4_K's super-block, 256) is a near miss.  In a
@@ -19,6 +19,8 @@ from . import BLOCK_LAYER_CLASS
 from . import Q4_0Quantization as Q4_0Declaration
 from . import Q4_1Quantization as Q4_1Declaration
 from . import Q4_KQuantization as Q4_KDeclaration
+from . import Q5_0Quantization as Q5_0Declaration
+from . import Q6_KQuantization as Q6_KDeclaration
 from . import Q8_0Quantization as Q8_0Declaration
 from .quantization import (
     FLOAT_DTYPES,
@@ -106,7 +108,7 @@ class GGUFBlockBehaviour(QuantizeBehaviour):
 
     @staticmethod
     def _activations(options) -> str:
-        return getattr(options, "activations", "float")  # (q4_k has no option)
+        return getattr(options, "activations", "float")  # (q5_0, q4_k and q6_k have no option)
 
     @classmethod
     def rebuild(cls, root, record: dict, options) -> None:
@@ -147,9 +149,10 @@ class GGUFBlockBehaviour(QuantizeBehaviour):
 
     @classmethod
     def estimate_bytes(cls, options, in_features, out_features, bias, dtype):
-        from .gguf_blocks import BLOCK, BLOCK_BYTES, Q4_K_BYTES, SUPER
+        from .gguf_blocks import BLOCK, BLOCK_BYTES, SUPER, SUPER_BYTES
 
-        per_row = in_features // SUPER * Q4_K_BYTES if cls.mode == "q4_k" else in_features // BLOCK * BLOCK_BYTES[cls.mode]
+        per_row = (in_features // SUPER * SUPER_BYTES[cls.mode] if cls.mode in SUPER_BYTES
+                   else in_features // BLOCK * BLOCK_BYTES[cls.mode])
         return per_row * out_features + (out_features * dtype.itemsize if bias else 0)
 
 
@@ -166,4 +169,12 @@ class Q4_1Quantization(GGUFBlockBehaviour, Q4_1Declaration):
 
 
 class Q4_KQuantization(GGUFBlockBehaviour, Q4_KDeclaration):
+    pass
+
+
+class Q5_0Quantization(GGUFBlockBehaviour, Q5_0Declaration):
+    pass
+
+
+class Q6_KQuantization(GGUFBlockBehaviour, Q6_KDeclaration):
     pass

@@ -1,8 +1,8 @@
 """Decode kernels for quantized layers: ``rows.c``, compiled here for this CPU on first use.
 
-``int8_rows``, ``q8_0_rows``, ``q4_0_rows``, ``q4_1_rows``, ``q4_k_rows`` and ``int4_rows`` multiply a few
-float32 rows (decoding: one token per sequence) by a weight stored as ``quantize int8 weight_only=true``,
-``q8_0``, ``q4_0``, ``q4_1``, ``q4_k`` or ``int4`` store it, reading the stored bytes directly: no dequantized copy, no packed second copy, and
+``int8_rows``, ``q8_0_rows``, ``q4_0_rows``, ``q4_1_rows``, ``q5_0_rows``, ``q4_k_rows``, ``q6_k_rows`` and
+``int4_rows`` multiply a few float32 rows (decoding: one token per sequence) by a weight stored as ``quantize int8
+weight_only=true``, ``q8_0``, ``q4_0``, ``q4_1``, ``q5_0``, ``q4_k``, ``q6_k`` or ``int4`` store it, reading the stored bytes directly: no dequantized copy, no packed second copy, and
 float32 activations (the exact product of the stored values, up to float32 summation order).  Measured
 against aten's packed kernels, which these replace for decode-sized inputs: benchmarks/results/decode_kernels.md.
 
@@ -31,7 +31,7 @@ import torch
 from .build import FUNCTIONS, SWITCH, build
 
 __all__ = ["SWITCH", "available", "status", "reset", "rows", "int4", "q4_k", "int8_rows", "q8_0_rows", "q4_0_rows",
-           "q4_1_rows", "int4_rows", "q4_k_rows"]
+           "q4_1_rows", "int4_rows", "q4_k_rows", "q5_0", "q5_0_rows", "q6_k", "q6_k_rows"]
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -135,6 +135,31 @@ def q4_k_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, sub: t
     return out
 
 
+def q5_0_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, high: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The product with GGUF Q5_0 blocks: weight uint8 (out, in/2) as Q4_0's, scale float16 (out, in/32), high
+    uint8 (out, in/32, 4): each block's fifth bits, a little-endian word (bit j: input j)."""
+    width = x.shape[-1]
+    out = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
+    _state["q5_0_rows"](x.data_ptr(), weight.data_ptr(), high.data_ptr(), scale.data_ptr(),
+                        None if bias is None else bias.data_ptr(), out.data_ptr(), x.numel() // width if width else 0,
+                        weight.shape[0], width, 0)
+    return out
+
+
+def q6_k_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, high: torch.Tensor, sub: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The product with GGUF Q6_K super-blocks: weight uint8 (out, in/2: each super-block's 128 ``ql`` bytes),
+    scale float16 (out, in/256: ``d``), high uint8 (out, in/256, 64: ``qh``), sub int8 (out, in/256, 16: the
+    scales per 16 inputs); ``in`` a multiple of 256."""
+    width = x.shape[-1]
+    out = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
+    _state["q6_k_rows"](x.data_ptr(), weight.data_ptr(), high.data_ptr(), sub.data_ptr(), scale.data_ptr(),
+                        None if bias is None else bias.data_ptr(), out.data_ptr(), x.numel() // width if width else 0,
+                        weight.shape[0], width, 0)
+    return out
+
+
 def quantize_q8_rows(x: torch.Tensor, sums: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``x`` float32 (..., in) contiguous, ``in`` a multiple of 32, rounded to GGUF Q8_0 blocks as llama.cpp
     rounds activations (``quantize_row_q8_0_ref``): ``(q int8 (..., in), d float32 (..., in/32), s)``, ``d``
@@ -180,8 +205,9 @@ def q4_1_q8_rows(q: torch.Tensor, d: torch.Tensor, s: torch.Tensor, weight: torc
 
 
 EAGER = {"int8": int8_rows, "q8_0": q8_0_rows, "q4_0": q4_0_rows, "q4_1": q4_1_rows}
-#: The GGUF block kinds a kernel here reads (Q4_K through :func:`q4_k`, the others through :func:`rows`).
-BLOCK_KINDS = frozenset(("q8_0", "q4_0", "q4_1", "q4_k"))
+#: The GGUF block kinds a kernel here reads (Q4_K, Q5_0 and Q6_K through :func:`q4_k`, :func:`q5_0` and
+#: :func:`q6_k`, the others through :func:`rows`).
+BLOCK_KINDS = frozenset(("q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q6_k"))
 
 
 #: ``activations=int8`` (:func:`rows`): ``x`` rounded to Q8_0 blocks (Q4_1: with Q8_1's sums), then the integer
@@ -233,6 +259,30 @@ def _(x, weight, scale, sub, bias):
     return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
 
 
+@torch.library.custom_op("transformdsl::q5_0_rows", mutates_args=())
+def _q5_0_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, high: torch.Tensor,
+             bias: torch.Tensor | None) -> torch.Tensor:
+    _library()
+    return q5_0_rows(x, weight, scale, high, bias)
+
+
+@_q5_0_op.register_fake
+def _(x, weight, scale, high, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("transformdsl::q6_k_rows", mutates_args=())
+def _q6_k_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, high: torch.Tensor, sub: torch.Tensor,
+             bias: torch.Tensor | None) -> torch.Tensor:
+    _library()
+    return q6_k_rows(x, weight, scale, high, sub, bias)
+
+
+@_q6_k_op.register_fake
+def _(x, weight, scale, high, sub, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
+
+
 def _run(eager, compiled, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *args) -> torch.Tensor:
     """``eager(x, weight, *args, bias)`` (``compiled`` under ``torch.compile``) on ``x`` made contiguous
     float32, the bias fused where it is float32 and added after otherwise; in ``x``'s dtype.  Only what a
@@ -275,3 +325,15 @@ def q4_k(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, sub: torch.
          bias: torch.Tensor | None) -> torch.Tensor:
     """As :func:`rows`, for ``quantize q4_k`` layers (:func:`q4_k_rows`)."""
     return _run(q4_k_rows, _q4_k_op, x, weight, bias, scale, sub)
+
+
+def q5_0(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, high: torch.Tensor,
+         bias: torch.Tensor | None) -> torch.Tensor:
+    """As :func:`rows`, for ``quantize q5_0`` layers (:func:`q5_0_rows`)."""
+    return _run(q5_0_rows, _q5_0_op, x, weight, bias, scale, high)
+
+
+def q6_k(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, high: torch.Tensor, sub: torch.Tensor,
+         bias: torch.Tensor | None) -> torch.Tensor:
+    """As :func:`rows`, for ``quantize q6_k`` layers (:func:`q6_k_rows`)."""
+    return _run(q6_k_rows, _q6_k_op, x, weight, bias, scale, high, sub)

@@ -34,6 +34,8 @@ SIGNATURES = {
     "q4_1_rows": [_P] * 6 + [_N] * 3 + [_I],
     "int4_rows": [_P] * 4 + [_I, _N] + [_P] * 3 + [_N] * 3 + [_I],
     "q4_k_rows": [_P] * 7 + [_N] * 3 + [_I],
+    "q5_0_rows": [_P] * 6 + [_N] * 3 + [_I],
+    "q6_k_rows": [_P] * 7 + [_N] * 3 + [_I],
     # int8 activations (llama.cpp's arithmetic; ``activations=int8`` layers): x as Q8_0 blocks
     "quantize_q8_rows": [_P] * 4 + [_N] * 2,
     "q8_0_q8_rows": [_P] * 6 + [_N] * 3 + [_I],
@@ -184,6 +186,10 @@ def _self_check(library: ctypes.CDLL) -> str | None:
     # GGUF Q4_K: one super-block of 256 inputs; random bytes for the values and the packed 6-bit scales
     if _q4_k_wrong(library, generator):
         return "the compiled q4_k_rows failed its self-check"
+    if _q5_0_wrong(library, generator):
+        return "the compiled q5_0_rows failed its self-check"
+    if _q6_k_wrong(library, generator):
+        return "the compiled q6_k_rows failed its self-check"
     # GGUF Q4_1: Q4_0's nibbles standing for q * d + m
     dm = torch.stack((d, (torch.randn(21, 2, generator=generator)).half()), dim=-1)
     values41 = torch.cat((lo, hi), dim=-1).double() * dm[..., 0].double()[..., None] + dm[..., 1].double()[..., None]
@@ -250,3 +256,52 @@ def _q4_k_wrong(library: ctypes.CDLL, generator: torch.Generator) -> bool:
     library.q4_k_rows(x.data_ptr(), values.data_ptr(), dm.data_ptr(), sub.data_ptr(), scratch.data_ptr(), None,
                       out.data_ptr(), 3, rows, width, 1)
     return not torch.allclose(out.double(), x.double() @ weight.reshape(rows, width).T, rtol=1e-5, atol=1e-4)
+
+
+def _q5_0_wrong(library: ctypes.CDLL, generator: torch.Generator) -> bool:
+    """Whether q5_0_rows misses the float64 product with ggml's dequantization of random Q5_0 blocks (three
+    blocks, three input rows: the fifth bit of input j is bit j of the block's little-endian word)."""
+    rows, width = 21, 96
+    x = torch.randn(3, width, generator=generator)
+    nibbles = torch.randint(0, 256, (rows, width // 2), dtype=torch.uint8, generator=generator)
+    high = torch.randint(0, 256, (rows, width // 32, 4), dtype=torch.uint8, generator=generator)
+    d = (torch.rand(rows, width // 32, generator=generator) + 0.5).half()
+    blocks = nibbles.reshape(rows, -1, 16)
+    low = torch.cat((blocks & 15, blocks >> 4), dim=-1).long()
+    word = (high.long() << torch.tensor([0, 8, 16, 24])).sum(-1, keepdim=True)
+    bits = (word >> torch.arange(32)) & 1
+    weight = ((low | (bits << 4)) - 16).double() * d.double()[..., None]
+    out = torch.empty(3, rows)
+    library.q5_0_rows(x.data_ptr(), nibbles.data_ptr(), high.data_ptr(), d.data_ptr(), None, out.data_ptr(),
+                      3, rows, width, 1)
+    return not torch.allclose(out.double(), x.double() @ weight.reshape(rows, width).T, rtol=1e-5, atol=1e-4)
+
+
+def _q6_k_wrong(library: ctypes.CDLL, generator: torch.Generator) -> bool:
+    """Whether q6_k_rows misses the float64 product with ggml's dequantization of random Q6_K super-blocks
+    (two, three input rows)."""
+    rows, width = 21, 512
+    x = torch.randn(3, width, generator=generator)
+    ql = torch.randint(0, 256, (rows, width // 2), dtype=torch.uint8, generator=generator)
+    qh = torch.randint(0, 256, (rows, width // 4), dtype=torch.uint8, generator=generator)
+    sc = torch.randint(-128, 128, (rows, width // 256, 16), dtype=torch.int8, generator=generator)
+    d = (torch.rand(rows, width // 256, generator=generator) * 0.01).half()
+    out = torch.empty(3, rows)
+    library.q6_k_rows(x.data_ptr(), ql.data_ptr(), qh.data_ptr(), sc.data_ptr(), d.data_ptr(), None, out.data_ptr(),
+                      3, rows, width, 1)
+    weight = _q6_k_reference(ql, qh, sc, d)
+    return not torch.allclose(out.double(), x.double() @ weight.T, rtol=1e-5, atol=1e-4)
+
+
+def _q6_k_reference(ql: torch.Tensor, qh: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """ggml's ``dequantize_row_q6_K`` in float64 on rows of Q6_K (ql (out, in/2), qh (out, in/4), sc int8
+    (out, in/256, 16), d (out, in/256)): (out, in)."""
+    rows = ql.shape[0]
+    low = ql.long().reshape(rows, -1, 2, 2, 32)  # (super, half, ql[l] or ql[l + 32], l)
+    high = qh.long().reshape(rows, -1, 2, 1, 32)
+    q = torch.stack(((low[..., 0, :] & 15) | ((high[..., 0, :] & 3) << 4),
+                     (low[..., 1, :] & 15) | (((high[..., 0, :] >> 2) & 3) << 4),
+                     (low[..., 0, :] >> 4) | (((high[..., 0, :] >> 4) & 3) << 4),
+                     (low[..., 1, :] >> 4) | (((high[..., 0, :] >> 6) & 3) << 4)), dim=-2)  # (super, half, 4, 32)
+    q = (q - 32).reshape(rows, -1, 16, 16).double()  # input order: groups of 16
+    return (q * (d.double()[..., None] * sc.double())[..., None]).reshape(rows, -1)

@@ -11,6 +11,8 @@
  *   q4_0_rows  uint8 W (N x K/2), byte j of a block holding q[j] in its low nibble and q[j + 16] in
  *              its high one, standing for (q - 8) * d; one float16 d per 32 inputs   (GGUF Q4_0)
  *   q4_1_rows  as q4_0, standing for q * d + m; a float16 (d, m) per 32 inputs       (GGUF Q4_1)
+ *   q5_0_rows  as q4_0 plus each block's 32 fifth bits (4 bytes), standing for (q - 16) * d  (GGUF Q5_0)
+ *   q4_k_rows, q6_k_rows: GGUF's K-quants, super-blocks of 256 inputs (see each)
  *   int4_rows  uint8 W (N x K/2), input 2j in byte j's low nibble and 2j + 1 in its high one, standing
  *              for (q - 8) * s + z with one (s, z) per group of G inputs, bfloat16 or float32
  *                                                                               (quantize int4)
@@ -56,6 +58,21 @@ static inline void vnibbles(const uint8_t *p, vf *lo, vf *hi) {
     *lo = _mm512_permutexvar_ps(b, values);
     *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), values);
 }
+static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+/* LANES fifth bits of a Q5_0 block, from bit p of qh on: 8 where set, -8 where not (a nibble widened as
+ * q - 8 plus this is q + 16 * bit - 16) */
+static inline vf vfifth(uint32_t qh, int p) {
+    return _mm512_mask_blend_ps((__mmask16)(qh >> p), _mm512_set1_ps(-8.0f), _mm512_set1_ps(8.0f));
+}
+/* LANES 6-bit Q6_K values minus 32: (ql >> lshift) & 15 with ((qh >> hshift) & 3) above */
+static inline vf vq6(const uint8_t *ql, const uint8_t *qh, int lshift, int hshift) {
+    __m512i l = _mm512_and_si512(_mm512_srli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)ql)), lshift),
+                                 _mm512_set1_epi32(15));
+    __m512i h = _mm512_and_si512(_mm512_srli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qh)), hshift),
+                                 _mm512_set1_epi32(3));
+    return _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_or_si512(l, _mm512_slli_epi32(h, 4)), _mm512_set1_epi32(32)));
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 #define LANES 8
 typedef __m256 vf;
@@ -76,6 +93,20 @@ static inline void vnibbles(const uint8_t *p, vf *lo, vf *hi) {
     *lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(b, _mm256_set1_epi32(15)), eight));
     *hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(b, 4), eight));
 }
+static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf vfifth(uint32_t qh, int p) {
+    const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    __m256i set = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)(qh >> p)), bit), bit);
+    return _mm256_blendv_ps(_mm256_set1_ps(-8.0f), _mm256_set1_ps(8.0f), _mm256_castsi256_ps(set));
+}
+static inline vf vq6(const uint8_t *ql, const uint8_t *qh, int lshift, int hshift) {
+    __m256i l = _mm256_and_si256(_mm256_srli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)ql)), lshift),
+                                 _mm256_set1_epi32(15));
+    __m256i h = _mm256_and_si256(_mm256_srli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qh)), hshift),
+                                 _mm256_set1_epi32(3));
+    return _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(l, _mm256_slli_epi32(h, 4)), _mm256_set1_epi32(32)));
+}
 #else
 #define LANES 1
 typedef float vf;
@@ -86,6 +117,12 @@ static inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
 static inline float vsum(vf v) { return v; }
 static inline vf vint8(const int8_t *p) { return (float)*p; }
 static inline void vnibbles(const uint8_t *p, vf *lo, vf *hi) { *lo = (float)(*p & 15) - 8; *hi = (float)(*p >> 4) - 8; }
+static inline vf vadd(vf a, vf b) { return a + b; }
+static inline vf vmul(vf a, vf b) { return a * b; }
+static inline vf vfifth(uint32_t qh, int p) { return (qh >> p) & 1 ? 8.0f : -8.0f; }
+static inline vf vq6(const uint8_t *ql, const uint8_t *qh, int lshift, int hshift) {
+    return (float)((((*ql >> lshift) & 15) | (((*qh >> hshift) & 3) << 4)) - 32);
+}
 #endif
 
 #if defined(__F16C__)
@@ -378,6 +415,129 @@ void q4_k_rows(const float *x, const uint8_t *w, const uint16_t *dm, const uint8
     }
 #define Q4_K_CALL(MT) q4_k_block(x + m * K, scratch + m * (K / 32), w, dm, sub, n, rows, K, MT, m == 0, out)
     ROW_LOOP(Q4_K_CALL)
+}
+
+/* GGUF Q5_0: Q4_0's nibbles plus a fifth bit each (the block's 4 ``qh`` bytes, a little-endian word whose bit
+ * j belongs to input j), standing for (q - 16) * d.  Per block, as gguf_block's Q4_0: the vector sum of
+ * x * (q - 16) times d, the value widened as (nibble - 8) + (bit ? 8 : -8). */
+INLINE void q5_0_block(const float *x, const uint8_t *w, const uint8_t *qh, const uint16_t *d, int64_t n,
+                       int64_t rows, int64_t K, const int mt, int fetch, float out[MT_MAX][ROWS])
+{
+    const int64_t blocks = K / 32, row_bytes = K / 2;
+    const uint8_t *wr[ROWS], *hr[ROWS];
+    const uint16_t *dr[ROWS];
+    vf acc[MT_MAX][ROWS];
+    float scale[ROWS][CHUNK];
+    for (int i = 0; i < ROWS; i++) {
+        int64_t r = n + (i < rows ? i : 0);
+        wr[i] = w + r * row_bytes;
+        hr[i] = qh + r * blocks * 4;
+        dr[i] = d + r * blocks;
+        for (int j = 0; j < mt; j++) acc[j][i] = vzero();
+    }
+    for (int64_t b0 = 0; b0 < blocks; b0 += CHUNK) {
+        const int64_t count = blocks - b0 < CHUNK ? blocks - b0 : CHUNK;
+        for (int i = 0; i < ROWS; i++)
+            for (int64_t c = 0; c < count; c++) scale[i][c] = half(dr[i][b0 + c]);
+        for (int64_t c = 0; c < count; c++) {
+            const int64_t b = b0 + c, at = b * 16;
+            if (fetch && (at % LINE) == 0)
+                for (int i = 0; i < ROWS; i++) {
+                    prefetch(wr[i] + at + ROWS * row_bytes);
+                    prefetch(hr[i] + at / 4 + ROWS * blocks * 4);
+                }
+            const float *xb = x + b * 32;
+            for (int i = 0; i < ROWS; i++) {
+                const uint8_t *q = wr[i] + at;
+                uint32_t high;
+                memcpy(&high, hr[i] + b * 4, 4);
+                vf t[MT_MAX];
+                for (int j = 0; j < mt; j++) t[j] = vzero();
+                for (int e = 0; e < 16; e += LANES) {
+                    vf lo, hi;
+                    vnibbles(q + e, &lo, &hi);
+                    lo = vadd(lo, vfifth(high, e));
+                    hi = vadd(hi, vfifth(high, 16 + e));
+                    for (int j = 0; j < mt; j++) {
+                        t[j] = vfma(vload(xb + j * K + e), lo, t[j]);
+                        t[j] = vfma(vload(xb + j * K + 16 + e), hi, t[j]);
+                    }
+                }
+                for (int j = 0; j < mt; j++) acc[j][i] = vfma(t[j], vset(scale[i][c]), acc[j][i]);
+            }
+        }
+    }
+    for (int j = 0; j < mt; j++)
+        for (int i = 0; i < ROWS; i++) out[j][i] = vsum(acc[j][i]);
+}
+
+void q5_0_rows(const float *x, const uint8_t *w, const uint8_t *qh, const uint16_t *d, const float *bias, float *y,
+               int64_t M, int64_t N, int64_t K, int threads)
+{
+#define Q5_0_CALL(MT) q5_0_block(x + m * K, w, qh, d, n, rows, K, MT, m == 0, out)
+    ROW_LOOP(Q5_0_CALL)
+}
+
+/* GGUF Q6_K: super-blocks of 256 inputs in 16 groups of 16, each group's values (q - 32) * (d * sc) with q 6 bits
+ * (0..63), sc an int8 per group and d a float16 per super-block; d * sc in float32 as ggml's dequantize_row_q6_K
+ * computes it.  A super-block's 128 ``ql`` bytes hold the low 4 bits and its 64 ``qh`` bytes the high 2, in two
+ * halves of 128 inputs: for l < 32, ql[l] holds inputs l (low nibble) and l + 64 (high), ql[l + 32] inputs l + 32
+ * and l + 96, and qh[l] the high bits of l, l + 32, l + 64 and l + 96 (2 bits each, from the lowest). */
+INLINE void q6_k_block(const float *x, const uint8_t *w, const uint8_t *qh, const int8_t *sc, const uint16_t *d,
+                       int64_t n, int64_t rows, int64_t K, const int mt, int fetch, float out[MT_MAX][ROWS])
+{
+    const int64_t supers = K / 256;
+    const uint8_t *wr[ROWS], *hr[ROWS];
+    int64_t first[ROWS];
+    vf acc[MT_MAX][ROWS];
+    float scale[ROWS][16];
+    for (int i = 0; i < ROWS; i++) {
+        first[i] = n + (i < rows ? i : 0);
+        wr[i] = w + first[i] * (K / 2);
+        hr[i] = qh + first[i] * (K / 4);
+        for (int j = 0; j < mt; j++) acc[j][i] = vzero();
+    }
+    for (int64_t S = 0; S < supers; S++) {
+        const float *xb = x + S * 256;
+        for (int i = 0; i < ROWS; i++) {
+            const int64_t at = first[i] * supers + S;
+            const float dd = half(d[at]);
+            for (int g = 0; g < 16; g++) scale[i][g] = dd * (float)sc[at * 16 + g];
+        }
+        for (int i = 0; i < ROWS; i++) {
+            const uint8_t *ql = wr[i] + S * 128, *qhs = hr[i] + S * 64;
+            if (fetch) {
+                for (int l = 0; l < 128; l += LINE) prefetch(ql + l + ROWS * (K / 2));
+                prefetch(qhs + ROWS * (K / 4));
+            }
+            for (int h = 0; h < 2; h++) {  /* the two halves of 128 inputs */
+                const uint8_t *L = ql + h * 64, *H = qhs + h * 32;
+                const float *xh = xb + h * 128;
+                const float *g = &scale[i][h * 8];
+                for (int l = 0; l < 32; l += LANES) {
+                    const int is = l / 16;
+                    vf q1 = vq6(L + l, H + l, 0, 0), q2 = vq6(L + 32 + l, H + l, 0, 2);
+                    vf q3 = vq6(L + l, H + l, 4, 4), q4 = vq6(L + 32 + l, H + l, 4, 6);
+                    for (int j = 0; j < mt; j++) {
+                        const float *xj = xh + j * K + l;
+                        acc[j][i] = vfma(vmul(vload(xj), q1), vset(g[is]), acc[j][i]);
+                        acc[j][i] = vfma(vmul(vload(xj + 32), q2), vset(g[is + 2]), acc[j][i]);
+                        acc[j][i] = vfma(vmul(vload(xj + 64), q3), vset(g[is + 4]), acc[j][i]);
+                        acc[j][i] = vfma(vmul(vload(xj + 96), q4), vset(g[is + 6]), acc[j][i]);
+                    }
+                }
+            }
+        }
+    }
+    for (int j = 0; j < mt; j++)
+        for (int i = 0; i < ROWS; i++) out[j][i] = vsum(acc[j][i]);
+}
+
+void q6_k_rows(const float *x, const uint8_t *w, const uint8_t *qh, const int8_t *sc, const uint16_t *d,
+               const float *bias, float *y, int64_t M, int64_t N, int64_t K, int threads)
+{
+#define Q6_K_CALL(MT) q6_k_block(x + m * K, w, qh, sc, d, n, rows, K, MT, m == 0, out)
+    ROW_LOOP(Q6_K_CALL)
 }
 
 /* quantize int4: nibbles interleaved (even input low, odd high), a scale and a zero per group of G inputs.
