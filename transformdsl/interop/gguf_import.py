@@ -1,4 +1,4 @@
-"""``load("file.gguf")``: a llama.cpp checkpoint as a transformers model, its Q8_0/Q4_0/Q4_K blocks kept.
+"""``load("file.gguf")``: a llama.cpp checkpoint as a transformers model, its quantized blocks kept.
 
 The file is read with the bounded reader (:mod:`.gguf_read`); its architecture (``llama``, ``qwen2``, ``qwen3``:
 :mod:`.gguf_layout`) and metadata give the transformers configuration, built on the meta device once
@@ -8,7 +8,10 @@ the tensor table agrees with it (so a file's counts never size a model its tenso
   ``q5_0`` / ``q4_k`` / ``q6_k`` layer holding those
   very bytes (no dequantize-requantize: ``bytes in memory`` ≈ the file's), recorded as that statement
   so that a further script applies and :func:`transformdsl.save` writes and reloads it exactly;
-- any other quantized tensor (Q6_K, Q5_K..., an embedding in Q8_0) is dequantized with the ``gguf``
+- with tied embeddings (no ``output.weight``), a ``token_embd`` of one of those types becomes the head's layer
+  (its bytes, recorded as the head's statement) and the embedding a ``BlockEmbedding`` reading its rows, as
+  llama.cpp uses the one tensor for both;
+- any other quantized tensor (Q5_1, Q5_K..., an untied quantized embedding) is dequantized with the ``gguf``
   package's reference code into float32;
 - float tensors (F32, F16, BF16) are read as float32 (exact); the model is float32.
 
@@ -27,7 +30,7 @@ from torch import nn
 
 from ..errors import LoadError
 from ..history import AppliedStep, History, set_history
-from ..transforms.quantize.gguf_blocks import LAYERS, from_block_bytes
+from ..transforms.quantize.gguf_blocks import LAYERS, BlockEmbedding, from_block_bytes
 from . import gguf_layout
 from .gguf_read import GGUFFile, TensorInfo
 from .gguf_vocab import KEPT_ATTRIBUTE
@@ -137,6 +140,7 @@ def load_gguf(path: str | Path, keep: bool = True) -> nn.Module:
         names = gguf_layout.tensor_names(arch, config.num_hidden_layers)
         state = model.state_dict(keep_vars=True)
         tied = bool(config.tie_word_embeddings)
+        head_path = next(path for path, module in model.named_modules() if module is model.get_output_embeddings())
         wanted: dict[str, str] = {}
         for key in state:
             if tied and key == "lm_head.weight":
@@ -172,6 +176,13 @@ def load_gguf(path: str | Path, keep: bool = True) -> nn.Module:
                     raw = gguf_layout.unpermute_rows(raw, heads)
                 layers[kind].append({"path": module_path, "stored": from_block_bytes(raw, kind, *info.shape)})
                 continue
+            if (keep and tied and info.type in KEPT and leaf == "weight" and type(module) is nn.Embedding
+                    and module is model.get_input_embeddings()):
+                # the tied head takes the file's token_embd blocks, and the embedding reads their rows (as llama.cpp)
+                kind = KEPT[info.type]
+                layers[kind].append({"path": head_path, "tied": module_path, "padding_idx": module.padding_idx,
+                                     "stored": from_block_bytes(gf.data(info), kind, *info.shape)})
+                continue
             data = _float(gf, info)
             if heads:
                 data = gguf_layout.unpermute_rows(data, heads)
@@ -186,6 +197,7 @@ def load_gguf(path: str | Path, keep: bool = True) -> nn.Module:
 def _assemble(model: nn.Module, tensors: dict, layers: dict, path: Path) -> nn.Module:
     """Put the block layers in place, load the float tensors, record the block layers as steps."""
     steps, statements = [], []
+    heads_kept = False
     for kind, entries in layers.items():
         if not entries:
             continue
@@ -198,6 +210,12 @@ def _assemble(model: nn.Module, tensors: dict, layers: dict, path: Path) -> nn.M
             setattr(model.get_submodule(parent_path) if parent_path else model, child, layer)
             records.append({"path": entry["path"], "in": layer.in_features, "out": layer.out_features,
                             "dtype": "float32", "bias": None if bias is None else "float32", "source": "Linear"})
+            if "tied" in entry:
+                parent_path, _, child = entry["tied"].rpartition(".")
+                setattr(model.get_submodule(parent_path) if parent_path else model, child,
+                        BlockEmbedding(layer, entry["padding_idx"]))
+                records[-1]["tied"] = [{"path": entry["tied"], "padding_idx": entry["padding_idx"]}]
+                heads_kept = True
         byte_count = sum(t.numel() * t.element_size() for e in entries for t in e["stored"])
         statement = f"quantize {kind}"
         steps.append(AppliedStep(key=f"quantize {kind}", line=len(statements) + 2, statement=statement, options={},
@@ -208,7 +226,7 @@ def _assemble(model: nn.Module, tensors: dict, layers: dict, path: Path) -> nn.M
         model.load_state_dict(tensors, strict=False, assign=True)
     except RuntimeError as exc:
         raise LoadError(f"{path}: {exc}") from None
-    if getattr(model.config, "tie_word_embeddings", False):
+    if getattr(model.config, "tie_word_embeddings", False) and not heads_kept:
         model.tie_weights()
     left = [name for name, p in model.named_parameters() if p.is_meta]
     if left:

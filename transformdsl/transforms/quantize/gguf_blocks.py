@@ -70,6 +70,12 @@ PACKED_INPUTS = (torch.bfloat16, torch.float32)
 PACKED_OUT_MULTIPLE = 16
 
 
+def _rows(start: int | torch.Tensor, end: int | None):
+    """The row selector of the layers' ``values``/``dequantize``: ``start:end``, or the rows an index tensor
+    given as ``start`` names (an embedding's lookup: :meth:`BlockQuantizedLinear.dequantize_rows`)."""
+    return start if isinstance(start, torch.Tensor) else slice(start, end)
+
+
 def _roundf(x: torch.Tensor) -> torch.Tensor:
     """Round half away from zero, as C's ``roundf`` (and ``gguf.quants.np_roundf``)."""
     a = x.abs()
@@ -338,6 +344,11 @@ class BlockQuantizedLinear(StoredWeight):
         """Rows ``start:end`` of the float32 weight: ``q * d``, block by block (ggml's dequantization)."""
         return self._scaled(start, end)
 
+    def dequantize_rows(self, index: torch.Tensor) -> torch.Tensor:
+        """The float32 rows an integer tensor names, ``(len(index), in)`` (what a tied embedding looks up:
+        :class:`BlockEmbedding`), dequantized as :meth:`dequantize` does."""
+        return self.dequantize(index)
+
     def gguf_bytes(self) -> np.ndarray:
         """The weight as the GGUF tensor's bytes (see :func:`block_bytes`)."""
         return block_bytes(self.stored_weight, self.weight_scale)
@@ -412,11 +423,12 @@ class BlockQuantizedLinear(StoredWeight):
 
     def _scaled(self, start: int = 0, end: int | None = None) -> torch.Tensor:
         """Rows ``start:end`` of ``q * d`` (float32): the weight without Q4_1's minimum."""
-        end = self.out_features if end is None else end
-        q = self.values(start, end).reshape(end - start, -1, BLOCK)
-        d = self.weight_scale[start:end].float()
+        values = self.values(start, end)
+        count = values.shape[0]
+        q = values.reshape(count, -1, BLOCK)
+        d = self.weight_scale[_rows(start, end)].float()
         d = d[..., 0] if d.dim() == 3 else d
-        return (q * d[..., None]).reshape(end - start, self.in_features)
+        return (q * d[..., None]).reshape(count, self.in_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -434,7 +446,7 @@ class Q8_0Linear(BlockQuantizedLinear):
         return quantize_q8_0(weight)
 
     def values(self, start=0, end=None):
-        return self.stored_weight[start:end].float()
+        return self.stored_weight[_rows(start, end)].float()
 
     def pack(self):
         q = self.stored_weight.to(torch.int32)
@@ -456,7 +468,7 @@ class Q4_0Linear(BlockQuantizedLinear):
         return quantize_q4_0(weight)
 
     def values(self, start=0, end=None):
-        return unpack_q4_0(self.stored_weight[start:end]).float() - 8
+        return unpack_q4_0(self.stored_weight[_rows(start, end)]).float() - 8
 
     def pack(self):
         d = self.weight_scale.float()
@@ -474,13 +486,12 @@ class Q4_1Linear(BlockQuantizedLinear):
         return quantize_q4_1(weight)
 
     def values(self, start=0, end=None):
-        return unpack_q4_0(self.stored_weight[start:end]).float()
+        return unpack_q4_0(self.stored_weight[_rows(start, end)]).float()
 
     def dequantize(self, start: int = 0, end: int | None = None) -> torch.Tensor:
-        end = self.out_features if end is None else end
-        m = self.weight_scale[start:end, :, 1].float()
-        return (self._scaled(start, end).reshape(end - start, -1, BLOCK) + m[..., None]).reshape(end - start,
-                                                                                                 self.in_features)
+        m = self.weight_scale[_rows(start, end)][:, :, 1].float()
+        scaled = self._scaled(start, end)
+        return (scaled.reshape(scaled.shape[0], -1, BLOCK) + m[..., None]).reshape(scaled.shape[0], self.in_features)
 
     def pack(self):
         d, m = self.weight_scale.float().unbind(-1)
@@ -654,23 +665,22 @@ class Q4_KLinear(BlockQuantizedLinear):
 
     def _codes(self, start: int = 0, end: int | None = None) -> torch.Tensor:
         """Rows ``start:end`` of the 4-bit values, (rows, in/256, 8, 32) uint8 in input order."""
-        packed = self.stored_weight[start:end]
+        packed = self.stored_weight[_rows(start, end)]
         chunks = packed.reshape(packed.shape[0], -1, 4, 1, BLOCK)
         return torch.cat((chunks & 0xF, chunks >> 4), dim=3).reshape(packed.shape[0], -1, 8, BLOCK)
 
     def _scales(self, start: int = 0, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows ``start:end``: each sub-block's multiplier ``d * sc`` and offset ``dmin * m``, float32
         (rows, in/256, 8), computed as ggml (and the gguf package) computes them."""
-        sc, mins = q4_k_scales(self.weight_sub[start:end])
-        scale = self.weight_scale[start:end].float()
+        sc, mins = q4_k_scales(self.weight_sub[_rows(start, end)])
+        scale = self.weight_scale[_rows(start, end)].float()
         return scale[..., :1] * sc.float(), scale[..., 1:] * mins.float()
 
     def dequantize(self, start: int = 0, end: int | None = None) -> torch.Tensor:
         """Rows ``start:end`` of the float32 weight: ``(d * sc) * q - dmin * m``, sub-block by sub-block."""
-        end = self.out_features if end is None else end
         multiplier, offset = self._scales(start, end)
         out = multiplier[..., None] * self._codes(start, end).float() - offset[..., None]
-        return out.reshape(end - start, self.in_features)
+        return out.reshape(out.shape[0], self.in_features)
 
     def values(self, start=0, end=None):
         raise NotImplementedError("Q4_K values have an offset per sub-block; use dequantize()")
@@ -720,7 +730,8 @@ class Q5_0Linear(BlockQuantizedLinear):
         return cls(*quantize_q5_0(weight), bias, weight.dtype)
 
     def values(self, start=0, end=None):
-        return unpack_q5_0(self.stored_weight[start:end], self.weight_high[start:end]).float() - 16
+        rows = _rows(start, end)
+        return unpack_q5_0(self.stored_weight[rows], self.weight_high[rows]).float() - 16
 
     def _row_product(self, x: torch.Tensor) -> torch.Tensor:
         buffers = self._buffers
@@ -878,10 +889,10 @@ class Q6_KLinear(BlockQuantizedLinear):
 
     def dequantize(self, start: int = 0, end: int | None = None) -> torch.Tensor:
         """Rows ``start:end`` of the float32 weight: ``(d * sc) * (q - 32)``, as ggml computes it."""
-        end = self.out_features if end is None else end
-        q = unpack_q6_k(self.stored_weight[start:end], self.weight_high[start:end]).float() - 32
-        multiplier = self.weight_scale[start:end].float()[..., None] * self.weight_sub[start:end].float()
-        return (multiplier[..., None] * q).reshape(end - start, self.in_features)
+        rows = _rows(start, end)
+        q = unpack_q6_k(self.stored_weight[rows], self.weight_high[rows]).float() - 32
+        multiplier = self.weight_scale[rows].float()[..., None] * self.weight_sub[rows].float()
+        return (multiplier[..., None] * q).reshape(q.shape[0], self.in_features)
 
     def values(self, start=0, end=None):
         raise NotImplementedError("Q6_K values have a scale per 16 inputs; use dequantize()")
@@ -908,6 +919,36 @@ class Q6_KLinear(BlockQuantizedLinear):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, weight=q6_k (GGUF super-blocks of {SUPER}), "
                 f"row_kernel={self.row_kernel}")
+
+
+class BlockEmbedding(nn.Module):
+    """An ``nn.Embedding`` tied to a head of GGUF blocks: the head (``lm_head``) holds the blocks and this looks up
+    their rows, as llama.cpp's ``token_embd`` serves both the lookup and the output projection.
+
+    It holds no tensor of its own (the head's are saved once, moved once; ``.to()`` on the model reaches them
+    through the head), so a tied model keeps one quantized copy where it kept one float copy.  A lookup
+    dequantizes the rows it reads (bit for bit what the head multiplies by) into the head's ``weight_dtype``;
+    ``weight`` reads the whole table dequantized, for code that inspects it.  No gradient.
+    """
+
+    def __init__(self, head: BlockQuantizedLinear, padding_idx: int | None = None):
+        super().__init__()
+        object.__setattr__(self, "head", head)  # not a submodule: the model's own lm_head, reached once
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+        self.padding_idx = padding_idx
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The table, dequantized on each read, in the head's ``weight_dtype``."""
+        return self.head.weight
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002  (nn.Embedding.forward's name)
+        rows = self.head.dequantize_rows(input.reshape(-1))
+        return rows.to(self.head.weight_dtype).reshape(*input.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, padding_idx={self.padding_idx}, the rows of the "
+                f"head's GGUF {self.head.kind.upper()} blocks")
 
 
 #: Layer class per mode.

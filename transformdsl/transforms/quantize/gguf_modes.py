@@ -5,6 +5,10 @@ A layer whose ``in_features`` is not a multiple of the block (32; Q4_K's super-b
 transformers/diffusers layout these layers are refused (no stock loader reads GGUF blocks from
 safetensors): ``save(..., format="gguf")`` writes them as they are.
 
+A head whose weight is tied to an ``nn.Embedding`` (SmolLM2's, Qwen2's small models', Gemma's...) is quantized with
+it: the head holds the blocks and the embedding becomes a :class:`.gguf_blocks.BlockEmbedding` reading their rows, as a
+GGUF file's ``token_embd`` serves both (one quantized copy where there was one float copy).
+
 A layer that already holds GGUF blocks (a GGUF import's, or an earlier script's) is a target of the statement
 whose mode is its own grid only: that statement sets the layer's options (``activations=``) and keeps its
 blocks byte for byte (quantizing a dequantized block again is not always the identity: a Q4_0 block whose
@@ -13,8 +17,11 @@ largest magnitude is positive would move to another grid).  Other modes leave it
 
 from __future__ import annotations
 
+from torch import nn
+
 from ...errors import LoadError
 from ...tree import ModuleInfo, ModuleTree
+from ..common.modules import put_module
 from . import BLOCK_LAYER_CLASS
 from . import Q4_0Quantization as Q4_0Declaration
 from . import Q4_1Quantization as Q4_1Declaration
@@ -58,6 +65,12 @@ class GGUFBlockBehaviour(QuantizeBehaviour):
             return f"in_features {dims[0]} is not a multiple of GGUF's block of {self.block_size}"
         return None
 
+    def tied_reason(self, info: ModuleInfo, tree: ModuleTree, others: list[str]) -> str | None:
+        if others and all(tree[path].cls is nn.Embedding for path in others):
+            return None  # quantized together: the embedding reads the head's blocks (apply)
+        return (super().tied_reason(info, tree, others) + " (a GGUF grid quantizes a head tied to an nn.Embedding "
+                "only)")
+
     def device_note(self, tree: ModuleTree, targets: list[str]) -> str | None:
         from .device_notes import gguf_block_note
         from .gguf_blocks import PACKED_OUT_MULTIPLE
@@ -85,9 +98,19 @@ class GGUFBlockBehaviour(QuantizeBehaviour):
     def apply(self, ctx, targets: list[str]) -> dict:
         """Float layers quantized; layers already on this grid keep their blocks and take the options (through
         ``ctx.edit``, so that a failure later on puts them back)."""
+        from .gguf_blocks import BlockEmbedding
+
         held = {path: layer for path in targets if self._on_grid(layer := ctx.root.get_submodule(path))}
-        done = (super().apply(ctx, [path for path in targets if path not in held]) if len(held) < len(targets)
-                else {"layers": [], "bytes_before": 0, "bytes_after": 0})
+        floats = [path for path in targets if path not in held]
+        tied = _tied_embeddings(ctx.root, floats)
+        done = (super().apply(ctx, floats) if floats else {"layers": [], "bytes_before": 0, "bytes_after": 0})
+        for entry in done["layers"]:
+            if entry["path"] in tied:  # the embedding reads the head's blocks (the same bytes, one copy)
+                head = ctx.root.get_submodule(entry["path"])
+                for path, embedding in tied[entry["path"]]:
+                    ctx.edit.replace(ctx.root, path, BlockEmbedding(head, embedding.padding_idx))
+                entry["tied"] = [{"path": path, "padding_idx": embedding.padding_idx}
+                                 for path, embedding in tied[entry["path"]]]
         for path, layer in held.items():
             ctx.edit.setattr(layer, "activations", self._activations(self.options))
             size = state_bytes(layer)
@@ -129,6 +152,12 @@ class GGUFBlockBehaviour(QuantizeBehaviour):
         rest = [entry for entry in layers if entry.get("kept") is not True]
         if rest:
             super().rebuild(root, {**record, "layers": rest}, options)
+        from .gguf_blocks import BlockEmbedding
+
+        for entry in rest:
+            for embedding in _checked_ties(entry, cls.key()):
+                put_module(root, embedding["path"], BlockEmbedding(root.get_submodule(entry["path"]),
+                                                                   embedding["padding_idx"]), cls.key())
 
     @classmethod
     def export(cls, step, out) -> None:
@@ -178,3 +207,31 @@ class Q5_0Quantization(GGUFBlockBehaviour, Q5_0Declaration):
 
 class Q6_KQuantization(GGUFBlockBehaviour, Q6_KDeclaration):
     pass
+
+
+def _tied_embeddings(root: nn.Module, paths: list[str]) -> dict[str, list[tuple[str, nn.Embedding]]]:
+    """For each layer at ``paths`` whose weight ``nn.Embedding`` modules hold too (a tied head), those embeddings
+    with their paths; layers without one are left out."""
+    embeddings: dict[int, list[tuple[str, nn.Embedding]]] = {}
+    for name, module in root.named_modules(remove_duplicate=False):
+        if type(module) is nn.Embedding and module._parameters.get("weight") is not None:
+            embeddings.setdefault(id(module._parameters["weight"]), []).append((name, module))
+    tied = {}
+    for path in paths:
+        weight = root.get_submodule(path)._parameters.get("weight")
+        if weight is not None and id(weight) in embeddings:
+            tied[path] = embeddings[id(weight)]
+    return tied
+
+
+def _checked_ties(entry: dict, key: str) -> list[dict]:
+    """A record entry's tied embeddings (``[{"path", "padding_idx"}]``; none when absent), checked: it comes from a
+    file."""
+    ties = entry.get("tied", [])
+    ok = isinstance(ties, list) and all(
+        isinstance(tie, dict) and isinstance(tie.get("path"), str) and tie["path"] and set(tie) == {"path", "padding_idx"}
+        and (tie["padding_idx"] is None or (isinstance(tie["padding_idx"], int) and not isinstance(tie["padding_idx"], bool)))
+        for tie in ties)
+    if not ok:
+        raise LoadError(f"'{key}': malformed 'tied' entry for {entry['path']} in the record: {str(ties)[:200]}")
+    return ties

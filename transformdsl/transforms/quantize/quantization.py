@@ -124,9 +124,13 @@ class QuantizeBehaviour:
                 return f"its bias is {str(bias.dtype).removeprefix('torch.')}; expected float32/bf16/fp16"
             shared = tied_weights(tree).get(id(weight))
             if shared:
-                others = ", ".join(p for p in shared if p != info.path)
-                return f"its weight is tied to {others}; quantizing it would untie them"
+                return self.tied_reason(info, tree, [p for p in shared if p != info.path])
         return None
+
+    def tied_reason(self, info: ModuleInfo, tree: ModuleTree, others: list[str]) -> str | None:
+        """Why a layer whose weight other modules (``others``) hold too is left, or None where this mode
+        quantizes it with them (GGUF's grids: a head tied to its embedding)."""
+        return f"its weight is tied to {', '.join(others)}; quantizing it would untie them"
 
     def idle_reason(self, tree: ModuleTree) -> str | None:
         """Where nothing was selected because the model's linear layers are quantized already (their classes

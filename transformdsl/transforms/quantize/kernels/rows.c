@@ -59,19 +59,23 @@ static inline void vnibbles(const uint8_t *p, vf *lo, vf *hi) {
     *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), values);
 }
 static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
-static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 /* LANES fifth bits of a Q5_0 block, from bit p of qh on: 8 where set, -8 where not (a nibble widened as
  * q - 8 plus this is q + 16 * bit - 16) */
 static inline vf vfifth(uint32_t qh, int p) {
     return _mm512_mask_blend_ps((__mmask16)(qh >> p), _mm512_set1_ps(-8.0f), _mm512_set1_ps(8.0f));
 }
-/* LANES 6-bit Q6_K values minus 32: (ql >> lshift) & 15 with ((qh >> hshift) & 3) above */
-static inline vf vq6(const uint8_t *ql, const uint8_t *qh, int lshift, int hshift) {
-    __m512i l = _mm512_and_si512(_mm512_srli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)ql)), lshift),
-                                 _mm512_set1_epi32(15));
-    __m512i h = _mm512_and_si512(_mm512_srli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qh)), hshift),
-                                 _mm512_set1_epi32(3));
-    return _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_or_si512(l, _mm512_slli_epi32(h, 4)), _mm512_set1_epi32(32)));
+/* LANES columns of a Q6_K half: from bytes a = ql[l..], b = ql[l + 32..], h = qh[l..], the four 6-bit values
+ * (0..63) of inputs l, l + 32, l + 64 and l + 96: a's and b's low then high nibbles, each with 2 bits of h above
+ * (bits 0-1, 2-3, 4-5, 6-7).  Each byte is widened once for the four. */
+static inline void vq6(const uint8_t *a, const uint8_t *b, const uint8_t *h, vf q[4]) {
+    const __m512i low = _mm512_set1_epi32(15), top = _mm512_set1_epi32(0x30);
+    __m512i va = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)a));
+    __m512i vb = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
+    __m512i vh = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)h));
+    q[0] = _mm512_cvtepi32_ps(_mm512_or_si512(_mm512_and_si512(va, low), _mm512_and_si512(_mm512_slli_epi32(vh, 4), top)));
+    q[1] = _mm512_cvtepi32_ps(_mm512_or_si512(_mm512_and_si512(vb, low), _mm512_and_si512(_mm512_slli_epi32(vh, 2), top)));
+    q[2] = _mm512_cvtepi32_ps(_mm512_or_si512(_mm512_srli_epi32(va, 4), _mm512_and_si512(vh, top)));
+    q[3] = _mm512_cvtepi32_ps(_mm512_or_si512(_mm512_srli_epi32(vb, 4), _mm512_and_si512(_mm512_srli_epi32(vh, 2), top)));
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 #define LANES 8
@@ -94,18 +98,20 @@ static inline void vnibbles(const uint8_t *p, vf *lo, vf *hi) {
     *hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(b, 4), eight));
 }
 static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
-static inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 static inline vf vfifth(uint32_t qh, int p) {
     const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
     __m256i set = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)(qh >> p)), bit), bit);
     return _mm256_blendv_ps(_mm256_set1_ps(-8.0f), _mm256_set1_ps(8.0f), _mm256_castsi256_ps(set));
 }
-static inline vf vq6(const uint8_t *ql, const uint8_t *qh, int lshift, int hshift) {
-    __m256i l = _mm256_and_si256(_mm256_srli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)ql)), lshift),
-                                 _mm256_set1_epi32(15));
-    __m256i h = _mm256_and_si256(_mm256_srli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qh)), hshift),
-                                 _mm256_set1_epi32(3));
-    return _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(l, _mm256_slli_epi32(h, 4)), _mm256_set1_epi32(32)));
+static inline void vq6(const uint8_t *a, const uint8_t *b, const uint8_t *h, vf q[4]) {
+    const __m256i low = _mm256_set1_epi32(15), top = _mm256_set1_epi32(0x30);
+    __m256i va = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)a));
+    __m256i vb = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b));
+    __m256i vh = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)h));
+    q[0] = _mm256_cvtepi32_ps(_mm256_or_si256(_mm256_and_si256(va, low), _mm256_and_si256(_mm256_slli_epi32(vh, 4), top)));
+    q[1] = _mm256_cvtepi32_ps(_mm256_or_si256(_mm256_and_si256(vb, low), _mm256_and_si256(_mm256_slli_epi32(vh, 2), top)));
+    q[2] = _mm256_cvtepi32_ps(_mm256_or_si256(_mm256_srli_epi32(va, 4), _mm256_and_si256(vh, top)));
+    q[3] = _mm256_cvtepi32_ps(_mm256_or_si256(_mm256_srli_epi32(vb, 4), _mm256_and_si256(_mm256_srli_epi32(vh, 2), top)));
 }
 #else
 #define LANES 1
@@ -118,10 +124,12 @@ static inline float vsum(vf v) { return v; }
 static inline vf vint8(const int8_t *p) { return (float)*p; }
 static inline void vnibbles(const uint8_t *p, vf *lo, vf *hi) { *lo = (float)(*p & 15) - 8; *hi = (float)(*p >> 4) - 8; }
 static inline vf vadd(vf a, vf b) { return a + b; }
-static inline vf vmul(vf a, vf b) { return a * b; }
 static inline vf vfifth(uint32_t qh, int p) { return (qh >> p) & 1 ? 8.0f : -8.0f; }
-static inline vf vq6(const uint8_t *ql, const uint8_t *qh, int lshift, int hshift) {
-    return (float)((((*ql >> lshift) & 15) | (((*qh >> hshift) & 3) << 4)) - 32);
+static inline void vq6(const uint8_t *a, const uint8_t *b, const uint8_t *h, vf q[4]) {
+    q[0] = (float)((*a & 15) | ((*h & 3) << 4));
+    q[1] = (float)((*b & 15) | (((*h >> 2) & 3) << 4));
+    q[2] = (float)((*a >> 4) | (((*h >> 4) & 3) << 4));
+    q[3] = (float)((*b >> 4) | (((*h >> 6) & 3) << 4));
 }
 #endif
 
@@ -482,7 +490,9 @@ void q5_0_rows(const float *x, const uint8_t *w, const uint8_t *qh, const uint16
  * (0..63), sc an int8 per group and d a float16 per super-block; d * sc in float32 as ggml's dequantize_row_q6_K
  * computes it.  A super-block's 128 ``ql`` bytes hold the low 4 bits and its 64 ``qh`` bytes the high 2, in two
  * halves of 128 inputs: for l < 32, ql[l] holds inputs l (low nibble) and l + 64 (high), ql[l + 32] inputs l + 32
- * and l + 96, and qh[l] the high bits of l, l + 32, l + 64 and l + 96 (2 bits each, from the lowest). */
+ * and l + 96, and qh[l] the high bits of l, l + 32, l + 64 and l + 96 (2 bits each, from the lowest).  Each
+ * vector of values becomes its weights in one fused step, q * s + (-32 s) (s = d * sc, -32 s exact), which the
+ * input rows then share. */
 INLINE void q6_k_block(const float *x, const uint8_t *w, const uint8_t *qh, const int8_t *sc, const uint16_t *d,
                        int64_t n, int64_t rows, int64_t K, const int mt, int fetch, float out[MT_MAX][ROWS])
 {
@@ -490,7 +500,7 @@ INLINE void q6_k_block(const float *x, const uint8_t *w, const uint8_t *qh, cons
     const uint8_t *wr[ROWS], *hr[ROWS];
     int64_t first[ROWS];
     vf acc[MT_MAX][ROWS];
-    float scale[ROWS][16];
+    float scale[ROWS][16], shift[ROWS][16];
     for (int i = 0; i < ROWS; i++) {
         first[i] = n + (i < rows ? i : 0);
         wr[i] = w + first[i] * (K / 2);
@@ -502,7 +512,10 @@ INLINE void q6_k_block(const float *x, const uint8_t *w, const uint8_t *qh, cons
         for (int i = 0; i < ROWS; i++) {
             const int64_t at = first[i] * supers + S;
             const float dd = half(d[at]);
-            for (int g = 0; g < 16; g++) scale[i][g] = dd * (float)sc[at * 16 + g];
+            for (int g = 0; g < 16; g++) {
+                scale[i][g] = dd * (float)sc[at * 16 + g];
+                shift[i][g] = -32.0f * scale[i][g];
+            }
         }
         for (int i = 0; i < ROWS; i++) {
             const uint8_t *ql = wr[i] + S * 128, *qhs = hr[i] + S * 64;
@@ -513,17 +526,14 @@ INLINE void q6_k_block(const float *x, const uint8_t *w, const uint8_t *qh, cons
             for (int h = 0; h < 2; h++) {  /* the two halves of 128 inputs */
                 const uint8_t *L = ql + h * 64, *H = qhs + h * 32;
                 const float *xh = xb + h * 128;
-                const float *g = &scale[i][h * 8];
+                const float *g = &scale[i][h * 8], *z = &shift[i][h * 8];
                 for (int l = 0; l < 32; l += LANES) {
                     const int is = l / 16;
-                    vf q1 = vq6(L + l, H + l, 0, 0), q2 = vq6(L + 32 + l, H + l, 0, 2);
-                    vf q3 = vq6(L + l, H + l, 4, 4), q4 = vq6(L + 32 + l, H + l, 4, 6);
-                    for (int j = 0; j < mt; j++) {
-                        const float *xj = xh + j * K + l;
-                        acc[j][i] = vfma(vmul(vload(xj), q1), vset(g[is]), acc[j][i]);
-                        acc[j][i] = vfma(vmul(vload(xj + 32), q2), vset(g[is + 2]), acc[j][i]);
-                        acc[j][i] = vfma(vmul(vload(xj + 64), q3), vset(g[is + 4]), acc[j][i]);
-                        acc[j][i] = vfma(vmul(vload(xj + 96), q4), vset(g[is + 6]), acc[j][i]);
+                    vf q[4];
+                    vq6(L + l, L + 32 + l, H + l, q);
+                    for (int k = 0; k < 4; k++) {  /* inputs l + 32 k.., group is + 2 k */
+                        const vf wv = vfma(q[k], vset(g[is + 2 * k]), vset(z[is + 2 * k]));
+                        for (int j = 0; j < mt; j++) acc[j][i] = vfma(vload(xh + j * K + 32 * k + l), wv, acc[j][i]);
                     }
                 }
             }
