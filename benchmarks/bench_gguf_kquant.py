@@ -140,10 +140,12 @@ def main() -> None:
              + ", ".join(f"{k} {v}" for k, v in sorted(types.items())) + ". Our import keeps "
              + (", ".join(f"{v} linear layers as `quantize {k}`" for k, v in sorted(kept.items())) or "none")
              + " (the file's bytes; SmolLM2's width, 576, is no multiple of Q4_K's 256, so llama.cpp wrote most "
-             "projections in Q4_K's fallback, Q5_0) and dequantizes the rest to float32 ("
-             + ", ".join(f"`{key}` {tuple(t.shape)}" for key, t in floats.items())
-             + f": an embedding is no linear layer): {held / 1e6:.1f} MB held, {held / path.stat().st_size:.2f}× "
-             "the file.", "",
+             "projections in Q4_K's fallback, Q5_0; the tied Q8_0 `token_embd` is the head's `quantize q8_0` layer, "
+             "which the embedding reads its rows from) and "
+             + (("dequantizes to float32 " + ", ".join(f"`{key}` {tuple(t.shape)}" for key, t in floats.items()))
+                if floats else "dequantizes no matrix (the norms are float32 in the file too)")
+             + f": {held / 1e6:.1f} MB held, {held / path.stat().st_size:.2f}× the file (before the import kept "
+             "Q5_0, Q6_K and the tied embedding, 598.1 MB, 5.67×).", "",
              "Our `quantize q4_k`, `q5_0` and `q6_k` of the same float model, each exported with `format=\"gguf\"`: "
              + "; ".join(f"of the {n_both} tensors both files hold as {mode.upper()}, **{n_same} are byte-identical**"
                          for mode, (n_same, n_both) in same.items())

@@ -1118,3 +1118,24 @@ def test_a_tied_head_is_left_by_other_modes_and_a_failure_puts_both_back(monkeyp
         transformdsl.transform(model, "quantize q8_0 in lm_head default_except=false")
     assert type(model.lm_head) is nn.Linear and type(model.model.embed_tokens) is nn.Embedding
     assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("tie", [{"path": "model.layers.0.mlp.up_proj", "padding_idx": None},
+                                 {"path": "model.embed_tokens", "padding_idx": "0"},
+                                 {"path": "model.embed_tokens", "padding_idx": None, "code": "x"},
+                                 "model.embed_tokens"])
+def test_a_tampered_tie_in_the_record_is_refused_with_a_load_error(tmp_path, tie):
+    """The record's ``tied`` entries come from a file: malformed ones, or one that names a module the head's table
+    cannot replace, are a :class:`LoadError`, never a traceback from inside."""
+    from transformdsl.errors import LoadError
+    from transformdsl.persist.format import META_FILE
+
+    model = transformdsl.transform(tied_llama(), "quantize q8_0 in lm_head default_except=false")
+    transformdsl.save(model, tmp_path / "ours")
+    meta = json.loads((tmp_path / "ours" / META_FILE).read_text())
+    entry = meta["steps"][0]["record"]["layers"][0]
+    assert entry["tied"] == [{"path": "model.embed_tokens", "padding_idx": None}]
+    entry["tied"] = [tie]
+    (tmp_path / "ours" / META_FILE).write_text(json.dumps(meta))
+    with pytest.raises(LoadError):
+        transformdsl.load(tmp_path / "ours")

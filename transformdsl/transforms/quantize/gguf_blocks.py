@@ -183,12 +183,13 @@ def quantize_q5_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
 
 
 def unpack_q5_0(packed: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
-    """(out, in/2) nibbles and (out, in/32, 4) fifth bits -> (out, in) values 0..31."""
+    """(out, in/2) nibbles and (out, in/32, 4) fifth bits -> (out, in) values 0..31 (uint8: byte arithmetic only,
+    as a prefill dequantizes every call)."""
     rows = packed.shape[0]
-    word = (high.to(torch.int64) << torch.tensor([0, 8, 16, 24], device=high.device)).sum(-1, keepdim=True)
-    bits = (word >> torch.arange(BLOCK, device=high.device)) & 1
-    low = unpack_q4_0(packed).reshape(rows, -1, BLOCK).to(torch.int64)
-    return (low | (bits << 4)).reshape(rows, -1)
+    # bit j of the little-endian word is bit j % 8 of byte j // 8
+    bits = (high.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8, device=high.device)) & 1
+    low = unpack_q4_0(packed).reshape(rows, -1, BLOCK)
+    return (low | (bits.reshape(rows, -1, BLOCK) << 4)).reshape(rows, -1)
 
 
 def unpack_q4_0(packed: torch.Tensor) -> torch.Tensor:
@@ -851,8 +852,8 @@ def unpack_q6_k(ql: torch.Tensor, qh: torch.Tensor) -> torch.Tensor:
     """(out, in/2) low bits and (out, in/4) high bits -> (out, in/256, 16, 16) values 0..63 in input order, groups
     of 16 (ggml's ``dequantize_row_q6_K``'s layout)."""
     rows = ql.shape[0]
-    low = ql.to(torch.int64).reshape(rows, -1, 2, 2, 32)  # (super, half, ql[l] or ql[l + 32], l)
-    high = qh.to(torch.int64).reshape(rows, -1, 2, 32)
+    low = ql.reshape(rows, -1, 2, 2, 32)  # (super, half, ql[l] or ql[l + 32], l); uint8 arithmetic throughout
+    high = qh.reshape(rows, -1, 2, 32)
     q = torch.stack(((low[..., 0, :] & 15) | ((high & 3) << 4), (low[..., 1, :] & 15) | (((high >> 2) & 3) << 4),
                      (low[..., 0, :] >> 4) | (((high >> 4) & 3) << 4), (low[..., 1, :] >> 4) | (((high >> 6) & 3) << 4)),
                     dim=-2)
