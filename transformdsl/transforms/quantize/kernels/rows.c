@@ -58,11 +58,15 @@ static inline void vnibbles(const uint8_t *p, vf *lo, vf *hi) {
     *lo = _mm512_permutexvar_ps(b, values);
     *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), values);
 }
-static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
-/* LANES fifth bits of a Q5_0 block, from bit p of qh on: 8 where set, -8 where not (a nibble widened as
- * q - 8 plus this is q + 16 * bit - 16) */
-static inline vf vfifth(uint32_t qh, int p) {
-    return _mm512_mask_blend_ps((__mmask16)(qh >> p), _mm512_set1_ps(-8.0f), _mm512_set1_ps(8.0f));
+/* LANES bytes of a Q5_0 block from byte e on, with the block's fifth bits qh: (q - 16 of inputs e.., of inputs
+ * 16 + e..) as floats, each nibble looked up as -16..-1 and 16 added where its fifth bit is set (a masked add) */
+static inline void vq5(const uint8_t *p, uint32_t qh, int e, vf *lo, vf *hi) {
+    const __m512 values = _mm512_setr_ps(-16, -15, -14, -13, -12, -11, -10, -9, -8, -7, -6, -5, -4, -3, -2, -1);
+    const __m512 sixteen = _mm512_set1_ps(16.0f);
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    __m512 l = _mm512_permutexvar_ps(b, values), h = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), values);
+    *lo = _mm512_mask_add_ps(l, (__mmask16)(qh >> e), l, sixteen);
+    *hi = _mm512_mask_add_ps(h, (__mmask16)(qh >> (16 + e)), h, sixteen);
 }
 /* LANES columns of a Q6_K half: from bytes a = ql[l..], b = ql[l + 32..], h = qh[l..], the four 6-bit values
  * (0..63) of inputs l, l + 32, l + 64 and l + 96: a's and b's low then high nibbles, each with 2 bits of h above
@@ -97,11 +101,17 @@ static inline void vnibbles(const uint8_t *p, vf *lo, vf *hi) {
     *lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(b, _mm256_set1_epi32(15)), eight));
     *hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(b, 4), eight));
 }
-static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+/* the fifth bits from bit p of qh on: 8 where set, -8 where not (a nibble widened as q - 8, plus this, is
+ * q + 16 * bit - 16) */
 static inline vf vfifth(uint32_t qh, int p) {
     const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
     __m256i set = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)(qh >> p)), bit), bit);
     return _mm256_blendv_ps(_mm256_set1_ps(-8.0f), _mm256_set1_ps(8.0f), _mm256_castsi256_ps(set));
+}
+static inline void vq5(const uint8_t *p, uint32_t qh, int e, vf *lo, vf *hi) {
+    vnibbles(p, lo, hi);
+    *lo = _mm256_add_ps(*lo, vfifth(qh, e));
+    *hi = _mm256_add_ps(*hi, vfifth(qh, 16 + e));
 }
 static inline void vq6(const uint8_t *a, const uint8_t *b, const uint8_t *h, vf q[4]) {
     const __m256i low = _mm256_set1_epi32(15), top = _mm256_set1_epi32(0x30);
@@ -123,8 +133,10 @@ static inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
 static inline float vsum(vf v) { return v; }
 static inline vf vint8(const int8_t *p) { return (float)*p; }
 static inline void vnibbles(const uint8_t *p, vf *lo, vf *hi) { *lo = (float)(*p & 15) - 8; *hi = (float)(*p >> 4) - 8; }
-static inline vf vadd(vf a, vf b) { return a + b; }
-static inline vf vfifth(uint32_t qh, int p) { return (qh >> p) & 1 ? 8.0f : -8.0f; }
+static inline void vq5(const uint8_t *p, uint32_t qh, int e, vf *lo, vf *hi) {
+    *lo = (float)((*p & 15) | (((qh >> e) & 1) << 4)) - 16;
+    *hi = (float)((*p >> 4) | (((qh >> (16 + e)) & 1) << 4)) - 16;
+}
 static inline void vq6(const uint8_t *a, const uint8_t *b, const uint8_t *h, vf q[4]) {
     q[0] = (float)((*a & 15) | ((*h & 3) << 4));
     q[1] = (float)((*b & 15) | (((*h >> 2) & 3) << 4));
@@ -427,7 +439,7 @@ void q4_k_rows(const float *x, const uint8_t *w, const uint16_t *dm, const uint8
 
 /* GGUF Q5_0: Q4_0's nibbles plus a fifth bit each (the block's 4 ``qh`` bytes, a little-endian word whose bit
  * j belongs to input j), standing for (q - 16) * d.  Per block, as gguf_block's Q4_0: the vector sum of
- * x * (q - 16) times d, the value widened as (nibble - 8) + (bit ? 8 : -8). */
+ * x * (q - 16) times d (vq5 widens the values). */
 INLINE void q5_0_block(const float *x, const uint8_t *w, const uint8_t *qh, const uint16_t *d, int64_t n,
                        int64_t rows, int64_t K, const int mt, int fetch, float out[MT_MAX][ROWS])
 {
@@ -463,9 +475,7 @@ INLINE void q5_0_block(const float *x, const uint8_t *w, const uint8_t *qh, cons
                 for (int j = 0; j < mt; j++) t[j] = vzero();
                 for (int e = 0; e < 16; e += LANES) {
                     vf lo, hi;
-                    vnibbles(q + e, &lo, &hi);
-                    lo = vadd(lo, vfifth(high, e));
-                    hi = vadd(hi, vfifth(high, 16 + e));
+                    vq5(q + e, high, e, &lo, &hi);
                     for (int j = 0; j < mt; j++) {
                         t[j] = vfma(vload(xb + j * K + e), lo, t[j]);
                         t[j] = vfma(vload(xb + j * K + 16 + e), hi, t[j]);
