@@ -396,7 +396,7 @@ def main() -> None:
              "| export | statement | file MB | KL mean | KL max | llama.cpp batched vs one at a time | "
              "ours vs ours perturbed |", "|---|---|---|---|---|---|---|"]
     for r in rows_kl:
-        lines.append(f"| {r['export']} | `{r['statement']}` | {r['gguf MB']:.1f} | {r['KL mean']:.2e} | {r['KL max']:.2e} "
+        lines.append(f"| {r['export']} | `{'; '.join(r['statement'].splitlines())}` | {r['gguf MB']:.1f} | {r['KL mean']:.2e} | {r['KL max']:.2e} "
                      f"| {r['llama.cpp batched vs one at a time']:.2e} | {r['ours vs ours perturbed']:.2e} |")
     lines += ["", f"## Decode: greedy `generate`, {NEW} new tokens after {PROMPT}; best of 3", "",
               "Ours: `model.generate`, timed inside the call (a logits processor notes the clock at each token: "

@@ -112,7 +112,9 @@ def _row_kernel_note(stored: str, exact: str = "") -> str | None:
     return (f"decode-sized inputs (up to 8 rows) take transformdsl's row kernel (kernels/rows.c, compiled here: "
             f"{kernels.status()}): {stored} read as stored, float32 activations{exact}; at one row 1.1-2.6× "
             "(int8, q8_0) and 1.0-1.35× (q4_0) the weight bytes per second of aten's packed kernels, q4_1 0.8-1.0×, "
-            "q4_k 0.9-1.1×; at 8 rows q4_0 0.75-0.9×, q4_1 0.55-0.7×, q4_k 0.6-0.8× (benchmarks/results/decode_kernels.md); "
+            "q4_k 0.9-1.1×, q5_0 1.0-1.5×; at 8 rows q4_0 0.75-0.9×, q4_1 0.55-0.7×, q4_k 0.6-0.8× "
+            "(benchmarks/results/decode_kernels.md, decode_kernels_gguf.md; q6_k has no aten kernel, 2.3-2.5× the "
+            "memory floor); "
             "larger inputs multiply a float copy of the weight")
 
 
