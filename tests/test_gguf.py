@@ -1139,3 +1139,18 @@ def test_a_tampered_tie_in_the_record_is_refused_with_a_load_error(tmp_path, tie
     (tmp_path / "ours" / META_FILE).write_text(json.dumps(meta))
     with pytest.raises(LoadError):
         transformdsl.load(tmp_path / "ours")
+
+
+def test_convert_quantizes_a_tied_head_with_its_embedding_as_transform_does(tmp_path):
+    """``convert`` (the model streamed unit by unit) gives the transform's model: the head's blocks, the embedding
+    reading them, the same logits bit for bit."""
+    tied_llama().save_pretrained(tmp_path / "source")
+    script = "quantize q8_0 in lm_head default_except=false"
+    with torch.no_grad():
+        want = transformdsl.transform(tied_llama(), script)(TOKENS).logits
+    transformdsl.convert(tmp_path / "source", script, tmp_path / "converted")
+    converted = transformdsl.load(tmp_path / "converted")
+    assert converted.model.embed_tokens.head is converted.lm_head
+    assert not any("embed" in key for key in converted.state_dict())
+    with torch.no_grad():
+        assert torch.equal(converted(TOKENS).logits, want)
