@@ -194,6 +194,12 @@ def load_gguf(path: str | Path, keep: bool = True) -> nn.Module:
     return model
 
 
+def _place(model: nn.Module, path: str, module: nn.Module) -> None:
+    """``module`` in place of the skeleton's module at ``path``."""
+    parent_path, _, child = path.rpartition(".")
+    setattr(model.get_submodule(parent_path) if parent_path else model, child, module)
+
+
 def _assemble(model: nn.Module, tensors: dict, layers: dict, path: Path) -> nn.Module:
     """Put the block layers in place, load the float tensors, record the block layers as steps."""
     steps, statements = [], []
@@ -206,14 +212,11 @@ def _assemble(model: nn.Module, tensors: dict, layers: dict, path: Path) -> nn.M
             bias_key = f"{entry['path']}.bias"
             bias = tensors.pop(bias_key, None)
             layer = LAYERS[kind](*entry["stored"], bias, torch.float32)
-            parent_path, _, child = entry["path"].rpartition(".")
-            setattr(model.get_submodule(parent_path) if parent_path else model, child, layer)
+            _place(model, entry["path"], layer)
             records.append({"path": entry["path"], "in": layer.in_features, "out": layer.out_features,
                             "dtype": "float32", "bias": None if bias is None else "float32", "source": "Linear"})
             if "tied" in entry:
-                parent_path, _, child = entry["tied"].rpartition(".")
-                setattr(model.get_submodule(parent_path) if parent_path else model, child,
-                        BlockEmbedding(layer, entry["padding_idx"]))
+                _place(model, entry["tied"], BlockEmbedding(layer, entry["padding_idx"]))
                 records[-1]["tied"] = [{"path": entry["tied"], "padding_idx": entry["padding_idx"]}]
                 heads_kept = True
         byte_count = sum(t.numel() * t.element_size() for e in entries for t in e["stored"])
