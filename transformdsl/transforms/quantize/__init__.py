@@ -312,3 +312,8 @@ class Q6_KQuantization(GGUFBlockQuantization):
     #: As q8_0's, a bound (6 bits with a searched scale per 16 inputs, two bits coarser than q8_0).
     error_bound = {"kl": 0.4, "top1": 0.25, "rms": 0.1, "max": 0.1}
     implementation = ".gguf_modes:Q6_KQuantization"
+
+
+#: The GGUF grids whose layers take ``activations=`` (their options are :class:`GGUFOptions`; ``q5_0``, ``q4_k`` and
+#: ``q6_k`` have none).
+ACTIVATION_GRIDS = frozenset(cls.mode for cls in GGUFBlockQuantization.__subclasses__() if cls.Options is GGUFOptions)

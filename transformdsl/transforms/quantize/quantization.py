@@ -31,7 +31,7 @@ from ...options import DTYPES
 from ...tree import ModuleInfo, ModuleTree
 from ..common.modules import is_conv1d, put_module, tied_weights
 from ..lora import ADAPTER_CLASS, HOLDS_ADAPTERS
-from . import BLOCK_LAYER_CLASS, QUANTIZED_CLASS_NAMES, HQQOptions
+from . import ACTIVATION_GRIDS, BLOCK_LAYER_CLASS, QUANTIZED_CLASS_NAMES, HQQOptions
 from . import FP4Quantization as FP4Declaration
 from . import HQQQuantization as HQQDeclaration
 from . import Int8Quantization as Int8Declaration
@@ -149,7 +149,7 @@ class QuantizeBehaviour:
             return None
         shown = ", ".join(f"{name} x{count}" for name, count in sorted(held.items(), key=lambda kv: -kv[1]))
         text = f"the model's linear layers are quantized already ({shown}); quantize changes float layers"
-        settable = sorted(grid for grid in grids if grid != "q4_k")  # (q4_k has no option to set)
+        settable = sorted(grids & ACTIVATION_GRIDS)
         if settable:
             text += f" ('quantize {settable[0]} activations=int8' sets its {settable[0].upper()} layers' option)"
         return text
