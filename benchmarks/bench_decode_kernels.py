@@ -15,15 +15,17 @@ compute) layers, the time of a decode-sized call
 - **floor**: ``torch.sum`` over a float32 tensor of as many bytes as the layers store, on the same threads,
   right after ours: the rate this machine reads memory at (the bound a decode kernel can reach).
 
-``q8_0``/``q4_0`` with ``activations=int8`` (llama.cpp's arithmetic: the input rounded to int8 blocks, integer
-products; benchmarks/results/int8_activations.md) have no aten counterpart: their aten columns are empty.
+``q8_0``/``q4_0``/``int4`` with ``activations=int8`` (llama.cpp's arithmetic: the input rounded to int8 blocks,
+integer products; benchmarks/results/int8_activations.md) have no aten counterpart: their aten columns are empty
+(int4's float-activation row beside them is what they replace).
 
 Two weight sets: SmolLM2-135M's 30 blocks (the serving benchmark's model: q/k/v/o/gate/up/down, 106 M
 weights) and four Llama-7B-wide blocks (4096/11008, 809 M weights: past this CPU's caches); ``q4_k`` and ``q6_k``
 on the second only (their super-blocks are 256 inputs: SmolLM2's 576-wide layers have none; both hold random
 valid super-blocks, as the kernels' speed does not depend on the values).  Rate =
 stored bytes (weights and scales) ÷ time; all measured in one process, one after another.  An int4
-layer beside aten's packed kernel takes ours for 1-2 rows only: its 8-row "ours" is aten's kernel again.
+layer beside aten's packed kernel takes ours for 1-2 rows only: its 8-row "ours" is aten's kernel again
+(with ``activations=int8``, ours up to 8 rows).
 """
 
 from __future__ import annotations
@@ -88,7 +90,9 @@ LAYERS = {"int8 weight-only": Int8WeightOnlyLinear.build, "q8_0": Q8_0Linear.bui
           "int4 group_size=64": lambda weight, bias: Int4WeightOnlyLinear.build(weight, bias, 64),
           # llama.cpp's arithmetic (no aten counterpart: its "aten" columns stay empty)
           "q8_0 activations=int8": _int8_activations(Q8_0Linear.build),
-          "q4_0 activations=int8": _int8_activations(Q4_0Linear.build)}
+          "q4_0 activations=int8": _int8_activations(Q4_0Linear.build),
+          "int4 group_size=64 activations=int8":
+              lambda weight, bias: Int4WeightOnlyLinear.build(weight, bias, 64, activations="int8")}
 SETS = {
     "SmolLM2-135M, 30 blocks": [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576),
                                 (576, 1536)] * 30,

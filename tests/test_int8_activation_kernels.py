@@ -160,6 +160,7 @@ def test_narrower_builds_compute_the_same(variant, tmp_path):
     build._declare(library)
     assert (library.kernel_lanes(), library.q8_kernel_step()) == ((8, 1) if variant == "AVX2" else (1, 1))
     check_library(library, rows_list=(1, 3), shapes=SHAPES[:3])
+    check_int4(library, rows_list=(1, 3), shapes=INT4_SHAPES[:4])
 
 
 # --------------------------------------------------------------------------- quantize q8_0|q4_0|q4_1 activations=int8
@@ -256,3 +257,119 @@ def test_activations_int8_is_refused_where_no_integer_arithmetic_is_defined():
         transformdsl.plan(tiny_llama(), "quantize q4_k activations=int8")
     with pytest.raises(ScriptError, match="float.*int8|int8.*float"):
         transformdsl.plan(tiny_llama(), "quantize q4_0 activations=int4")
+
+
+# --------------------------------------------------------------------------- quantize int4 activations=int8
+
+#: (out, in, group_size): group counts below and past a vector of 16, blocks past a chunk of 64, N not a multiple of 8
+INT4_SHAPES = [(61, 96, 32), (100, 576, 64), (13, 1536, 128), (21, 8192, 32), (9, 2304, 256), (17, 2336, 32)]
+
+
+def int4_weight(shape, generator, dtype=torch.bfloat16):
+    from transformdsl.transforms.quantize.int4 import pack_nibbles, quantize_groups
+
+    rows, width, group = shape
+    values, scale, zero = quantize_groups(torch.randn(rows, width, generator=generator), group, dtype)
+    weight = ((values.reshape(rows, -1, group).double() - 8) * scale.double()[..., None]
+              + zero.double()[..., None]).reshape(rows, width)
+    return pack_nibbles(values), scale, zero, weight
+
+
+def int4_reference(x: torch.Tensor, weight: torch.Tensor):
+    """x rounded to Q8_0 blocks times the dequantized weight, in float64, and the float32 bound (the sum of the
+    products' magnitudes)."""
+    q, d, _ = reference_quantize(x)
+    rounded = (q.double().reshape(x.shape[0], -1, 32) * d.double()[..., None]).reshape(x.shape)
+    return rounded @ weight.T, rounded.abs() @ weight.abs().T
+
+
+def check_int4(library, rows_list=ROWS, shapes=INT4_SHAPES) -> None:
+    for shape in shapes:
+        generator = torch.Generator().manual_seed(shape[0] + shape[1])
+        for dtype in (torch.bfloat16, torch.float32):
+            packed, scale, zero, weight = int4_weight(shape, generator, dtype)
+            for rows in rows_list:
+                x = torch.randn(rows, shape[1], generator=generator) * 3
+                x[0, :32] = 0  # an all-zero block: d = 0, q = 0
+                out = torch.empty(rows, shape[0])
+                library.int4_q8x_rows(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), zero.data_ptr(),
+                                      int(dtype is torch.bfloat16), shape[2], None, out.data_ptr(), rows, shape[0],
+                                      shape[1], 1)
+                exact, bound = int4_reference(x, weight)
+                error = ((out.double() - exact).abs() / bound).max().item()
+                assert error < 2e-6, (shape, dtype, rows, error)
+
+
+def test_int4_kernel_is_the_product_of_the_rounded_activations():
+    """``int4_q8x_rows``: x rounded per 32 inputs as llama.cpp rounds it, times ``quantize int4``'s stored
+    weights ((q - 8) * s + z per group), bfloat16 and float32 scales, every group size, within float32 rounding."""
+    check_int4(kernels._library())
+
+
+def int4_layer(group_size: int = 32, compute=torch.bfloat16, shape=(48, 96), seed: int = 0, activations="int8"):
+    from transformdsl.transforms.quantize.int4 import Int4WeightOnlyLinear
+
+    generator = torch.Generator().manual_seed(seed)
+    return Int4WeightOnlyLinear.build(torch.randn(*shape, generator=generator), torch.randn(shape[0], generator=generator),
+                                      group_size, compute, activations=activations)
+
+
+@pytest.mark.parametrize("compute", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 2, 8, 40])
+def test_int4_activations_int8_at_every_input_size(compute, rows):
+    """Decode-sized inputs (up to 8 rows: the integer kernel) and larger ones (the rounded input through aten's
+    packed kernel or the dequantized weight) compute the rounded product; it differs from activations=float by
+    the activations' rounding."""
+    layer = int4_layer(compute=compute)
+    float_layer = int4_layer(compute=compute, activations="float")
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+    with torch.no_grad():
+        out, exact = layer(x), float_layer(x)
+    reference, bound = int4_reference(x, layer.dequantize().double())
+    reference += layer.bias.double()
+    assert out.dtype == torch.float32 and out.shape == (rows, 48)
+    if rows <= 8:  # the kernel: float32 rounding
+        assert ((out.double() - reference).abs() <= 2e-6 * bound + 1e-6).all()
+    else:  # bfloat16 activations in the packed kernel
+        tolerance = 1e-2 if compute is torch.bfloat16 else 1e-5
+        assert float((out.double() - reference).norm() / reference.norm()) < tolerance
+    assert not torch.allclose(out, exact, rtol=1e-5, atol=1e-5)  # the rounding shows
+    assert float((out - exact).norm() / exact.norm()) < 0.02
+
+
+def test_an_int4_activation_layer_compiles_to_the_custom_op():
+    torch._dynamo.reset()
+    layer = int4_layer()
+    x = torch.randn(1, 96, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        eager = layer(x)
+        compiled = torch.compile(layer, fullgraph=True)(x)
+    torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
+
+
+def test_int4_activations_int8_is_saved_reloaded_and_refused_by_compressed_tensors(tmp_path):
+    """The option is part of the statement: a reload computes the same logits bit for bit, the stored tensors are
+    activations=float's, and compressed-tensors (whose W4A16 says nothing of rounded inputs) refuses it."""
+    import transformdsl
+    from transformdsl import TransformError
+    from transformdsl.models import tiny_llama
+
+    model = transformdsl.transform(tiny_llama(), "quantize int4 group_size=32 symmetric=true activations=int8")
+    plain = transformdsl.transform(tiny_llama(), "quantize int4 group_size=32 symmetric=true")
+    ids = torch.tensor([[5, 17, 3, 99, 42]])
+    with torch.no_grad():
+        logits = model(ids).logits
+        one = model(ids[:, :1]).logits  # one row a layer: the integer kernel
+        assert not torch.equal(logits, plain(ids).logits)
+    transformdsl.save(model, tmp_path / "saved")
+    loaded = transformdsl.load(tmp_path / "saved")
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, logits)
+        assert torch.equal(loaded(ids[:, :1]).logits, one)
+    layers = [m for m in loaded.modules() if hasattr(m, "activations")]
+    assert layers and all(m.activations == "int8" for m in layers)
+    for (name, ours), (_, theirs) in zip(model.state_dict().items(), plain.state_dict().items()):
+        assert torch.equal(ours, theirs), name
+    with pytest.raises(TransformError, match="activations=int8"):
+        transformdsl.save(model, tmp_path / "ct", format="compressed-tensors")
+    assert not (tmp_path / "ct").exists()

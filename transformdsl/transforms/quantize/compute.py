@@ -120,6 +120,13 @@ class Int4Quantization(QuantizeBehaviour, Int4Declaration):
             from . import kernels
 
             group_ok = self.options.group_size % 32 == 0
+            if group_ok and kernels.available() and self.options.activations == "int8":
+                larger = ("aten's packed int4 kernel (bfloat16)" if self.options.compute == "bfloat16" else
+                          f"the weight dequantized at every call ({self.options.compute})")
+                return ("activations rounded per 32 inputs to int8 with a float16 scale, as llama.cpp rounds them; "
+                        "inputs of up to 8 rows then take transformdsl's integer kernel (kernels/rows.c, "
+                        f"{kernels.status()}: the nibbles, scales and zeros as stored, integer dot products per 32 "
+                        f"inputs), larger inputs multiply the rounded activations with {larger}")
             if self.options.compute != "bfloat16":
                 decode = (" except decode-sized inputs (up to 8 rows), which take transformdsl's row kernel "
                           f"(kernels/rows.c, {kernels.status()}: the nibbles, scales and zeros as stored, float32 "
@@ -155,7 +162,7 @@ class Int4Quantization(QuantizeBehaviour, Int4Declaration):
                             f"{weight.shape[1]}, which group_size={options.group_size} does not divide (int4 groups "
                             "never straddle rows: a tampered record?)")
         return backend.Int4WeightOnlyLinear.build(weight, bias, options.group_size, DTYPES[options.compute],
-                                                  options.symmetric)
+                                                  options.symmetric, options.activations)
 
     @classmethod
     def calibration_grid(cls, options, weight, low=None, high=None):
@@ -166,7 +173,8 @@ class Int4Quantization(QuantizeBehaviour, Int4Declaration):
     @classmethod
     def build_on_grid(cls, backend, options, grid, weight, bias, weight_dtype):
         return backend.Int4WeightOnlyLinear(backend.pack_nibbles(grid.codes(weight)), grid.scale, grid.zero, bias,
-                                            options.group_size, DTYPES[options.compute], weight_dtype)
+                                            options.group_size, DTYPES[options.compute], weight_dtype,
+                                            options.activations)
 
     @classmethod
     def finalize(cls, root, record, options) -> None:

@@ -62,6 +62,11 @@ def _linear_only(step: AppliedStep, out: Exported) -> None:
 
 
 def _export_int4(step: AppliedStep, out: Exported) -> None:
+    if step.options.get("activations") == "int8":
+        raise out.refuse(step, "its layers round their inputs to int8 per 32 (activations=int8), which "
+                               "compressed-tensors' W4A16 scheme does not say: a reader would compute another model",
+                         "drop activations=int8 (the same weights, float activations: W4A16), or save with "
+                         "format='transformdsl'")
     if not step.options.get("symmetric"):
         raise out.refuse(step, "its groups are asymmetric with a float zero point (torchao's tinygemm scheme), "
                                "and compressed-tensors' pack-quantized groups have an integer zero point: "

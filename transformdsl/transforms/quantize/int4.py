@@ -19,6 +19,11 @@ saved): on a CPU ``aten._convert_weight_to_int4pack_for_cpu`` for
 ``aten._weight_int4pack_mm_for_cpu``, used with bfloat16 activations.  Elsewhere (and on a
 torch without the kernel) the layer dequantizes its weight into the compute dtype at each call.
 
+``activations="int8"`` (``quantize int4 activations=int8``): the layer's input is first rounded per 32
+inputs to int8 with a float16 scale, as llama.cpp rounds activations (:func:`.gguf_blocks.round_activations`);
+decode-sized inputs then multiply as integers (``kernels.int4_q8x_rows``: VNNI dot products where the CPU has
+them), larger ones multiply the rounded input as above.  The stored weights are the same either way.
+
 >>> layer = Int4WeightOnlyLinear.build(torch.linspace(-1, 1, 32 * 16).reshape(16, 32), None, 32)
 >>> layer.weight.shape, layer._buffers["weight"].dtype, layer.weight_scale.shape
 (torch.Size([16, 32]), torch.uint8, torch.Size([16, 1]))
@@ -33,6 +38,7 @@ from torch import nn
 from ..common import blocked
 from ..common.stored_weight import StoredWeight
 from . import kernels
+from .gguf_blocks import round_activations
 
 #: Largest 4-bit value, and the one that dequantizes to the group's zero.
 QMAX, MID = 15, 8
@@ -163,8 +169,12 @@ class Int4WeightOnlyLinear(StoredWeight):
     weight_zero: torch.Tensor
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None,
-                 group_size: int, compute: torch.dtype = torch.bfloat16, weight_dtype: torch.dtype = torch.float32):
+                 group_size: int, compute: torch.dtype = torch.bfloat16, weight_dtype: torch.dtype = torch.float32,
+                 activations: str = "float"):
         super().__init__()
+        #: ``"float"``: inputs multiply as they come; ``"int8"``: rounded first per 32 inputs (module docstring).
+        #: The statement's ``activations=`` option (its record says it on load); not a tensor, never saved.
+        self.activations = activations
         self.out_features, half = weight.shape
         self.in_features = 2 * half
         self.group_size = group_size
@@ -183,9 +193,10 @@ class Int4WeightOnlyLinear(StoredWeight):
 
     @classmethod
     def build(cls, weight: torch.Tensor, bias: torch.Tensor | None, group_size: int,
-              compute: torch.dtype = torch.bfloat16, symmetric: bool = False) -> Int4WeightOnlyLinear:
+              compute: torch.dtype = torch.bfloat16, symmetric: bool = False,
+              activations: str = "float") -> Int4WeightOnlyLinear:
         values, scale, zero = quantize_groups(weight, group_size, compute, symmetric)
-        return cls(pack_nibbles(values), scale, zero, bias, group_size, compute, weight.dtype)
+        return cls(pack_nibbles(values), scale, zero, bias, group_size, compute, weight.dtype, activations)
 
     @property
     def packed_weight(self) -> torch.Tensor:
@@ -215,7 +226,9 @@ class Int4WeightOnlyLinear(StoredWeight):
         scale, zero = self._buffers["weight_scale"], self._buffers["weight_zero"]
         #: Whether decode-sized inputs on the CPU take our kernel (:mod:`.kernels`): the nibbles read as
         #: stored, float32 activations, the scales and zeros as stored (bfloat16 or float32).
-        self._row_limit = (ROW_KERNEL_PACKED_ROWS if self.packed_kernel else ROW_KERNEL_MAX_ROWS) * self.in_features
+        # (the integer products of activations=int8 beat aten's kernel at 8 rows too: decode_kernels.md)
+        packed_rows = self.packed_kernel and self.activations != "int8"
+        self._row_limit = (ROW_KERNEL_PACKED_ROWS if packed_rows else ROW_KERNEL_MAX_ROWS) * self.in_features
         self.row_kernel = (stored.device.type == "cpu" and not stored.is_meta and stored.is_contiguous()
                            and scale.dtype in (torch.bfloat16, torch.float32) and zero.dtype == scale.dtype
                            and scale.is_contiguous() and zero.is_contiguous() and self.group_size % 32 == 0
@@ -251,8 +264,11 @@ class Int4WeightOnlyLinear(StoredWeight):
             # decoding: the nibbles read as stored, float32 activations (kernels/rows.c; no derivative)
             buffers = self._buffers
             return kernels.int4(input, buffers["weight"], buffers["weight_scale"], buffers["weight_zero"],
-                                self.group_size, self.bias)
-        x = input.reshape(-1, self.in_features).to(self.compute).contiguous()  # the packed kernel's rule
+                                self.group_size, self.bias, self.activations)
+        x = input.reshape(-1, self.in_features)
+        if self.activations == "int8":  # rounded as the integer kernel rounds it, then multiplied as floats
+            x = round_activations(x)[0]
+        x = x.to(self.compute).contiguous()  # the packed kernel's rule
         if layout.weight is not None and x.device.type == "cpu":
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, layout.weight, self.group_size,
                                                               layout.scales_and_zeros)
@@ -277,4 +293,5 @@ class Int4WeightOnlyLinear(StoredWeight):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"weight=int4 group_size={self.group_size} asymmetric, compute={str(self.compute).split('.')[-1]}, "
+                f"activations={self.activations}, "
                 f"packed_kernel={self.packed_kernel}, row_kernel={self.row_kernel}")

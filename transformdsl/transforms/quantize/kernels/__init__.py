@@ -31,7 +31,7 @@ import torch
 from .build import FUNCTIONS, SWITCH, build
 
 __all__ = ["SWITCH", "available", "status", "reset", "rows", "int4", "q4_k", "int8_rows", "q8_0_rows", "q4_0_rows",
-           "q4_1_rows", "int4_rows", "q4_k_rows", "q5_0", "q5_0_rows", "q6_k", "q6_k_rows"]
+           "q4_1_rows", "int4_rows", "int4_q8x_rows", "q4_k_rows", "q5_0", "q5_0_rows", "q6_k", "q6_k_rows"]
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -118,6 +118,20 @@ def int4_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: 
     _state["int4_rows"](x.data_ptr(), weight.data_ptr(), scale.data_ptr(), zero.data_ptr(),
                         int(scale.dtype is torch.bfloat16), group_size, scratch.data_ptr(),
                         None if bias is None else bias.data_ptr(), out.data_ptr(), rows, weight.shape[0], width, 0)
+    return out
+
+
+def int4_q8x_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """As :func:`int4_rows` with ``x`` first rounded per 32 inputs to int8 with a float16 scale (as
+    :func:`quantize_q8_rows` rounds it), then integer dot products per block: ``quantize int4 activations=int8``.
+    The exact product of the stored weights with the rounded ``x``, up to float32 summation order."""
+    width = x.shape[-1]
+    out = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
+    if _state["int4_q8x_rows"](x.data_ptr(), weight.data_ptr(), scale.data_ptr(), zero.data_ptr(),
+                               int(scale.dtype is torch.bfloat16), group_size, None if bias is None else bias.data_ptr(),
+                               out.data_ptr(), x.numel() // width if width else 0, weight.shape[0], width, 0):
+        raise MemoryError(f"int4_q8x_rows: no memory for the rounded activations of a {tuple(x.shape)} input")
     return out
 
 
@@ -247,6 +261,18 @@ def _(x, weight, scale, zero, group_size, bias):
     return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
 
 
+@torch.library.custom_op("transformdsl::int4_q8_rows", mutates_args=())
+def _int4_q8_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    _library()
+    return int4_q8x_rows(x, weight, scale, zero, group_size, bias)
+
+
+@_int4_q8_op.register_fake
+def _(x, weight, scale, zero, group_size, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
+
+
 @torch.library.custom_op("transformdsl::q4_k_rows", mutates_args=())
 def _q4_k_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, sub: torch.Tensor,
              bias: torch.Tensor | None) -> torch.Tensor:
@@ -316,8 +342,11 @@ def rows(kind: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 
 
 def int4(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
-         bias: torch.Tensor | None) -> torch.Tensor:
-    """As :func:`rows`, for ``quantize int4`` layers (:func:`int4_rows`)."""
+         bias: torch.Tensor | None, activations: str = "float") -> torch.Tensor:
+    """As :func:`rows`, for ``quantize int4`` layers (:func:`int4_rows`; ``activations="int8"``:
+    :func:`int4_q8x_rows`)."""
+    if activations == "int8":
+        return _run(int4_q8x_rows, _int4_q8_op, x, weight, bias, scale, zero, group_size)
     return _run(int4_rows, _int4_op, x, weight, bias, scale, zero, group_size)
 
 

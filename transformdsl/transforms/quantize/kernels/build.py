@@ -45,6 +45,7 @@ SIGNATURES = {
     "q8_0_q8x_rows": [_P] * 5 + [_N] * 3 + [_I],
     "q4_0_q8x_rows": [_P] * 5 + [_N] * 3 + [_I],
     "q4_1_q8x_rows": [_P] * 5 + [_N] * 3 + [_I],
+    "int4_q8x_rows": [_P] * 4 + [_I, _N] + [_P] * 2 + [_N] * 3 + [_I],
 }
 FUNCTIONS = tuple(SIGNATURES)
 
@@ -235,7 +236,29 @@ def _self_check(library: ctypes.CDLL) -> str | None:
             reference += sx.double() @ dm96[..., 1].double().T - xq.reshape(3, 3, 32).sum(-1) @ dm96[..., 1].double().T
         if not torch.allclose(out.double(), reference, rtol=1e-5, atol=1e-4):
             return f"the compiled {name} failed its self-check (largest error {(out - reference).abs().max():.3g})"
+    if _int4_q8x_wrong(library, generator):
+        return "the compiled int4_q8x_rows failed its self-check"
     return None
+
+
+def _int4_q8x_wrong(library: ctypes.CDLL, generator: torch.Generator) -> bool:
+    """Whether int4_q8x_rows misses the float64 product of ``quantize int4``'s weights (groups of 64, bfloat16
+    scales and zeros; 20 groups: a vector's worth and a remainder) with x rounded to Q8_0 blocks (three input
+    rows, the rounding checked against a float64 one: each value within half a step of its block)."""
+    rows, width, group = 21, 1280, 64
+    x = torch.randn(3, width, generator=generator)
+    nibbles = torch.randint(0, 256, (rows, width // 2), dtype=torch.uint8, generator=generator)
+    scale = (torch.rand(rows, width // group, generator=generator) * 0.1).bfloat16()
+    zero = (torch.randn(rows, width // group, generator=generator) * 0.1).bfloat16()
+    values = torch.stack((nibbles & 15, nibbles >> 4), dim=-1).reshape(rows, -1, group).double()
+    weight = ((values - 8) * scale.double()[..., None] + zero.double()[..., None]).reshape(rows, width)
+    blocks = x.double().reshape(3, -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127  # q from d as computed, times d rounded to float16
+    rounded = (torch.round(blocks / d) * d.float().half().double()).reshape(3, width)  # (a tie: within tolerance)
+    out = torch.empty(3, rows)
+    library.int4_q8x_rows(x.data_ptr(), nibbles.data_ptr(), scale.data_ptr(), zero.data_ptr(), 1, group, None,
+                          out.data_ptr(), 3, rows, width, 1)
+    return not torch.allclose(out.double(), rounded @ weight.T, rtol=1e-4, atol=1e-3)
 
 
 def _q4_k_wrong(library: ctypes.CDLL, generator: torch.Generator) -> bool:

@@ -745,13 +745,44 @@ static inline __m512i load_first(const void *p, int64_t n) {
 }
 #endif
 
-/* kind 0: Q8_0 weights, 1: Q4_0, 2: Q4_1 (then ``s``: the activation blocks' s_x) */
-INLINE void q8x_block(const int8_t *x, const float *dx, const float *sx, const uint8_t *w, const uint16_t *d,
-                      int64_t n, int64_t rows, int64_t K, const int mt, int fetch, const int kind,
-                      float out[MT_MAX][ROWS])
+/* ``quantize int4 activations=int8`` (q8x_block's kind 3): the layer's (s, z) per group of G inputs,
+ * bfloat16 (bf) or float32, rows of K / G */
+typedef struct { const void *scale, *zero; int bf; int64_t G; } int4_groups;
+
+static inline float group_value(const void *p, int bf, int64_t at) {
+    return bf ? bf16(((const uint16_t *)p)[at]) : ((const float *)p)[at];
+}
+
+/* sum over row r's groups of z * zx (zx: the group's sum of the rounded x) */
+static inline float int4_zero_term(const int4_groups *grp, int64_t r, int64_t groups, const float *zx)
 {
-    const int q4 = kind != 0, pairs = kind == 2 ? 2 : 1;
+    float sum = 0.0f;
+    int64_t g = 0;
+#if Q8_STEP == 2
+    __m512 acc = _mm512_setzero_ps();
+    for (; g + 16 <= groups; g += 16) {
+        const int64_t at = r * groups + g;
+        __m512 z = grp->bf ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                 _mm256_loadu_si256((const __m256i *)((const uint16_t *)grp->zero + at))), 16))
+                           : _mm512_loadu_ps((const float *)grp->zero + at);
+        acc = _mm512_fmadd_ps(z, _mm512_loadu_ps(zx + g), acc);
+    }
+    sum = _mm512_reduce_add_ps(acc);
+#endif
+    for (; g < groups; g++) sum += group_value(grp->zero, grp->bf, r * groups + g) * zx[g];
+    return sum;
+}
+
+/* kind 0: Q8_0 weights, 1: Q4_0, 2: Q4_1 (then ``sx``: the activation blocks' s_x), 3: quantize int4's groups
+ * (``grp``; x's blocks reordered to (even inputs, odd inputs) as int4_rows reads them, so that the nibbles pair
+ * with them as Q4_0's do; ``sx``: per group, the sum of its rounded x, which the zeros multiply) */
+INLINE void q8x_block(const int8_t *x, const float *dx, const float *sx, const uint8_t *w, const uint16_t *d,
+                      const int4_groups *grp, int64_t n, int64_t rows, int64_t K, const int mt, int fetch,
+                      const int kind, float out[MT_MAX][ROWS])
+{
+    const int q4 = kind != 0, pairs = kind == 2 ? 2 : 1, centred = kind == 1 || kind == 3;
     const int64_t blocks = K / 32, row_bytes = q4 ? K / 2 : K, block_bytes = q4 ? 16 : 32;
+    const int64_t groups = kind == 3 ? K / grp->G : 0, per_group = kind == 3 ? grp->G / 32 : 1;
     const uint8_t *wr[ROWS];
     const uint16_t *dr[ROWS];
     qf acc[MT_MAX][ROWS];
@@ -764,10 +795,10 @@ INLINE void q8x_block(const int8_t *x, const float *dx, const float *sx, const u
     for (int i = 0; i < ROWS; i++) {
         int64_t r = n + (i < rows ? i : 0);
         wr[i] = w + r * row_bytes;
-        dr[i] = d + r * blocks * pairs;
+        dr[i] = kind == 3 ? NULL : d + r * blocks * pairs;
         for (int j = 0; j < mt; j++) {
             acc[j][i] = qzero();
-            macc[j][i] = 0.0f;
+            macc[j][i] = kind == 3 ? int4_zero_term(grp, r, groups, sx + j * groups) : 0.0f;
 #if defined(__AVX512F__)
             mvacc[j][i] = _mm512_setzero_ps();
 #endif
@@ -777,6 +808,31 @@ INLINE void q8x_block(const int8_t *x, const float *dx, const float *sx, const u
         const int64_t count = blocks - b0 < CHUNK ? blocks - b0 : CHUNK;
         for (int i = 0; i < ROWS; i++) {
             int64_t c = 0;
+            if (kind == 3) {  /* d_w * d_x: the group's scale times each block's d_x */
+                const int64_t r = n + (i < rows ? i : 0);
+#if Q8_STEP == 2
+                const __m512i lane_group = _mm512_srlv_epi32(
+                    _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                    _mm512_set1_epi32(__builtin_ctzll((unsigned long long)per_group)));
+                const __mmask16 take = (__mmask16)((1u << (16 / per_group)) - 1);
+                for (; c + 16 <= count; c += 16) {  /* 16 blocks: 16 / per_group groups' scales, spread */
+                    const int64_t at = r * groups + (b0 + c) / per_group;
+                    __m512 s = grp->bf ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                             _mm256_maskz_loadu_epi16(take, (const uint16_t *)grp->scale + at)), 16))
+                                       : _mm512_maskz_loadu_ps(take, (const float *)grp->scale + at);
+                    s = _mm512_permutexvar_ps(lane_group, s);
+                    for (int j = 0; j < mt; j++)
+                        _mm512_storeu_ps(&ds[j][i][c], _mm512_mul_ps(s, _mm512_loadu_ps(dx + j * blocks + b0 + c)));
+                }
+#endif
+                for (; c < count; c++) {
+                    const float s = group_value(grp->scale, grp->bf, r * groups + (b0 + c) / per_group);
+                    for (int j = 0; j < mt; j++) ds[j][i][c] = s * dx[j * blocks + b0 + c];
+                }
+                for (int j = 0; j < mt; j++)
+                    for (int e = 0; e < 4; e++) ds[j][i][count + e] = 0.0f;
+                continue;
+            }
 #if defined(__AVX512F__)
             if (pairs == 1)
                 for (; c + 16 <= count; c += 16) {
@@ -820,7 +876,7 @@ INLINE void q8x_block(const int8_t *x, const float *dx, const float *sx, const u
             const int64_t b = b0 + c, at = b * block_bytes;
             if (fetch && (at % LINE) == 0)  /* (a step is 16, 32 or 64 bytes: every line is met) */
                 for (int i = 0; i < ROWS; i++) prefetch(wr[i] + at + ROWS * row_bytes);
-            if (fetch && (b * pairs % (LINE / 2)) == 0)
+            if (kind != 3 && fetch && (b * pairs % (LINE / 2)) == 0)
                 for (int i = 0; i < ROWS; i++) prefetch(dr[i] + b * pairs + ROWS * blocks * pairs);
             const int8_t *xb = x + b * 32;
 #if Q8_STEP == 2
@@ -834,7 +890,7 @@ INLINE void q8x_block(const int8_t *x, const float *dx, const float *sx, const u
                 XL[j] = _mm512_shuffle_i64x2(X0, X1, _MM_SHUFFLE(2, 0, 2, 0));
                 XH[j] = _mm512_shuffle_i64x2(X0, X1, _MM_SHUFFLE(3, 1, 3, 1));
                 negc[j] = _mm512_setzero_si512();
-                if (kind == 1) {  /* minus 8 times the lane's sum of q_x */
+                if (centred) {  /* minus 8 times the lane's sum of q_x */
                     __m512i eights = _mm512_set1_epi8(8);
                     negc[j] = _mm512_sub_epi32(negc[j], _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(
                         _mm512_setzero_si512(), eights, XL[j]), eights, XH[j]));
@@ -877,7 +933,7 @@ INLINE void q8x_block(const int8_t *x, const float *dx, const float *sx, const u
             for (int j = 0; j < mt; j++) {
                 X[j] = _mm256_loadu_si256((const __m256i *)(xb + j * K));
                 negc[j] = _mm256_setzero_si256();
-                if (kind == 1)  /* minus 8 times the block's sum of q_x */
+                if (centred)  /* minus 8 times the block's sum of q_x */
                     negc[j] = _mm256_sub_epi32(negc[j],
                                                _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(8), X[j]), ones));
             }
@@ -906,7 +962,7 @@ INLINE void q8x_block(const int8_t *x, const float *dx, const float *sx, const u
                     int32_t t = 0;
                     if (q4)
                         for (int e = 0; e < 16; e++)
-                            t += ((q[e] & 15) - (kind == 1 ? 8 : 0)) * xj[e] + ((q[e] >> 4) - (kind == 1 ? 8 : 0)) * xj[e + 16];
+                            t += ((q[e] & 15) - (centred ? 8 : 0)) * xj[e] + ((q[e] >> 4) - (centred ? 8 : 0)) * xj[e + 16];
                     else
                         for (int e = 0; e < 32; e++) t += (int8_t)q[e] * xj[e];
                     acc[j][i] += (float)t * ds[j][i][c];
@@ -929,9 +985,9 @@ INLINE void q8x_block(const int8_t *x, const float *dx, const float *sx, const u
 #define Q8X_LOOP(KIND)                                                                        \
     const int64_t nb = K / 32;                                                              \
     ROW_LOOP(Q8X_CALL_##KIND)
-#define Q8X_CALL_0(MT) q8x_block(x + m * K, dx + m * nb, NULL, w, d, n, rows, K, MT, m == 0, 0, out)
-#define Q8X_CALL_1(MT) q8x_block(x + m * K, dx + m * nb, NULL, w, d, n, rows, K, MT, m == 0, 1, out)
-#define Q8X_CALL_2(MT) q8x_block(x + m * K, dx + m * nb, sx + m * nb, w, d, n, rows, K, MT, m == 0, 2, out)
+#define Q8X_CALL_0(MT) q8x_block(x + m * K, dx + m * nb, NULL, w, d, NULL, n, rows, K, MT, m == 0, 0, out)
+#define Q8X_CALL_1(MT) q8x_block(x + m * K, dx + m * nb, NULL, w, d, NULL, n, rows, K, MT, m == 0, 1, out)
+#define Q8X_CALL_2(MT) q8x_block(x + m * K, dx + m * nb, sx + m * nb, w, d, NULL, n, rows, K, MT, m == 0, 2, out)
 
 void q8_0_q8_rows(const int8_t *x, const float *dx, const uint8_t *w, const uint16_t *d, const float *bias,
                   float *y, int64_t M, int64_t N, int64_t K, int threads)
@@ -988,4 +1044,40 @@ int q4_1_q8x_rows(const float *x, const uint8_t *w, const uint16_t *d, const flo
                   int64_t M, int64_t N, int64_t K, int threads)
 {
     return q8x_rows(x, w, d, bias, y, M, N, K, threads, 2);
+}
+
+/* ``quantize int4 activations=int8``: x (M x K float32) rounded to Q8_0 blocks as above (each block's inputs
+ * first reordered to (even, odd), which changes no block's d_x or q_x, only their order), then per group of G
+ *
+ *     y[m, n] += s * sum over its blocks b of d_x[b] * sum_k (q_w[k] - 8) * q_x[k]  +  z * sum_b d_x[b] * sum_k q_x[k]
+ *
+ * the exact product of the stored weights ((q - 8) * s + z) with the rounded x, up to float32 summation order.
+ * scale/zero: M x K/G, bfloat16 (bf) or float32; G a multiple of 32 (32..256).  Returns 0, or -1 (nothing
+ * written) when the buffer for the rounded x cannot be allocated. */
+int int4_q8x_rows(const float *x, const uint8_t *w, const void *scale, const void *zero, int bf, int64_t G,
+                  const float *bias, float *y, int64_t M, int64_t N, int64_t K, int threads)
+{
+    const int64_t nb = K / 32, groups = K / G;
+    float *xp = malloc((size_t)(M * K + M * nb + M * groups) * sizeof(float) + (size_t)(M * K) + 1);
+    if (!xp) return -1;
+    float *dx = xp + M * K, *zx = dx + M * nb;
+    int8_t *x8 = (int8_t *)(zx + M * groups);
+    for (int64_t b = 0; b < M * nb; b++)
+        for (int e = 0; e < 16; e++) { xp[b * 32 + e] = x[b * 32 + 2 * e]; xp[b * 32 + 16 + e] = x[b * 32 + 2 * e + 1]; }
+    quantize_q8_rows(xp, x8, dx, NULL, M, K);
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < groups; g++) {
+            float sum = 0.0f;
+            for (int64_t b = g * (G / 32); b < (g + 1) * (G / 32); b++) {
+                int32_t t = 0;
+                for (int e = 0; e < 32; e++) t += x8[m * K + b * 32 + e];
+                sum += dx[m * nb + b] * (float)t;
+            }
+            zx[m * groups + g] = sum;
+        }
+    const int4_groups grp = {scale, zero, bf, G};
+#define INT4X_CALL(MT) q8x_block(x8 + m * K, dx + m * nb, zx + m * groups, w, NULL, &grp, n, rows, K, MT, m == 0, 3, out)
+    ROW_LOOP(INT4X_CALL)
+    free(xp);
+    return 0;
 }
