@@ -186,6 +186,11 @@ VARIANTS = {
                                                         "quantize q8_0 activations=int8\ncompile kv_cache=static", False),
     "q4_0 activations=int8 + compile kv_cache=static": ("Q4_0", "float32",
                                                         "quantize q4_0 activations=int8\ncompile kv_cache=static", False),
+    # quantize int4 with llama.cpp's activation rounding (its groups of 64 against llama.cpp's Q4_0: the same 4.5
+    # bits a weight, not the same values)
+    "int4 group_size=64 activations=int8": ("Q4_0", "float32", "quantize int4 group_size=64 activations=int8", False),
+    "int4 group_size=64 activations=int8 + compile kv_cache=static": (
+        "Q4_0", "float32", "quantize int4 group_size=64 activations=int8\ncompile kv_cache=static", False),
     # the tied head quantized with the embedding (llama.cpp's layout: token_embd in Q8_0 serves both): the head
     # reads 30 MB a token instead of 113 MB; against llama.cpp on the export of the same bits
     "q4_0, tied head q8_0": (HEAD_FILE, "float32", "quantize q4_0\n" + HEAD, False),
@@ -193,6 +198,11 @@ VARIANTS = {
                                                        "quantize q4_0\n" + HEAD + "\ncompile kv_cache=static", False),
     "q4_0 activations=int8, tied head q8_0 activations=int8 + compile kv_cache=static": (
         HEAD_FILE_INT8, "float32", "quantize q4_0 activations=int8\n" + HEAD_INT8 + "\ncompile kv_cache=static", False),
+    "int4 group_size=64 activations=int8, tied head q8_0 activations=int8": (
+        HEAD_FILE_INT8, "float32", "quantize int4 group_size=64 activations=int8\n" + HEAD_INT8, False),
+    "int4 group_size=64 activations=int8, tied head q8_0 activations=int8 + compile kv_cache=static": (
+        HEAD_FILE_INT8, "float32", "quantize int4 group_size=64 activations=int8\n" + HEAD_INT8
+        + "\ncompile kv_cache=static", False),
     # the package's own file, as our GGUF import keeps it (its projections as quantize q4_1 layers, its Q8_0
     # token_embd as the tied head's quantize q8_0 layer)
     "the Q4_1 file itself (q4_1 layers)": (PACKAGE_FILE, "float32", "", False),
@@ -281,6 +291,9 @@ def main() -> None:
     parser.add_argument("--llama-build", default="CMAKE_ARGS as pip's default build",
                         help="how llama-cpp-python was built (said in the page)")
     parser.add_argument("--only", nargs="*", help="decode rows whose name contains one of these (default: all)")
+    parser.add_argument("--keep-kl", action="store_true",
+                        help="keep the last run's KL rows (results/serving.json) and write only the exports the decode "
+                             "rows run against (llama.cpp does not evaluate the held-out windows)")
     parser.add_argument("--variant", help=argparse.SUPPRESS)  # one decode row, in a child process
     args = parser.parse_args()
     if args.variant:
@@ -304,7 +317,11 @@ def main() -> None:
                "Q8_0, ours with activations=int8": "quantize q8_0 activations=int8",
                "Q4_0, ours with activations=int8": "quantize q4_0 activations=int8",
                HEAD_FILE: "quantize q4_0\n" + HEAD, HEAD_FILE_INT8: "quantize q4_0 activations=int8\n" + HEAD_INT8}
+    names = [name for name in VARIANTS if not args.only or any(o in name for o in args.only)]
     rows_kl, llama_speed = [], {}
+    if args.keep_kl:
+        rows_kl = json.loads((RESULTS / "serving.json").read_text())["kl"]
+        exports = {name: script for name, script in exports.items() if name in {VARIANTS[n][0] for n in names}}
     for name, script in exports.items():
         model = fresh()
         if script:
@@ -312,6 +329,8 @@ def main() -> None:
         target = work / f"export-{name}"
         transformdsl.save(model, target, format="gguf")
         gguf_file = target / "model.gguf"
+        if args.keep_kl:
+            continue
         theirs = llama_cpp(args.llama_python, gguf_file, ids_file, args.threads)
         ours_logits = held_out_logits(model, heldout)
         mean, worst = kl(ours_logits, torch.tensor(theirs["logits"]).reshape(ours_logits.shape))
@@ -328,20 +347,20 @@ def main() -> None:
 
     # The reference: llama.cpp on the package's own Q4_1 file against our exact import of it (the same
     # weights, dequantized exactly): how far llama.cpp's quantized arithmetic is from exact, whoever wrote the file.
-    theirs = llama_cpp(args.llama_python, source, ids_file, args.threads, new=2)
-    imported = fresh()
-    ours_logits = held_out_logits(imported, heldout)
-    mean, worst = kl(ours_logits, torch.tensor(theirs["logits"]).reshape(ours_logits.shape))
-    rows_kl.append({"export": "Q4_1 (the package's own file, not ours)", "statement": "(our exact import of it)",
-                    "gguf MB": source.stat().st_size / 1e6, "KL mean": mean, "KL max": worst,
-                    "llama.cpp batched vs one at a time": kl(torch.tensor(theirs["logits"]),
-                                                              torch.tensor(theirs["single"]))[0],
-                    "ours vs ours perturbed": kl(ours_logits, held_out_logits(imported, heldout, PERTURBATION))[0]})
+    theirs = None if args.keep_kl else llama_cpp(args.llama_python, source, ids_file, args.threads, new=2)
+    imported = None if args.keep_kl else fresh()
+    if imported is not None:
+        ours_logits = held_out_logits(imported, heldout)
+        mean, worst = kl(ours_logits, torch.tensor(theirs["logits"]).reshape(ours_logits.shape))
+        rows_kl.append({"export": "Q4_1 (the package's own file, not ours)", "statement": "(our exact import of it)",
+                        "gguf MB": source.stat().st_size / 1e6, "KL mean": mean, "KL max": worst,
+                        "llama.cpp batched vs one at a time": kl(torch.tensor(theirs["logits"]),
+                                                                  torch.tensor(theirs["single"]))[0],
+                        "ours vs ours perturbed": kl(ours_logits, held_out_logits(imported, heldout, PERTURBATION))[0]})
     del imported
 
     # One fresh process per row: rows measured one after another in a process that had loaded a dozen
     # models varied by up to 30% from a run alone (seen on the compiled rows).
-    names = [name for name in VARIANTS if not args.only or any(o in name for o in args.only)]
     rows_speed = []
     for name in names:
         against = VARIANTS[name][0]
@@ -410,7 +429,10 @@ def main() -> None:
               "becomes Q8_0 blocks the embedding reads its rows from (llama.cpp's layout, token_embd in Q8_0), "
               "against llama.cpp on the export of those bytes; the other rows keep the float32 head (113 MB read "
               "a token, on both sides: our exports write it as F32). `int4` "
-              "(bfloat16 compute) takes our kernel for one or two rows, aten's packed int4 kernel beyond. The "
+              "(bfloat16 compute) takes our kernel for one or two rows, aten's packed int4 kernel beyond; with "
+              "`activations=int8` it rounds its inputs as llama.cpp does and takes our integer kernel up to 8 rows "
+              "(its groups of 64 hold 4.5 bits a weight, as Q4_0 does, not the same values: compared with "
+              "llama.cpp's Q4_0 file of the same model). The "
               "rows 'the Q4_1 file itself' load the package's own Q4_1 file as our import keeps it (its 210 "
               "projections as `quantize q4_1` layers, the file's bytes, and its Q8_0 token_embd as the tied head's "
               "`quantize q8_0` layer, which the embedding reads its rows from: both sides multiply the file's bytes "
