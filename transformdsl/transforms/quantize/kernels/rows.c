@@ -753,25 +753,35 @@ static inline float group_value(const void *p, int bf, int64_t at) {
     return bf ? bf16(((const uint16_t *)p)[at]) : ((const float *)p)[at];
 }
 
-/* sum over row r's groups of z * zx (zx: the group's sum of the rounded x) */
+#if Q8_STEP == 2
+/* the first n (1..16) of 16 group values from p (bfloat16 or float32) as float32, the rest 0 */
+static inline __m512 group_values(const void *p, int bf, int64_t at, int64_t n) {
+    const __mmask16 take = (__mmask16)(n >= 16 ? 0xFFFF : (1u << n) - 1);
+    return bf ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                    _mm256_maskz_loadu_epi16(take, (const uint16_t *)p + at)), 16))
+              : _mm512_maskz_loadu_ps(take, (const float *)p + at);
+}
+
+/* row r's zeros times zx (zx: each group's sum of the rounded x), as a vector to add to the row's sums
+ * (one reduction at the end for both: a scalar loop here was a dependent chain as long as a small row) */
+static inline __m512 int4_zero_term(const int4_groups *grp, int64_t r, int64_t groups, const float *zx)
+{
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g += 16) {
+        const int64_t n = groups - g;
+        acc = _mm512_fmadd_ps(group_values(grp->zero, grp->bf, r * groups + g, n),
+                              _mm512_maskz_loadu_ps((__mmask16)(n >= 16 ? 0xFFFF : (1u << n) - 1), zx + g), acc);
+    }
+    return acc;
+}
+#else
 static inline float int4_zero_term(const int4_groups *grp, int64_t r, int64_t groups, const float *zx)
 {
     float sum = 0.0f;
-    int64_t g = 0;
-#if Q8_STEP == 2
-    __m512 acc = _mm512_setzero_ps();
-    for (; g + 16 <= groups; g += 16) {
-        const int64_t at = r * groups + g;
-        __m512 z = grp->bf ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                                 _mm256_loadu_si256((const __m256i *)((const uint16_t *)grp->zero + at))), 16))
-                           : _mm512_loadu_ps((const float *)grp->zero + at);
-        acc = _mm512_fmadd_ps(z, _mm512_loadu_ps(zx + g), acc);
-    }
-    sum = _mm512_reduce_add_ps(acc);
-#endif
-    for (; g < groups; g++) sum += group_value(grp->zero, grp->bf, r * groups + g) * zx[g];
+    for (int64_t g = 0; g < groups; g++) sum += group_value(grp->zero, grp->bf, r * groups + g) * zx[g];
     return sum;
 }
+#endif
 
 /* kind 0: Q8_0 weights, 1: Q4_0, 2: Q4_1 (then ``sx``: the activation blocks' s_x), 3: quantize int4's groups
  * (``grp``; x's blocks reordered to (even inputs, odd inputs) as int4_rows reads them, so that the nibbles pair
@@ -783,6 +793,7 @@ INLINE void q8x_block(const int8_t *x, const float *dx, const float *sx, const u
     const int q4 = kind != 0, pairs = kind == 2 ? 2 : 1, centred = kind == 1 || kind == 3;
     const int64_t blocks = K / 32, row_bytes = q4 ? K / 2 : K, block_bytes = q4 ? 16 : 32;
     const int64_t groups = kind == 3 ? K / grp->G : 0, per_group = kind == 3 ? grp->G / 32 : 1;
+    const int group_shift = __builtin_ctzll((unsigned long long)per_group);  /* (G / 32 is a power of 2: no division) */
     const uint8_t *wr[ROWS];
     const uint16_t *dr[ROWS];
     qf acc[MT_MAX][ROWS];
@@ -796,9 +807,23 @@ INLINE void q8x_block(const int8_t *x, const float *dx, const float *sx, const u
         int64_t r = n + (i < rows ? i : 0);
         wr[i] = w + r * row_bytes;
         dr[i] = kind == 3 ? NULL : d + r * blocks * pairs;
+        if (kind == 3 && fetch) {  /* the next rows' scales and zeros (q4's d are prefetched in the loop) */
+            const int64_t size = grp->bf ? 2 : 4, next = (r + ROWS) * groups * size;
+            for (int64_t at = 0; at < groups * size; at += LINE) {
+                prefetch((const uint8_t *)grp->scale + next + at);
+                prefetch((const uint8_t *)grp->zero + next + at);
+            }
+        }
         for (int j = 0; j < mt; j++) {
             acc[j][i] = qzero();
-            macc[j][i] = kind == 3 ? int4_zero_term(grp, r, groups, sx + j * groups) : 0.0f;
+            macc[j][i] = 0.0f;
+            if (kind == 3) {
+#if Q8_STEP == 2
+                acc[j][i] = int4_zero_term(grp, r, groups, sx + j * groups);
+#else
+                macc[j][i] = int4_zero_term(grp, r, groups, sx + j * groups);
+#endif
+            }
 #if defined(__AVX512F__)
             mvacc[j][i] = _mm512_setzero_ps();
 #endif
@@ -813,20 +838,19 @@ INLINE void q8x_block(const int8_t *x, const float *dx, const float *sx, const u
 #if Q8_STEP == 2
                 const __m512i lane_group = _mm512_srlv_epi32(
                     _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                    _mm512_set1_epi32(__builtin_ctzll((unsigned long long)per_group)));
-                const __mmask16 take = (__mmask16)((1u << (16 / per_group)) - 1);
-                for (; c + 16 <= count; c += 16) {  /* 16 blocks: 16 / per_group groups' scales, spread */
-                    const int64_t at = r * groups + (b0 + c) / per_group;
-                    __m512 s = grp->bf ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                                             _mm256_maskz_loadu_epi16(take, (const uint16_t *)grp->scale + at)), 16))
-                                       : _mm512_maskz_loadu_ps(take, (const float *)grp->scale + at);
-                    s = _mm512_permutexvar_ps(lane_group, s);
+                    _mm512_set1_epi32(group_shift));
+                for (; c < count; c += 16) {  /* 16 blocks (fewer at the end): their groups' scales, spread */
+                    const int64_t left = count - c, n = (left < 16 ? left : 16);
+                    const __mmask16 these = (__mmask16)(n == 16 ? 0xFFFF : (1u << n) - 1);
+                    const __m512 s = _mm512_permutexvar_ps(lane_group, group_values(
+                        grp->scale, grp->bf, r * groups + ((b0 + c) >> group_shift), (n + per_group - 1) >> group_shift));
                     for (int j = 0; j < mt; j++)
-                        _mm512_storeu_ps(&ds[j][i][c], _mm512_mul_ps(s, _mm512_loadu_ps(dx + j * blocks + b0 + c)));
+                        _mm512_mask_storeu_ps(&ds[j][i][c], these,
+                                              _mm512_mul_ps(s, _mm512_maskz_loadu_ps(these, dx + j * blocks + b0 + c)));
                 }
 #endif
                 for (; c < count; c++) {
-                    const float s = group_value(grp->scale, grp->bf, r * groups + (b0 + c) / per_group);
+                    const float s = group_value(grp->scale, grp->bf, r * groups + ((b0 + c) >> group_shift));
                     for (int j = 0; j < mt; j++) ds[j][i][c] = s * dx[j * blocks + b0 + c];
                 }
                 for (int j = 0; j < mt; j++)
@@ -1062,15 +1086,30 @@ int int4_q8x_rows(const float *x, const uint8_t *w, const void *scale, const voi
     if (!xp) return -1;
     float *dx = xp + M * K, *zx = dx + M * nb;
     int8_t *x8 = (int8_t *)(zx + M * groups);
-    for (int64_t b = 0; b < M * nb; b++)
+    for (int64_t b = 0; b < M * nb; b++) {
+#if defined(__AVX512F__)
+        const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        const __m512 lo = _mm512_loadu_ps(x + b * 32), hi = _mm512_loadu_ps(x + b * 32 + 16);
+        _mm512_storeu_ps(xp + b * 32, _mm512_permutex2var_ps(lo, even, hi));
+        _mm512_storeu_ps(xp + b * 32 + 16, _mm512_permutex2var_ps(lo, _mm512_add_epi32(even, _mm512_set1_epi32(1)), hi));
+#else
         for (int e = 0; e < 16; e++) { xp[b * 32 + e] = x[b * 32 + 2 * e]; xp[b * 32 + 16 + e] = x[b * 32 + 2 * e + 1]; }
+#endif
+    }
     quantize_q8_rows(xp, x8, dx, NULL, M, K);
     for (int64_t m = 0; m < M; m++)
         for (int64_t g = 0; g < groups; g++) {
             float sum = 0.0f;
             for (int64_t b = g * (G / 32); b < (g + 1) * (G / 32); b++) {
+                const int8_t *q = x8 + m * K + b * 32;
+#if defined(__AVX512F__)
+                const int32_t t = _mm512_reduce_add_epi32(_mm512_add_epi32(
+                    _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)),
+                    _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)))));
+#else
                 int32_t t = 0;
-                for (int e = 0; e < 32; e++) t += x8[m * K + b * 32 + e];
+                for (int e = 0; e < 32; e++) t += q[e];
+#endif
                 sum += dx[m * nb + b] * (float)t;
             }
             zx[m * groups + g] = sum;
