@@ -579,6 +579,9 @@ def serving_section() -> str:
                         "against aten's packed kernels")
     # bench_decode_kernels.py --layers ...: the block types a Q4_K_M file holds besides Q4_K (q5_0, q6_k)
     text += _subsection("decode_kernels_gguf.md", "GGUF's Q5_0 and Q6_K decode kernels, beside q4_0, q4_k and q8_0")
+    # bench_decode_kernels.py --layers ... --out decode_kernels_int4.md: quantize int4 with activations=int8
+    text += _subsection("decode_kernels_int4.md", "quantize int4 activations=int8: int4's groups multiplied as "
+                        "integers, beside float activations and q4_0")
     # bench_int8_activations.py: why activations=int8 (llama.cpp's arithmetic) decodes faster
     text += _subsection("int8_activations.md", "activations=int8: llama.cpp's arithmetic in our kernels, against "
                         "float32 activations")

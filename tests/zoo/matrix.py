@@ -63,6 +63,8 @@ SCRIPTS = {
     "quantize int4": "quantize int4 group_size=32",  # the smallest group: the tiny models' layers are narrow
     # llm-compressor's W4A16 groups (what format='compressed-tensors' writes)
     "quantize int4 symmetric": "quantize int4 group_size=32 symmetric=true",
+    # llama.cpp's activation rounding on int4's groups: integer products for decode-sized inputs
+    "quantize int4 activations=int8": "quantize int4 group_size=32 activations=int8",
     # GGUF's grids (blocks of 32 inputs); sample inputs of at most 8 rows take the packed decode kernel
     "quantize q8_0": "quantize q8_0",
     "quantize q4_0": "quantize q4_0",

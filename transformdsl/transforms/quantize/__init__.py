@@ -223,7 +223,7 @@ class Int4Options(CalibratedOptions):
                           "matmul)", kind="dtype")
     activations: str = option("float", "float: inputs multiply the stored groups as they come; int8: rounded per 32 "
                               "inputs to int8 with a float16 scale and multiplied as integers where decoding, as "
-                              "llama.cpp rounds activations (about 1.6x faster 4-bit decoding on CPUs with VNNI; "
+                              "llama.cpp rounds activations (4-bit decoding 1.45x faster through 4096-wide layers on CPUs with VNNI; "
                               "outputs move by the activations' rounding)", choices=("float", "int8"))
 
     def __post_init__(self):
