@@ -40,9 +40,12 @@ HELDOUT = (4, 256)  # windows x tokens for the KL
 
 #: Runs in llama-cpp-python's environment: eval windows (logits of every position) and a timed greedy decode.
 LLAMA_CPP = r'''
-import json, sys, time
+import json, os, sys, time
 import numpy as np
 from llama_cpp import Llama
+
+# KV_F32=1: the KV cache in float32 (GGML_TYPE_F32 = 0) instead of llama.cpp's default float16
+kv = {"type_k": 0, "type_v": 0} if os.environ.get("KV_F32") else {}
 
 path, ids_path, threads, prompt_len, new = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 decode_only = len(sys.argv) > 6 and sys.argv[6] == "decode-only"
@@ -50,7 +53,7 @@ ids = json.loads(open(ids_path).read())
 def window_logits(batch):
     """each held-out window's logits, evaluated ``batch`` tokens a call (512: the whole window at once)"""
     llm = Llama(model_path=path, n_ctx=1024, n_threads=threads, n_threads_batch=threads, n_batch=batch,
-                n_ubatch=batch, logits_all=True, verbose=False)
+                n_ubatch=batch, logits_all=True, verbose=False, **kv)
     logits = []
     for window in ([] if decode_only else ids["heldout"]):
         llm.reset()

@@ -574,6 +574,9 @@ def serving_section() -> str:
         return heading + "\nNot yet measured: `benchmarks/bench_serving.py` writes `benchmarks/results/serving.md`.\n"
     body = page.read_text().split("\n", 1)[-1]
     text = heading + body.rstrip("\n") + "\n\nThe page: [results/serving.md](results/serving.md).\n"
+    # bench_serving_trained.py: the same KL on the LM trained here, where llama.cpp's rounding is not chaotic
+    text += _subsection("serving_trained.md", "The same KL on the LM trained here (llama.cpp's rounding is not "
+                        "chaotic there)")
     # bench_decode_kernels.py: why the quantized layers decode with kernels of ours
     text += _subsection("decode_kernels.md", "Why our own decode kernels: quantized layers fed a few rows, ours "
                         "against aten's packed kernels")
