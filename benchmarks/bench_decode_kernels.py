@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_decode_kernels.py [--threads 1 2] [--layers q5_0 q6_k ...]
 
-For ``quantize int8 weight_only=true``, ``q8_0``, ``q4_0``, ``q4_1``, ``q5_0``, ``q4_k``, ``q6_k`` and ``int4`` (bfloat16
+For ``quantize int8 weight_only=true``, ``q8_0``, ``q4_0``, ``q4_1``, ``q5_0``, ``q4_k``, ``q5_k``, ``q6_k`` and ``int4`` (bfloat16
 compute) layers, the time of a decode-sized call
 (1 and 8 rows) through every layer of a model, in the model's order, on:
 
@@ -10,7 +10,8 @@ compute) layers, the time of a decode-sized call
   bytes read as they are, float32 activations;
 - **aten**: the layer's earlier path, aten's packed kernel (``_weight_int8pack_mm`` for int8,
   ``_weight_int4pack_mm_for_cpu`` for q8_0 and q5_0 (two 4-bit halves), q4_0, q4_1, q4_k and int4), bfloat16
-  activations and scales (``q6_k`` has none: its groups of 16 inputs have no packed form);
+  activations and scales (``q6_k`` has none: its groups of 16 inputs have no packed form; nor ``q5_k``: its 5-bit
+  values would take two packed copies);
 - **float32**: ``F.linear`` with the float32 weight (what the quantization replaces);
 - **floor**: ``torch.sum`` over a float32 tensor of as many bytes as the layers store, on the same threads,
   right after ours: the rate this machine reads memory at (the bound a decode kernel can reach).
@@ -20,8 +21,8 @@ integer products; benchmarks/results/int8_activations.md) have no aten counterpa
 (int4's float-activation row beside them is what they replace).
 
 Two weight sets: SmolLM2-135M's 30 blocks (the serving benchmark's model: q/k/v/o/gate/up/down, 106 M
-weights) and four Llama-7B-wide blocks (4096/11008, 809 M weights: past this CPU's caches); ``q4_k`` and ``q6_k``
-on the second only (their super-blocks are 256 inputs: SmolLM2's 576-wide layers have none; both hold random
+weights) and four Llama-7B-wide blocks (4096/11008, 809 M weights: past this CPU's caches); ``q4_k``, ``q5_k`` and ``q6_k``
+on the second only (their super-blocks are 256 inputs: SmolLM2's 576-wide layers have none; all hold random
 valid super-blocks, as the kernels' speed does not depend on the values).  Rate =
 stored bytes (weights and scales) ÷ time; all measured in one process, one after another.  An int4
 layer beside aten's packed kernel takes ours for 1-2 rows only: its 8-row "ours" is aten's kernel again
@@ -48,6 +49,7 @@ from transformdsl.transforms.quantize.gguf_blocks import (  # noqa: E402
     Q4_1Linear,
     Q4_KLinear,
     Q5_0Linear,
+    Q5_KLinear,
     Q6_KLinear,
     Q8_0Linear,
 )
@@ -74,6 +76,18 @@ def _random_q4_k(weight, bias):
     return Q4_KLinear(values, scale, sub, bias)
 
 
+def _random_q5_k(weight, bias):
+    """A Q5_K layer of ``weight``'s shape holding random valid super-blocks (as :func:`_random_q4_k`, plus random
+    fifth bits)."""
+    rows, cols = weight.shape
+    generator = torch.Generator().manual_seed(rows * cols)
+    values = torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=generator)
+    scale = (torch.rand(rows, cols // 256, 2, generator=generator) * 1e-3).half()
+    sub = torch.randint(0, 256, (rows, cols // 256, 12), dtype=torch.uint8, generator=generator)
+    high = torch.randint(0, 256, (rows, cols // 8), dtype=torch.uint8, generator=generator)
+    return Q5_KLinear(values, scale, sub, high, bias)
+
+
 def _random_q6_k(weight, bias):
     """A Q6_K layer of ``weight``'s shape holding random valid super-blocks (as :func:`_random_q4_k`)."""
     rows, cols = weight.shape
@@ -86,7 +100,8 @@ def _random_q6_k(weight, bias):
 
 
 LAYERS = {"int8 weight-only": Int8WeightOnlyLinear.build, "q8_0": Q8_0Linear.build, "q4_0": Q4_0Linear.build,
-          "q4_1": Q4_1Linear.build, "q5_0": Q5_0Linear.build, "q4_k": _random_q4_k, "q6_k": _random_q6_k,
+          "q4_1": Q4_1Linear.build, "q5_0": Q5_0Linear.build, "q4_k": _random_q4_k, "q5_k": _random_q5_k,
+          "q6_k": _random_q6_k,
           "int4 group_size=64": lambda weight, bias: Int4WeightOnlyLinear.build(weight, bias, 64),
           # llama.cpp's arithmetic (no aten counterpart: its "aten" columns stay empty)
           "q8_0 activations=int8": _int8_activations(Q8_0Linear.build),
@@ -139,7 +154,7 @@ def measure(shapes, kind: str, rows: int) -> dict:
         ours = best_time(run)
         floor = best_time(floor_bytes.sum)
         del floor_bytes
-        int8 = "activations=int8" in kind or kind == "q6_k"  # (no aten counterpart)
+        int8 = "activations=int8" in kind or kind in ("q5_k", "q6_k")  # (no aten counterpart)
         for layer in layers:
             use_aten(layer)
         aten = None if int8 else best_time(run)
@@ -169,7 +184,7 @@ def main() -> None:
         torch.set_num_threads(threads)
         for set_name, shapes in SETS.items():
             for kind in args.layers:
-                if kind in ("q4_k", "q6_k") and any(shape[1] % 256 for shape in shapes):
+                if kind in ("q4_k", "q5_k", "q6_k") and any(shape[1] % 256 for shape in shapes):
                     continue  # K-quant super-blocks are 256 inputs: SmolLM2's 576-wide layers have none
                 for rows in (1, 8):
                     row = {"threads": threads, "weights": set_name, "layer": kind, "rows": rows}

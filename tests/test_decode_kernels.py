@@ -18,6 +18,7 @@ from transformdsl.transforms.quantize.gguf_blocks import (
     Q4_1Linear,
     Q4_KLinear,
     Q5_0Linear,
+    Q5_KLinear,
     Q6_KLinear,
     Q8_0Linear,
 )
@@ -31,7 +32,7 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"decode kernels
 LAYERS = {"int8": Int8WeightOnlyLinear.build, "q8_0": Q8_0Linear.build, "q4_0": Q4_0Linear.build,
           "q4_1": Q4_1Linear.build, "q5_0": Q5_0Linear.build,
           "int4": lambda weight, bias: Int4WeightOnlyLinear.build(weight, bias, 32, torch.float32)}
-CLASSES = (Int8WeightOnlyLinear, Q8_0Linear, Q4_0Linear, Q4_1Linear, Q5_0Linear, Q4_KLinear, Q6_KLinear,
+CLASSES = (Int8WeightOnlyLinear, Q8_0Linear, Q4_0Linear, Q4_1Linear, Q5_0Linear, Q4_KLinear, Q5_KLinear, Q6_KLinear,
            Int4WeightOnlyLinear)
 
 
@@ -79,10 +80,11 @@ def test_decode_sized_inputs_give_the_exact_product_of_the_stored_weight(kind, s
     assert relative_error(out, x.bfloat16().double() @ exact_weight.t() + half.bias.double()) < 1e-2
 
 
-@pytest.mark.parametrize("layer_class", [Q4_KLinear, Q6_KLinear])
+@pytest.mark.parametrize("layer_class", [Q4_KLinear, Q5_KLinear, Q6_KLinear])
 @pytest.mark.parametrize("shape", [(61, 256), (576, 1536), (64, 2816)])  # 1, 6 and 11 super-blocks a row
 def test_k_quant_super_blocks_give_the_exact_product_with_no_packed_copy(layer_class, shape):
-    """Q4_K (256 inputs a super-block, 6-bit scales and mins unpacked per row in the kernel) and Q6_K (16 int8
+    """Q4_K (256 inputs a super-block, 6-bit scales and mins unpacked per row in the kernel), Q5_K (Q4_K's with a
+    fifth bit per value from its qh bytes) and Q6_K (16 int8
     scales a super-block, 6-bit values from two arrays): the exact product of ggml's dequantization of the stored
     bytes, for 1-8 rows, with nothing kept beside the bytes."""
     generator = torch.Generator().manual_seed(shape[1])

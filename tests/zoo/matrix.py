@@ -73,6 +73,7 @@ SCRIPTS = {
     # llama.cpp's arithmetic: activations rounded to int8 blocks, integer products (decode-sized inputs)
     "quantize q4_0 activations=int8": "quantize q4_0 activations=int8",
     "quantize q4_k": "quantize q4_k",  # super-blocks of 256 inputs: not applicable to most tiny models
+    "quantize q5_k": "quantize q5_k",  # as q4_k
     "quantize q6_k": "quantize q6_k",  # as q4_k
     # Methods that learn from data, calibrated on the cell's generated samples (the test input and the
     # verify samples; the held-out sample stays unseen).

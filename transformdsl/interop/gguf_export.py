@@ -12,7 +12,8 @@ What it holds (spec.md "Interchange", GGUF):
   converter writes them: exact);
 - ``quantize q8_0`` / ``q4_0`` / ``q4_1`` / ``q5_0`` layers as GGUF Q8_0 / Q4_0 / Q4_1 / Q5_0 blocks, byte for byte
   the layer's own values and scales (lossless: the model verified here is the model llama.cpp runs), and the
-  Q4_K / Q6_K layers (``quantize q4_k`` / ``q6_k``, or a GGUF file's read by ``load``) as those super-blocks.
+  Q4_K / Q5_K / Q6_K layers (``quantize q4_k`` / ``q5_k`` / ``q6_k``, or a GGUF file's read by ``load``) as those
+  super-blocks.
 
 Any other applied statement is refused before anything is written, naming the mode that fits
 (``quantize int8 weight_only=true`` → ``quantize q8_0``, ``quantize int4`` → ``quantize q4_0``);
@@ -38,7 +39,8 @@ from .gguf_read import GGUF_FILE, WRITTEN_KEY, is_our_save  # noqa: F401  (impor
 #: Steps that store nothing a GGUF reader would use: dropped (with a note).
 _NOTHING_STORED = ("compile", "compile regional")
 #: The quantize modes GGUF holds exactly.
-_BLOCK_MODES = ("quantize q8_0", "quantize q4_0", "quantize q4_1", "quantize q5_0", "quantize q4_k", "quantize q6_k")
+_BLOCK_MODES = ("quantize q8_0", "quantize q4_0", "quantize q4_1", "quantize q5_0", "quantize q4_k", "quantize q5_k",
+                "quantize q6_k")
 
 
 def refuse(step: AppliedStep, why: str) -> TransformError:
@@ -165,6 +167,7 @@ def _file_type(entries) -> int:
              gguf.GGMLQuantizationType.Q4_1: gguf.LlamaFileType.MOSTLY_Q4_1,
              gguf.GGMLQuantizationType.Q5_0: gguf.LlamaFileType.MOSTLY_Q5_0,
              gguf.GGMLQuantizationType.Q4_K: gguf.LlamaFileType.MOSTLY_Q4_K_S,
+             gguf.GGMLQuantizationType.Q5_K: gguf.LlamaFileType.MOSTLY_Q5_K_S,
              gguf.GGMLQuantizationType.Q6_K: gguf.LlamaFileType.MOSTLY_Q6_K}
     return int(types[kind])
 

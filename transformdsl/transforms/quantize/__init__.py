@@ -257,7 +257,7 @@ class Int4Quantization(Quantize):
 
 
 class GGUFBlockQuantization(Quantize):
-    """``quantize q8_0|q4_0|q4_1|q5_0|q4_k|q6_k``: the grid of a GGUF (llama.cpp) block type, so that ``save(...,
+    """``quantize q8_0|q4_0|q4_1|q5_0|q4_k|q5_k|q6_k``: the grid of a GGUF (llama.cpp) block type, so that ``save(...,
     format="gguf")`` writes these layers as they are (spec.md "Interchange")."""
 
     #: The GGUF block: inputs per block (a layer's ``in_features`` must be a multiple).
@@ -309,6 +309,15 @@ class Q4_KQuantization(GGUFBlockQuantization):
     #: As q4_0's (4 bits per weight, asymmetric sub-blocks of 32 whose scale and min are searched).
     error_bound = {"kl": 1.2, "top1": 0.5, "rms": 0.4, "max": 0.4}
     implementation = ".gguf_modes:Q4_KQuantization"
+
+
+class Q5_KQuantization(GGUFBlockQuantization):
+    mode = "q5_k"
+    summary = "GGUF Q5_K: 5-bit weights in sub-blocks of 32 with 6-bit scales and mins per super-block of 256 (llama.cpp's grid)"
+    block_size = 256
+    #: As q5_0's, a bound (5 bits per weight, asymmetric sub-blocks of 32 whose scale and min are searched).
+    error_bound = {"kl": 1.2, "top1": 0.5, "rms": 0.4, "max": 0.4}
+    implementation = ".gguf_modes:Q5_KQuantization"
 
 
 class Q6_KQuantization(GGUFBlockQuantization):

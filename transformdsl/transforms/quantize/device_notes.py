@@ -133,7 +133,7 @@ def gguf_int8_note(device_type: str) -> str:
 
 
 def gguf_block_note(device_type: str, dtypes: set[str], mode: str, narrow: int = 0) -> str | None:
-    """How ``quantize q8_0|q4_0|q4_1|q5_0|q4_k|q6_k`` layers multiply on ``device_type``: decode-sized inputs with the
+    """How ``quantize q8_0|q4_0|q4_1|q5_0|q4_k|q5_k|q6_k`` layers multiply on ``device_type``: decode-sized inputs with the
     packed int4 CPU kernel (what that rounds, what the packed copy costs), the rest exactly.
     ``narrow``: how many targets have an ``out_features`` the kernel cannot take."""
     if device_type != "cpu":
@@ -146,6 +146,10 @@ def gguf_block_note(device_type: str, dtypes: set[str], mode: str, narrow: int =
     if mode == "q6_k":
         return ("transformdsl's row kernel does not run here and Q6_K's groups of 16 inputs have no packed int4 "
                 "form: these layers dequantize their GGUF blocks at every call (about the float layer's cost)")
+    if mode == "q5_k":
+        return ("transformdsl's row kernel does not run here and Q5_K's 5-bit values have no packed int4 form (two "
+                "packed copies would take more than the blocks): these layers dequantize their GGUF blocks at every "
+                "call (about the float layer's cost)")
     if "int4" not in packed_cpu_kernels():
         return ("this torch has no packed int4 CPU kernel: these layers dequantize their GGUF blocks at every "
                 "call (about the float layer's cost, more for q4_0)")

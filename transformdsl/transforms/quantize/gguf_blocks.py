@@ -49,8 +49,11 @@ Q4_K_BYTES = 4 + 12 + SUPER // 2
 #: Q6_K's super-block: 256 inputs in 16 groups of 16, stored in 210 bytes (128 bytes of low 4 bits, 64 of high
 #: 2 bits, 16 int8 group scales, the float16 ``d``).
 Q6_K_BYTES = SUPER // 2 + SUPER // 4 + SUPER // 16 + 2
+#: Q5_K's super-block: Q4_K's plus each value's fifth bit (32 bytes of ``qh``): 176 bytes (float16 ``d`` and
+#: ``dmin``, the 12 scale bytes, ``qh``, the 128 bytes of low 4 bits).
+Q5_K_BYTES = 4 + 12 + SUPER // 8 + SUPER // 2
 #: Bytes per super-block, per K-quant kind.
-SUPER_BYTES = {"q4_k": Q4_K_BYTES, "q6_k": Q6_K_BYTES}
+SUPER_BYTES = {"q4_k": Q4_K_BYTES, "q5_k": Q5_K_BYTES, "q6_k": Q6_K_BYTES}
 #: ggml's ``GROUP_MAX_EPS``: a group whose largest magnitude is below it quantizes to zeros.
 _GROUP_MAX_EPS = 1e-15
 #: Rows quantized at a time: bounds the float32 working copy.
@@ -210,8 +213,8 @@ def block_bytes(values: torch.Tensor, scale: torch.Tensor) -> np.ndarray:
 
 def from_block_bytes(data: np.ndarray, kind: str, rows: int, cols: int) -> tuple[torch.Tensor, ...]:
     """The inverse of :func:`block_bytes` (and of the layers' ``gguf_bytes``): the tensors a ``kind`` layer
-    stores, in its constructor's order (``values, scale`` and, for Q4_K, ``sub``; Q5_0: ``high``; Q6_K:
-    ``high, sub``)."""
+    stores, in its constructor's order (``values, scale`` and, for Q4_K, ``sub``; Q5_K: ``sub, high``; Q5_0:
+    ``high``; Q6_K: ``high, sub``)."""
     if kind == "q6_k":
         raw = torch.from_numpy(np.ascontiguousarray(data, dtype=np.uint8).reshape(rows, cols // SUPER, Q6_K_BYTES).copy())
         low, high = SUPER // 2, SUPER // 2 + SUPER // 4
@@ -222,10 +225,14 @@ def from_block_bytes(data: np.ndarray, kind: str, rows: int, cols: int) -> tuple
         raw = torch.from_numpy(np.ascontiguousarray(data, dtype=np.uint8).reshape(rows, cols // BLOCK, BLOCK_BYTES[kind]).copy())
         return (raw[..., 6:].contiguous().reshape(rows, cols // 2),
                 raw[..., :2].contiguous().view(torch.float16).reshape(rows, cols // BLOCK), raw[..., 2:6].contiguous())
-    if kind == "q4_k":
-        raw = torch.from_numpy(np.ascontiguousarray(data, dtype=np.uint8).reshape(rows, cols // SUPER, Q4_K_BYTES).copy())
+    if kind in ("q4_k", "q5_k"):
+        raw = torch.from_numpy(np.ascontiguousarray(data, dtype=np.uint8).reshape(rows, cols // SUPER, SUPER_BYTES[kind])
+                               .copy())
         scale = raw[..., :4].contiguous().view(torch.float16).reshape(rows, cols // SUPER, 2)
-        return raw[..., 16:].contiguous().reshape(rows, cols // 2), scale, raw[..., 4:16].contiguous()
+        values = raw[..., -SUPER // 2:].contiguous().reshape(rows, cols // 2)
+        if kind == "q5_k":  # d, dmin, the 12 scale bytes, the 32 qh bytes, the 128 low-bit bytes
+            return values, scale, raw[..., 4:16].contiguous(), raw[..., 16:48].contiguous().reshape(rows, cols // 8)
+        return values, scale, raw[..., 4:16].contiguous()
     per = BLOCK_BYTES[kind]
     header = 4 if kind == "q4_1" else 2  # float16 d (and Q4_1's m) before the values
     raw = torch.from_numpy(np.ascontiguousarray(data, dtype=np.uint8).reshape(rows, cols // BLOCK, per).copy())
@@ -512,9 +519,11 @@ def _over(value: float, tensor: torch.Tensor) -> torch.Tensor:
     return torch.full_like(tensor, value) / tensor
 
 
-def _make_qkx2_quants(x: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ggml's ``make_qkx2_quants(32, 15, x, weights, L, &the_min, Laux, -1, 0.1, 20, false)`` for every
+def _make_qkx2_quants(x: torch.Tensor, weights: torch.Tensor, nmax: int = 15, rmin: float = -1.0,
+                      nstep: int = 20) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ggml's ``make_qkx2_quants(32, nmax, x, weights, L, &the_min, Laux, rmin, 0.1, nstep, false)`` for every
     sub-block at once (``x``, ``weights``: (B, 32) float32): ``(scale (B,), the_min (B,), L (B, 32) int32)``.
+    Q4_K calls it with ``(15, -1, 20)``, Q5_K with ``(31, -0.5, 15)``.
 
     Every sum runs in ggml's order, one input at a time, each product and sum rounded to float32 as C
     computes it (ggml-base is built without FMA contraction), so the search picks what ggml picks.  The
@@ -533,18 +542,18 @@ def _make_qkx2_quants(x: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Ten
     low = torch.where(low > 0, torch.zeros_like(low), low)
     flat = high == low
     spread = torch.where(flat, torch.ones_like(high), high - low)
-    iscale = _over(15.0, spread)
+    iscale = _over(float(nmax), spread)
     scale = _over(1.0, iscale)
-    levels = _nearest_int(iscale * (x - low)).clamp_(0, 15)
+    levels = _nearest_int(iscale * (x - low)).clamp_(0, nmax)
     best = torch.zeros_like(scale)
     for i in range(n):
         diff = scale * levels[i].float() + low - x[i]
         best = best + weights[i] * (diff * diff)
-    for step in range(21):
+    for step in range(nstep + 1):
         # ggml divides by ``max - min`` with the best ``min`` found so far, not the first one
         spread = torch.where(flat, torch.ones_like(high), high - low)
-        factor = np.float32(-1.0) + np.float32(0.1) * np.float32(step) + np.float32(15.0)
-        aux = _nearest_int(_over(float(factor), spread) * (x - low)).clamp_(0, 15)
+        factor = np.float32(rmin) + np.float32(0.1) * np.float32(step) + np.float32(nmax)
+        aux = _nearest_int(_over(float(factor), spread) * (x - low)).clamp_(0, nmax)
         levels_f = aux.float()
         sum_l = torch.zeros_like(scale)
         sum_l2 = torch.zeros_like(scale)
@@ -579,13 +588,43 @@ def quantize_q4_k(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     (out, in/256, 12))`` for an ``(out, in)`` float weight, ``in`` a multiple of 256: ggml's reference
     quantizer (``quantize_row_q4_K_ref``, what llama.cpp's ``llama-quantize`` runs without an importance
     matrix), step for step in float32.  On meta, empty tensors of those shapes."""
+    levels, scale, sub = _quantize_k(weight, 15, -1.0, 20)
+    rows, cols = weight.shape
+    if weight.is_meta:
+        return torch.empty(rows, cols // 2, dtype=torch.uint8, device=weight.device), scale, sub
+    pairs = levels.reshape(rows, -1, 4, 2, BLOCK)  # (sub-blocks 2c, 2c + 1) of each 64 inputs: one byte each
+    return (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).reshape(rows, cols // 2), scale, sub
+
+
+def quantize_q5_k(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(low 4 bits uint8 (out, in/2) as Q4_K's values, d and dmin float16 (out, in/256, 2), packed 6-bit scales
+    uint8 (out, in/256, 12), fifth bits uint8 (out, in/8: each super-block's 32 ``qh`` bytes, bit ``s`` of byte
+    ``l`` for input ``32 s + l``))``: ggml's reference quantizer (``quantize_row_q5_K_ref``: Q4_K's search with
+    31 levels, ``rmin = -0.5`` and 15 steps), step for step in float32.  On meta, empty tensors of those shapes."""
+    levels, scale, sub = _quantize_k(weight, 31, -0.5, 15)
+    rows, cols = weight.shape
+    if weight.is_meta:
+        return (torch.empty(rows, cols // 2, dtype=torch.uint8, device=weight.device), scale, sub,
+                torch.empty(rows, cols // 8, dtype=torch.uint8, device=weight.device))
+    blocks = levels.reshape(rows, -1, 8, BLOCK)
+    pairs = (blocks & 0xF).reshape(rows, -1, 4, 2, BLOCK)
+    low = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).reshape(rows, cols // 2)
+    shifts = torch.arange(8, dtype=torch.uint8, device=weight.device)[:, None]
+    high = ((blocks >> 4) << shifts).sum(dim=2, dtype=torch.uint8)  # bits of distinct places: a sum is an or
+    return low, scale, sub, high.reshape(rows, cols // 8)
+
+
+def _quantize_k(weight: torch.Tensor, nmax: int, rmin: float, nstep: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K's and Q5_K's shared reference steps: ``(levels uint8 (out, in) in 0..nmax, d and dmin float16
+    (out, in/256, 2), packed 6-bit scales uint8 (out, in/256, 12))``; on meta, levels is None."""
     rows, cols = weight.shape
     supers = cols // SUPER
-    values = torch.empty(rows, cols // 2, dtype=torch.uint8, device=weight.device)
     scale = torch.empty(rows, supers, 2, dtype=torch.float16, device=weight.device)
     sub = torch.empty(rows, supers, 12, dtype=torch.uint8, device=weight.device)
     if weight.is_meta:
-        return values, scale, sub
+        return None, scale, sub
+    values = torch.empty(rows, cols, dtype=torch.uint8, device=weight.device)
     step = max(1, (_CHUNK_ELEMENTS // 4) // max(cols, 1))
     for start in range(0, rows, step):
         x = weight[start:start + step].detach().to(torch.float32).reshape(-1, BLOCK)  # (sub-blocks, 32)
@@ -595,7 +634,7 @@ def quantize_q4_k(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
             sum_x2 = sum_x2 + x[:, i] * x[:, i]
         # sqrtf, correctly rounded: torch's float32 sqrt is not (seen 1 ulp off), a float64 one rounded is
         weights = torch.sqrt((sum_x2 / 32).double()).float()[:, None] + x.abs()
-        scales, mins, levels = _make_qkx2_quants(x, weights)
+        scales, mins, levels = _make_qkx2_quants(x, weights, nmax, rmin, nstep)
         scales, mins = scales.reshape(count, 8), mins.reshape(count, 8)
         # C starts both at +0 and takes a value only if it is larger: never -0, never below 0
         max_scale = scales.amax(dim=1)
@@ -617,12 +656,10 @@ def quantize_q4_k(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
         multiplier = d.float()[:, None] * ls.float()
         offset = dmin.float()[:, None] * lm.float()
         blocks = x.reshape(count, 8, BLOCK)
-        final = _nearest_int((blocks + offset[..., None]) / multiplier[..., None]).clamp_(0, 15)
+        final = _nearest_int((blocks + offset[..., None]) / multiplier[..., None]).clamp_(0, nmax)
         levels = torch.where((multiplier != 0)[..., None], final, levels.reshape(count, 8, BLOCK))
-        pairs = levels.reshape(count, 4, 2, BLOCK)
-        nibbles = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).to(torch.uint8)
         end = start + count // supers
-        values[start:end] = nibbles.reshape(end - start, cols // 2)
+        values[start:end] = levels.to(torch.uint8).reshape(end - start, cols)
         scale[start:end] = torch.stack((d, dmin), dim=-1).reshape(end - start, supers, 2)
         sub[start:end] = packed.to(torch.uint8).reshape(end - start, supers, 12)
     return values, scale, sub
@@ -709,6 +746,66 @@ class Q4_KLinear(BlockQuantizedLinear):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, weight=q4_k (GGUF super-blocks of {SUPER}), "
                 f"packed_kernel={self.packed_kernel}")
+
+
+class Q5_KLinear(Q4_KLinear):
+    """GGUF Q5_K, as a GGUF file holds it (llama.cpp's ``Q5_K_M``/``Q5_K_S`` files are mostly Q5_K): Q4_K's
+    super-blocks with a fifth bit per value, standing for ``d * sc * q - dmin * m`` with ``q`` 0..31.
+
+    Stored as GGUF orders them: ``weight`` uint8 (out x in/2: the low 4 bits, as Q4_K's values),
+    ``weight_scale`` float16 (out x in/256 x 2: ``d``, ``dmin``), ``weight_sub`` uint8 (out x in/256 x 12: the
+    packed 6-bit scales and mins, as Q4_K's), ``weight_high`` uint8 (out x in/8: each super-block's 32 ``qh``
+    bytes, bit ``s`` of byte ``l`` the fifth bit of input ``32 s + l``).  Built by :func:`quantize_q5_k` (llama.cpp's
+    reference quantizer, byte for byte) or read from a GGUF file; ``format="gguf"`` writes the bytes as they are.
+    No packed-kernel fallback (5-bit values would take two packed copies): where our kernel does not run, a call
+    dequantizes.
+    """
+
+    kind = "q5_k"
+    weight_high: torch.Tensor
+
+    def __init__(self, values: torch.Tensor, scale: torch.Tensor, sub: torch.Tensor, high: torch.Tensor,
+                 bias: torch.Tensor | None, weight_dtype: torch.dtype = torch.float32):
+        BlockQuantizedLinear.__init__(self, values, scale, bias, weight_dtype,
+                                      extra={"weight_sub": sub, "weight_high": high})
+
+    @classmethod
+    def build(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> Q5_KLinear:
+        """Quantize an ``(out, in)`` float weight (left untouched) with ggml's reference quantizer; on meta, the
+        empty structure."""
+        return cls(*quantize_q5_k(weight), bias, weight.dtype)
+
+    def _codes(self, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """Rows ``start:end`` of the 5-bit values, (rows, in/256, 8, 32) uint8 in input order."""
+        low = super()._codes(start, end)
+        high = self.weight_high[_rows(start, end)].reshape(low.shape[0], -1, 1, BLOCK)
+        shifts = torch.arange(8, dtype=torch.uint8, device=high.device)[:, None]
+        return low | (((high >> shifts) & 1) << 4)
+
+    def values(self, start=0, end=None):
+        raise NotImplementedError("Q5_K values have an offset per sub-block; use dequantize()")
+
+    def _row_product(self, x: torch.Tensor) -> torch.Tensor:
+        buffers = self._buffers
+        return kernels.q5_k(x, buffers["weight"], buffers["weight_scale"], buffers["weight_sub"],
+                            buffers["weight_high"], self.bias)
+
+    def pack(self):
+        return ()
+
+    def gguf_bytes(self) -> np.ndarray:
+        """The weight as the GGUF tensor's bytes: per super-block ``d``, ``dmin``, the 12 scale bytes, the 32
+        ``qh`` bytes, the 128 low-bit bytes."""
+        rows, supers, _ = self.weight_scale.shape
+        d = self.weight_scale.detach().cpu().contiguous().view(torch.uint8).reshape(rows, supers, 4)
+        parts = (d, self.weight_sub.detach().cpu(), self.weight_high.detach().cpu().reshape(rows, supers, SUPER // 8),
+                 self.stored_weight.detach().cpu().reshape(rows, supers, SUPER // 2))
+        return torch.cat(parts, dim=-1).reshape(rows, -1).numpy()
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, weight=q5_k (GGUF super-blocks of {SUPER}), "
+                f"row_kernel={self.row_kernel}")
 
 
 class Q5_0Linear(BlockQuantizedLinear):
@@ -954,4 +1051,4 @@ class BlockEmbedding(nn.Module):
 
 #: Layer class per mode.
 LAYERS = {"q8_0": Q8_0Linear, "q4_0": Q4_0Linear, "q4_1": Q4_1Linear, "q5_0": Q5_0Linear, "q4_k": Q4_KLinear,
-          "q6_k": Q6_KLinear}
+          "q5_k": Q5_KLinear, "q6_k": Q6_KLinear}

@@ -35,6 +35,7 @@ SIGNATURES = {
     "int4_rows": [_P] * 4 + [_I, _N] + [_P] * 3 + [_N] * 3 + [_I],
     "q4_k_rows": [_P] * 7 + [_N] * 3 + [_I],
     "q5_0_rows": [_P] * 6 + [_N] * 3 + [_I],
+    "q5_k_rows": [_P] * 8 + [_N] * 3 + [_I],
     "q6_k_rows": [_P] * 7 + [_N] * 3 + [_I],
     # int8 activations (llama.cpp's arithmetic; ``activations=int8`` layers): x as Q8_0 blocks
     "quantize_q8_rows": [_P] * 4 + [_N] * 2,
@@ -189,6 +190,8 @@ def _self_check(library: ctypes.CDLL) -> str | None:
         return "the compiled q4_k_rows failed its self-check"
     if _q5_0_wrong(library, generator):
         return "the compiled q5_0_rows failed its self-check"
+    if _q5_k_wrong(library, generator):
+        return "the compiled q5_k_rows failed its self-check"
     if _q6_k_wrong(library, generator):
         return "the compiled q6_k_rows failed its self-check"
     # GGUF Q4_1: Q4_0's nibbles standing for q * d + m
@@ -278,6 +281,28 @@ def _q4_k_wrong(library: ctypes.CDLL, generator: torch.Generator) -> bool:
     out, scratch = torch.empty(3, rows), torch.empty(3 * width // 32)
     library.q4_k_rows(x.data_ptr(), values.data_ptr(), dm.data_ptr(), sub.data_ptr(), scratch.data_ptr(), None,
                       out.data_ptr(), 3, rows, width, 1)
+    return not torch.allclose(out.double(), x.double() @ weight.reshape(rows, width).T, rtol=1e-5, atol=1e-4)
+
+
+def _q5_k_wrong(library: ctypes.CDLL, generator: torch.Generator) -> bool:
+    """Whether q5_k_rows misses the float64 product with ggml's dequantization of random Q5_K super-blocks (two,
+    three input rows): Q4_K's, each value plus 16 where its bit in ``qh`` is set (bit s of byte l: input 32 s + l)."""
+    rows, width = 21, 512
+    x = torch.randn(3, width, generator=generator)
+    values = torch.randint(0, 256, (rows, width // 2), dtype=torch.uint8, generator=generator)
+    dm = (torch.rand(rows, width // 256, 2, generator=generator) * 0.01).half()
+    sub = torch.randint(0, 256, (rows, width // 256, 12), dtype=torch.uint8, generator=generator)
+    high = torch.randint(0, 256, (rows, width // 8), dtype=torch.uint8, generator=generator)
+    d, m, md = sub[..., 0:4].long(), sub[..., 4:8].long(), sub[..., 8:12].long()
+    sc = torch.cat((d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)), dim=-1).double()
+    mins = torch.cat((m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)), dim=-1).double()
+    chunks = values.long().reshape(rows, -1, 4, 1, 32)
+    bits = (high.long().reshape(rows, -1, 1, 32) >> torch.arange(8)[:, None]) & 1
+    q = torch.cat((chunks & 0xF, chunks >> 4), dim=3).reshape(rows, -1, 8, 32) + 16 * bits
+    weight = (dm[..., :1].double() * sc)[..., None] * q.double() - (dm[..., 1:].double() * mins)[..., None]
+    out, scratch = torch.empty(3, rows), torch.empty(3 * width // 32)
+    library.q5_k_rows(x.data_ptr(), values.data_ptr(), dm.data_ptr(), sub.data_ptr(), high.data_ptr(),
+                      scratch.data_ptr(), None, out.data_ptr(), 3, rows, width, 1)
     return not torch.allclose(out.double(), x.double() @ weight.reshape(rows, width).T, rtol=1e-5, atol=1e-4)
 
 

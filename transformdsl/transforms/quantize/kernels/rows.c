@@ -366,8 +366,25 @@ static inline void q4_k_unpack(const uint8_t *q, float d, float dmin, float *sca
 #endif
 }
 
+/* Q5_K's fifth bits (from qh: bit ``bit`` of LANES bytes from h on) added to LANES values widened as q - 8: 16
+ * where set.  Q5_K's values are 0..31, d1 * q - m1 = d1 * (q - 8) + (8 d1 - m1): Q4_K's offsets unchanged. */
+static inline vf vfifth_k(const uint8_t *h, int bit, vf v) {
+#if defined(__AVX512F__)
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)h));
+    return _mm512_mask_add_ps(v, _mm512_test_epi32_mask(b, _mm512_set1_epi32(1 << bit)), v, _mm512_set1_ps(16.0f));
+#elif defined(__AVX2__) && defined(__FMA__)
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)h)), m = _mm256_set1_epi32(1 << bit);
+    const __m256 set = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(b, m), m));
+    return _mm256_add_ps(v, _mm256_and_ps(set, _mm256_set1_ps(16.0f)));
+#else
+    return v + (float)(((*h >> bit) & 1) << 4);
+#endif
+}
+
+/* ``qh``: NULL for Q4_K; Q5_K's fifth bits (32 bytes per super-block, bit s of byte l for input 32 s + l) */
 INLINE void q4_k_block(const float *x, const float *xs, const uint8_t *w, const uint16_t *dm, const uint8_t *sub,
-                       int64_t n, int64_t rows, int64_t K, const int mt, int fetch, float out[MT_MAX][ROWS])
+                       const uint8_t *qh, int64_t n, int64_t rows, int64_t K, const int mt, int fetch,
+                       float out[MT_MAX][ROWS])
 {
     const int64_t supers = K / 256, row_bytes = K / 2;
     const uint8_t *wr[ROWS];
@@ -391,14 +408,21 @@ INLINE void q4_k_block(const float *x, const float *xs, const uint8_t *w, const 
             const float *xb = x + S * 256;
             for (int i = 0; i < ROWS; i++) {
                 const uint8_t *q = wr[i] + S * 128;
-                if (fetch)
+                const uint8_t *h = qh ? qh + (first[i] * supers + S) * 32 : NULL;
+                if (fetch) {
                     for (int l = 0; l < 128; l += LINE) prefetch(q + l + ROWS * row_bytes);
+                    if (qh) prefetch(h + ROWS * supers * 32);
+                }
                 for (int half_ = 0; half_ < 4; half_++) {  /* chunk: sub-blocks 2 half_ (low) and 2 half_ + 1 */
                     vf lo_t[MT_MAX], hi_t[MT_MAX];
                     for (int j = 0; j < mt; j++) { lo_t[j] = vzero(); hi_t[j] = vzero(); }
                     for (int e = 0; e < 32; e += LANES) {
                         vf lo, hi;
                         vnibbles(q + half_ * 32 + e, &lo, &hi);
+                        if (qh) {
+                            lo = vfifth_k(h + e, 2 * half_, lo);
+                            hi = vfifth_k(h + e, 2 * half_ + 1, hi);
+                        }
                         for (int j = 0; j < mt; j++) {
                             lo_t[j] = vfma(vload(xb + j * K + half_ * 64 + e), lo, lo_t[j]);
                             hi_t[j] = vfma(vload(xb + j * K + half_ * 64 + 32 + e), hi, hi_t[j]);
@@ -433,8 +457,22 @@ void q4_k_rows(const float *x, const uint8_t *w, const uint16_t *dm, const uint8
         for (int e = 0; e < 32; e++) sum += x[b * 32 + e];
         scratch[b] = sum;
     }
-#define Q4_K_CALL(MT) q4_k_block(x + m * K, scratch + m * (K / 32), w, dm, sub, n, rows, K, MT, m == 0, out)
+#define Q4_K_CALL(MT) q4_k_block(x + m * K, scratch + m * (K / 32), w, dm, sub, NULL, n, rows, K, MT, m == 0, out)
     ROW_LOOP(Q4_K_CALL)
+}
+
+/* GGUF Q5_K: Q4_K's super-blocks plus a fifth bit per value (``qh``: 32 bytes per super-block, bit s of byte l for
+ * input 32 s + l), standing for d1 * q - m1 with q 0..31 (ggml's dequantize_row_q5_K).  ``scratch`` as Q4_K's. */
+void q5_k_rows(const float *x, const uint8_t *w, const uint16_t *dm, const uint8_t *sub, const uint8_t *qh,
+               float *scratch, const float *bias, float *y, int64_t M, int64_t N, int64_t K, int threads)
+{
+    for (int64_t b = 0; b < M * K / 32; b++) {
+        float sum = 0.0f;
+        for (int e = 0; e < 32; e++) sum += x[b * 32 + e];
+        scratch[b] = sum;
+    }
+#define Q5_K_CALL(MT) q4_k_block(x + m * K, scratch + m * (K / 32), w, dm, sub, qh, n, rows, K, MT, m == 0, out)
+    ROW_LOOP(Q5_K_CALL)
 }
 
 /* GGUF Q5_0: Q4_0's nibbles plus a fifth bit each (the block's 4 ``qh`` bytes, a little-endian word whose bit
