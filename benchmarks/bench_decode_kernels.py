@@ -2,14 +2,14 @@
 
     .venv/bin/python benchmarks/bench_decode_kernels.py [--threads 1 2] [--layers q5_0 q6_k ...]
 
-For ``quantize int8 weight_only=true``, ``q8_0``, ``q4_0``, ``q4_1``, ``q5_0``, ``q4_k``, ``q5_k``, ``q6_k`` and ``int4`` (bfloat16
-compute) layers, the time of a decode-sized call
-(1 and 8 rows) through every layer of a model, in the model's order, on:
+For ``quantize int8 weight_only=true``, ``q8_0``, ``q4_0``, ``q4_1``, ``q5_0``, ``q5_1``, ``q4_k``, ``q5_k``, ``q6_k`` and
+``int4`` (bfloat16 compute) layers, the time of a decode-sized call (1 and 8 rows) through every layer of a model,
+in the model's order, on:
 
 - **ours**: :mod:`transformdsl.transforms.quantize.kernels` (``rows.c``, compiled here): the stored
   bytes read as they are, float32 activations;
 - **aten**: the layer's earlier path, aten's packed kernel (``_weight_int8pack_mm`` for int8,
-  ``_weight_int4pack_mm_for_cpu`` for q8_0 and q5_0 (two 4-bit halves), q4_0, q4_1, q4_k and int4), bfloat16
+  ``_weight_int4pack_mm_for_cpu`` for q8_0, q5_0 and q5_1 (two 4-bit halves), q4_0, q4_1, q4_k and int4), bfloat16
   activations and scales (``q6_k`` has none: its groups of 16 inputs have no packed form; nor ``q5_k``: its 5-bit
   values would take two packed copies);
 - **float32**: ``F.linear`` with the float32 weight (what the quantization replaces);
@@ -49,6 +49,7 @@ from transformdsl.transforms.quantize.gguf_blocks import (  # noqa: E402
     Q4_1Linear,
     Q4_KLinear,
     Q5_0Linear,
+    Q5_1Linear,
     Q5_KLinear,
     Q6_KLinear,
     Q8_0Linear,
@@ -100,7 +101,8 @@ def _random_q6_k(weight, bias):
 
 
 LAYERS = {"int8 weight-only": Int8WeightOnlyLinear.build, "q8_0": Q8_0Linear.build, "q4_0": Q4_0Linear.build,
-          "q4_1": Q4_1Linear.build, "q5_0": Q5_0Linear.build, "q4_k": _random_q4_k, "q5_k": _random_q5_k,
+          "q4_1": Q4_1Linear.build, "q5_0": Q5_0Linear.build, "q5_1": Q5_1Linear.build, "q4_k": _random_q4_k,
+          "q5_k": _random_q5_k,
           "q6_k": _random_q6_k,
           "int4 group_size=64": lambda weight, bias: Int4WeightOnlyLinear.build(weight, bias, 64),
           # llama.cpp's arithmetic (no aten counterpart: its "aten" columns stay empty)

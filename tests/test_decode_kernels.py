@@ -18,6 +18,7 @@ from transformdsl.transforms.quantize.gguf_blocks import (
     Q4_1Linear,
     Q4_KLinear,
     Q5_0Linear,
+    Q5_1Linear,
     Q5_KLinear,
     Q6_KLinear,
     Q8_0Linear,
@@ -30,10 +31,10 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"decode kernels
 #: Layer builders by name: ``build(weight, bias)``.  int4 with ``compute=float32`` (scales and zeros in
 #: float32) takes our kernel up to 8 rows; with bfloat16 (beside aten's packed kernel) up to 2.
 LAYERS = {"int8": Int8WeightOnlyLinear.build, "q8_0": Q8_0Linear.build, "q4_0": Q4_0Linear.build,
-          "q4_1": Q4_1Linear.build, "q5_0": Q5_0Linear.build,
+          "q4_1": Q4_1Linear.build, "q5_0": Q5_0Linear.build, "q5_1": Q5_1Linear.build,
           "int4": lambda weight, bias: Int4WeightOnlyLinear.build(weight, bias, 32, torch.float32)}
-CLASSES = (Int8WeightOnlyLinear, Q8_0Linear, Q4_0Linear, Q4_1Linear, Q5_0Linear, Q4_KLinear, Q5_KLinear, Q6_KLinear,
-           Int4WeightOnlyLinear)
+CLASSES = (Int8WeightOnlyLinear, Q8_0Linear, Q4_0Linear, Q4_1Linear, Q5_0Linear, Q5_1Linear, Q4_KLinear, Q5_KLinear,
+           Q6_KLinear, Int4WeightOnlyLinear)
 
 
 def relative_error(out: torch.Tensor, exact: torch.Tensor) -> float:

@@ -89,10 +89,10 @@ INVALID = {
     "quantise int8": (1, 1, "unknown verb 'quantise' (did you mean 'quantize'?)", "verbs: attention, cache, calibrate, compile, fp8, fuse, lora, quantize"),
     "frobnicate": (1, 1, "unknown verb 'frobnicate'", "verbs: attention, cache, calibrate, compile, fp8, fuse, lora, quantize"),
     "quantize int9": (1, 10, "unknown mode 'int9' for 'quantize' (did you mean 'int8'?)",
-                      "'quantize' modes: fp4, hqq, int4, int8, nf4, q4_0, q4_1, q4_k, q5_0, q5_k, q6_k, q8_0, w8a8"),
+                      "'quantize' modes: fp4, hqq, int4, int8, nf4, q4_0, q4_1, q4_k, q5_0, q5_1, q5_k, q6_k, q8_0, w8a8"),
     "fuse qvk": (1, 6, "unknown mode 'qvk' for 'fuse' (did you mean 'qkv'?)", None),
-    "quantize": (1, 1, "'quantize' needs a mode: one of fp4, hqq, int4, int8, nf4, q4_0, q4_1, q4_k, q5_0, q5_k, q6_k, q8_0, w8a8", None),
-    "quantize Linear": (1, 1, "'quantize' needs a mode: one of fp4, hqq, int4, int8, nf4, q4_0, q4_1, q4_k, q5_0, q5_k, q6_k, q8_0, w8a8", None),
+    "quantize": (1, 1, "'quantize' needs a mode: one of fp4, hqq, int4, int8, nf4, q4_0, q4_1, q4_k, q5_0, q5_1, q5_k, q6_k, q8_0, w8a8", None),
+    "quantize Linear": (1, 1, "'quantize' needs a mode: one of fp4, hqq, int4, int8, nf4, q4_0, q4_1, q4_k, q5_0, q5_1, q5_k, q6_k, q8_0, w8a8", None),
     "quantize hqq bitz=4": (1, 14, "unknown option 'bitz' for 'quantize hqq' (did you mean 'bits'?)",
                             "'quantize hqq' takes: axis, bits, compute, group_size; every statement takes: "
                             "component, default_except"),

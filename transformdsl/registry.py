@@ -67,6 +67,7 @@ BUILTIN: dict[str, str] = {
     "quantize q4_0": "transformdsl.transforms.quantize:Q4_0Quantization",
     "quantize q4_1": "transformdsl.transforms.quantize:Q4_1Quantization",
     "quantize q5_0": "transformdsl.transforms.quantize:Q5_0Quantization",
+    "quantize q5_1": "transformdsl.transforms.quantize:Q5_1Quantization",
     "quantize q4_k": "transformdsl.transforms.quantize:Q4_KQuantization",
     "quantize q5_k": "transformdsl.transforms.quantize:Q5_KQuantization",
     "quantize q6_k": "transformdsl.transforms.quantize:Q6_KQuantization",

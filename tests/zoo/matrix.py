@@ -70,6 +70,7 @@ SCRIPTS = {
     "quantize q4_0": "quantize q4_0",
     "quantize q4_1": "quantize q4_1",
     "quantize q5_0": "quantize q5_0",
+    "quantize q5_1": "quantize q5_1",
     # llama.cpp's arithmetic: activations rounded to int8 blocks, integer products (decode-sized inputs)
     "quantize q4_0 activations=int8": "quantize q4_0 activations=int8",
     "quantize q4_k": "quantize q4_k",  # super-blocks of 256 inputs: not applicable to most tiny models

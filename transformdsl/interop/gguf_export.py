@@ -39,8 +39,8 @@ from .gguf_read import GGUF_FILE, WRITTEN_KEY, is_our_save  # noqa: F401  (impor
 #: Steps that store nothing a GGUF reader would use: dropped (with a note).
 _NOTHING_STORED = ("compile", "compile regional")
 #: The quantize modes GGUF holds exactly.
-_BLOCK_MODES = ("quantize q8_0", "quantize q4_0", "quantize q4_1", "quantize q5_0", "quantize q4_k", "quantize q5_k",
-                "quantize q6_k")
+_BLOCK_MODES = ("quantize q8_0", "quantize q4_0", "quantize q4_1", "quantize q5_0", "quantize q5_1", "quantize q4_k",
+                "quantize q5_k", "quantize q6_k")
 
 
 def refuse(step: AppliedStep, why: str) -> TransformError:
@@ -166,6 +166,7 @@ def _file_type(entries) -> int:
              gguf.GGMLQuantizationType.Q4_0: gguf.LlamaFileType.MOSTLY_Q4_0,
              gguf.GGMLQuantizationType.Q4_1: gguf.LlamaFileType.MOSTLY_Q4_1,
              gguf.GGMLQuantizationType.Q5_0: gguf.LlamaFileType.MOSTLY_Q5_0,
+             gguf.GGMLQuantizationType.Q5_1: gguf.LlamaFileType.MOSTLY_Q5_1,
              gguf.GGMLQuantizationType.Q4_K: gguf.LlamaFileType.MOSTLY_Q4_K_S,
              gguf.GGMLQuantizationType.Q5_K: gguf.LlamaFileType.MOSTLY_Q5_K_S,
              gguf.GGMLQuantizationType.Q6_K: gguf.LlamaFileType.MOSTLY_Q6_K}

@@ -4,8 +4,8 @@ The file is read with the bounded reader (:mod:`.gguf_read`); its architecture (
 :mod:`.gguf_layout`) and metadata give the transformers configuration, built on the meta device once
 the tensor table agrees with it (so a file's counts never size a model its tensors do not fill).  Then:
 
-- a linear layer stored as Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K or Q6_K becomes our ``quantize q8_0`` / ``q4_0`` /
-  ``q4_1`` / ``q5_0`` / ``q4_k`` / ``q5_k`` / ``q6_k`` layer holding those
+- a linear layer stored as Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K becomes our ``quantize q8_0`` / ``q4_0``
+  / ``q4_1`` / ``q5_0`` / ``q5_1`` / ``q4_k`` / ``q5_k`` / ``q6_k`` layer holding those
   very bytes (no dequantize-requantize: ``bytes in memory`` ≈ the file's), recorded as that statement
   so that a further script applies and :func:`transformdsl.save` writes and reloads it exactly;
 - with tied embeddings (no ``output.weight``), a ``token_embd`` of one of those types becomes the head's layer
@@ -35,9 +35,9 @@ from . import gguf_layout
 from .gguf_read import GGUFFile, TensorInfo
 from .gguf_vocab import KEPT_ATTRIBUTE
 
-#: GGML type numbers kept as our layers (``gguf.GGMLQuantizationType``: Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8,
-#: Q4_K = 12, Q5_K = 13, Q6_K = 14).
-KEPT = {8: "q8_0", 2: "q4_0", 3: "q4_1", 6: "q5_0", 12: "q4_k", 13: "q5_k", 14: "q6_k"}
+#: GGML type numbers kept as our layers (``gguf.GGMLQuantizationType``: Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7,
+#: Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14).
+KEPT = {8: "q8_0", 2: "q4_0", 3: "q4_1", 6: "q5_0", 7: "q5_1", 12: "q4_k", 13: "q5_k", 14: "q6_k"}
 #: Float types read as they are (F32, F16, BF16).
 FLOATS = {0: np.float32, 1: np.float16}
 BF16 = 30

@@ -237,7 +237,8 @@ def contents(path: str | Path) -> dict:
             "versions": {},
             "interop": {"format": "gguf", "notes": [
                 f"{len(gf.tensors)} tensors, {len(gf.metadata)} metadata keys; transformdsl.load keeps Q8_0/Q4_0/Q4_1/"
-                "Q5_0/Q4_K/Q5_K/Q6_K linear layers as 'quantize q8_0'/'q4_0'/'q4_1'/'q5_0'/'q4_k'/'q5_k'/'q6_k' layers and "
+                "Q5_0/Q5_1/Q4_K/Q5_K/Q6_K linear layers as 'quantize q8_0'/'q4_0'/'q4_1'/'q5_0'/'q5_1'/'q4_k'/'q5_k'/'q6_k' "
+                "layers and "
                 "dequantizes other block types"]},
         }
 

@@ -257,7 +257,7 @@ class Int4Quantization(Quantize):
 
 
 class GGUFBlockQuantization(Quantize):
-    """``quantize q8_0|q4_0|q4_1|q5_0|q4_k|q5_k|q6_k``: the grid of a GGUF (llama.cpp) block type, so that ``save(...,
+    """``quantize q8_0|q4_0|q4_1|q5_0|q5_1|q4_k|q5_k|q6_k``: the grid of a GGUF (llama.cpp) block type, so that ``save(...,
     format="gguf")`` writes these layers as they are (spec.md "Interchange")."""
 
     #: The GGUF block: inputs per block (a layer's ``in_features`` must be a multiple).
@@ -300,6 +300,14 @@ class Q5_0Quantization(GGUFBlockQuantization):
     #: As q4_0's, a bound (one bit finer: the rounding error is half q4_0's).
     error_bound = {"kl": 1.2, "top1": 0.5, "rms": 0.4, "max": 0.4}
     implementation = ".gguf_modes:Q5_0Quantization"
+
+
+class Q5_1Quantization(GGUFBlockQuantization):
+    mode = "q5_1"
+    summary = "GGUF Q5_1: 5-bit weights in blocks of 32 with a float16 scale and minimum (llama.cpp's grid)"
+    #: As q5_0's, a bound (5 bits per weight, asymmetric blocks of 32).
+    error_bound = {"kl": 1.2, "top1": 0.5, "rms": 0.4, "max": 0.4}
+    implementation = ".gguf_modes:Q5_1Quantization"
 
 
 class Q4_KQuantization(GGUFBlockQuantization):

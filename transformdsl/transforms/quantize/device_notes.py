@@ -133,7 +133,7 @@ def gguf_int8_note(device_type: str) -> str:
 
 
 def gguf_block_note(device_type: str, dtypes: set[str], mode: str, narrow: int = 0) -> str | None:
-    """How ``quantize q8_0|q4_0|q4_1|q5_0|q4_k|q5_k|q6_k`` layers multiply on ``device_type``: decode-sized inputs with the
+    """How ``quantize q8_0|q4_0|q4_1|q5_0|q5_1|q4_k|q5_k|q6_k`` layers multiply on ``device_type``: decode-sized inputs with the
     packed int4 CPU kernel (what that rounds, what the packed copy costs), the rest exactly.
     ``narrow``: how many targets have an ``out_features`` the kernel cannot take."""
     if device_type != "cpu":
@@ -157,8 +157,8 @@ def gguf_block_note(device_type: str, dtypes: set[str], mode: str, narrow: int =
     if not fast:
         return ("these layers compute in " + "/".join(sorted(dtypes)) + ": the packed int4 CPU kernel takes "
                 "bfloat16 or float32 activations, so they dequantize their GGUF blocks at every call")
-    halves = " as two 4-bit halves" if mode in ("q8_0", "q5_0") else ""
-    extra = "1 byte" if mode in ("q8_0", "q5_0") else "0.5 byte"
+    halves = " as two 4-bit halves" if mode in ("q8_0", "q5_0", "q5_1") else ""
+    extra = "1 byte" if mode in ("q8_0", "q5_0", "q5_1") else "0.5 byte"
     text = ("decode-sized inputs (up to 8 rows) take the packed int4 CPU kernel (aten._weight_int4pack_mm_for_cpu"
             f"{halves}), the activations and the float16 block scales rounded to bfloat16 inside the layer "
             "(relative error ~0.3%, a bfloat16 matmul's, beside the blocks' own; the stored blocks, and what "

@@ -41,7 +41,8 @@ from . import kernels
 #: Inputs per block (GGUF's QK8_0 and QK4_0).
 BLOCK = 32
 #: Bytes per block in a GGUF file: the float16 scale, then the values.
-BLOCK_BYTES = {"q8_0": 2 + BLOCK, "q4_0": 2 + BLOCK // 2, "q4_1": 4 + BLOCK // 2, "q5_0": 2 + 4 + BLOCK // 2}
+BLOCK_BYTES = {"q8_0": 2 + BLOCK, "q4_0": 2 + BLOCK // 2, "q4_1": 4 + BLOCK // 2, "q5_0": 2 + 4 + BLOCK // 2,
+               "q5_1": 4 + 4 + BLOCK // 2}
 #: Q4_K's super-block: 256 inputs in 8 sub-blocks of 32, stored in 144 bytes (float16 ``d`` and
 #: ``dmin``, 12 bytes of 6-bit sub-block scales and mins, 128 bytes of 4-bit values).
 SUPER = 256
@@ -185,6 +186,30 @@ def quantize_q5_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     return packed, scale, high
 
 
+def quantize_q5_1(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(packed uint8 (out, in/2) as Q4_0's, (d, m) float16 (out, in/32, 2), high uint8 (out, in/32, 4))``: GGUF
+    Q5_1, a block's values ``q * d + m`` with ``m`` its minimum, ``d = (max - min) / 31`` and ``q = trunc((w - m) / d +
+    0.5)``; the low 4 bits in the nibbles, the fifth bits as Q5_0's ``qh`` word (ggml's ``quantize_row_q5_1_ref``)."""
+    rows, cols = weight.shape
+    packed = torch.empty(rows, cols // 2, dtype=torch.uint8, device=weight.device)
+    scale = torch.empty(rows, cols // BLOCK, 2, dtype=torch.float16, device=weight.device)
+    high = torch.empty(rows, cols // BLOCK, 4, dtype=torch.uint8, device=weight.device)
+    if weight.is_meta:
+        return packed, scale, high
+    bit = torch.arange(BLOCK, device=weight.device)
+    for start, blocks in _chunks(weight):
+        low = blocks.amin(dim=-1, keepdim=True)
+        d = (blocks.amax(dim=-1, keepdim=True) - low) / 31
+        q = torch.trunc((blocks - low) * _inverse(d) + 0.5).clamp_(0, 31).to(torch.int64)
+        nibbles = (q[..., :BLOCK // 2] & 0xF) | ((q[..., BLOCK // 2:] & 0xF) << 4)
+        word = ((q >> 4) << bit).sum(-1, keepdim=True)
+        count = len(blocks)
+        packed[start:start + count] = nibbles.to(torch.uint8).reshape(count, cols // 2)
+        scale[start:start + count] = torch.cat((d, low), dim=-1).to(torch.float16)
+        high[start:start + count] = ((word >> torch.tensor([0, 8, 16, 24], device=word.device)) & 0xFF).to(torch.uint8)
+    return packed, scale, high
+
+
 def unpack_q5_0(packed: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
     """(out, in/2) nibbles and (out, in/32, 4) fifth bits -> (out, in) values 0..31 (uint8: byte arithmetic only,
     as a prefill dequantizes every call)."""
@@ -213,18 +238,20 @@ def block_bytes(values: torch.Tensor, scale: torch.Tensor) -> np.ndarray:
 
 def from_block_bytes(data: np.ndarray, kind: str, rows: int, cols: int) -> tuple[torch.Tensor, ...]:
     """The inverse of :func:`block_bytes` (and of the layers' ``gguf_bytes``): the tensors a ``kind`` layer
-    stores, in its constructor's order (``values, scale`` and, for Q4_K, ``sub``; Q5_K: ``sub, high``; Q5_0:
-    ``high``; Q6_K: ``high, sub``)."""
+    stores, in its constructor's order (``values, scale`` and, for Q4_K, ``sub``; Q5_K: ``sub, high``; Q5_0 and
+    Q5_1: ``high``; Q6_K: ``high, sub``)."""
     if kind == "q6_k":
         raw = torch.from_numpy(np.ascontiguousarray(data, dtype=np.uint8).reshape(rows, cols // SUPER, Q6_K_BYTES).copy())
         low, high = SUPER // 2, SUPER // 2 + SUPER // 4
         return (raw[..., :low].contiguous().reshape(rows, cols // 2), raw[..., -2:].contiguous().view(torch.float16)
                 .reshape(rows, cols // SUPER), raw[..., low:high].contiguous().reshape(rows, cols // 4),
                 raw[..., high:-2].contiguous().view(torch.int8))
-    if kind == "q5_0":
+    if kind in ("q5_0", "q5_1"):  # d (and Q5_1's m), the 4 qh bytes, the 16 nibble bytes
         raw = torch.from_numpy(np.ascontiguousarray(data, dtype=np.uint8).reshape(rows, cols // BLOCK, BLOCK_BYTES[kind]).copy())
-        return (raw[..., 6:].contiguous().reshape(rows, cols // 2),
-                raw[..., :2].contiguous().view(torch.float16).reshape(rows, cols // BLOCK), raw[..., 2:6].contiguous())
+        header = 2 if kind == "q5_0" else 4
+        scale = raw[..., :header].contiguous().view(torch.float16).reshape(rows, cols // BLOCK, *((2,) if header == 4 else ()))
+        return (raw[..., header + 4:].contiguous().reshape(rows, cols // 2), scale,
+                raw[..., header:header + 4].contiguous())
     if kind in ("q4_k", "q5_k"):
         raw = torch.from_numpy(np.ascontiguousarray(data, dtype=np.uint8).reshape(rows, cols // SUPER, SUPER_BYTES[kind])
                                .copy())
@@ -1049,6 +1076,51 @@ class BlockEmbedding(nn.Module):
                 f"head's GGUF {self.head.kind.upper()} blocks")
 
 
+class Q5_1Linear(Q5_0Linear):
+    """GGUF Q5_1: Q5_0's nibbles and fifth bits standing for ``q * d + m`` (``q`` 0..31), a float16 ``d`` and ``m`` per 32
+    inputs (``weight_scale``: out x in/32 x 2, as Q4_1's).  llama.cpp writes it for a Q5_K tensor whose width is
+    no multiple of 256 (most of SmolLM2's projections in a ``Q5_K_M`` file)."""
+
+    kind = "q5_1"
+
+    @classmethod
+    def build(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> Q5_1Linear:
+        """Quantize an ``(out, in)`` float weight (left untouched) as ggml's reference quantizer does; on meta, the
+        empty structure."""
+        return cls(*quantize_q5_1(weight), bias, weight.dtype)
+
+    def values(self, start=0, end=None):
+        rows = _rows(start, end)
+        return unpack_q5_0(self.stored_weight[rows], self.weight_high[rows]).float()
+
+    def dequantize(self, start: int = 0, end: int | None = None) -> torch.Tensor:
+        m = self.weight_scale[_rows(start, end)][:, :, 1].float()
+        scaled = self._scaled(start, end)
+        return (scaled.reshape(scaled.shape[0], -1, BLOCK) + m[..., None]).reshape(scaled.shape[0], self.in_features)
+
+    def _row_product(self, x: torch.Tensor) -> torch.Tensor:
+        buffers = self._buffers
+        return kernels.q5_1(x, buffers["weight"], buffers["weight_scale"], buffers["weight_high"], self.bias)
+
+    def pack(self):
+        # q * d + m = 16 h d + low * d + m (h: the fifth bit), as two centred 4-bit parts (Q5_0's reason)
+        q = unpack_q5_0(self.stored_weight, self.weight_high)
+        d, m = self.weight_scale.float().unbind(-1)
+        return (_int4pack((q >> 4) + 8, 16 * d, -8 * d), _int4pack(q & 0xF, d, m + 16 * d))
+
+    def gguf_bytes(self) -> np.ndarray:
+        """The weight as the GGUF tensor's bytes: per block ``d``, ``m``, the 4 ``qh`` bytes, the 16 nibble bytes."""
+        rows, groups, _ = self.weight_scale.shape
+        dm = self.weight_scale.detach().cpu().contiguous().view(torch.uint8).reshape(rows, groups, 4)
+        values = self.stored_weight.detach().cpu().reshape(rows, groups, BLOCK // 2)
+        return torch.cat((dm, self.weight_high.detach().cpu(), values), dim=-1).reshape(rows, -1).numpy()
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, weight=q5_1 (GGUF blocks of {BLOCK}), "
+                f"packed_kernel={self.packed_kernel}, row_kernel={self.row_kernel}")
+
+
 #: Layer class per mode.
-LAYERS = {"q8_0": Q8_0Linear, "q4_0": Q4_0Linear, "q4_1": Q4_1Linear, "q5_0": Q5_0Linear, "q4_k": Q4_KLinear,
-          "q5_k": Q5_KLinear, "q6_k": Q6_KLinear}
+LAYERS = {"q8_0": Q8_0Linear, "q4_0": Q4_0Linear, "q4_1": Q4_1Linear, "q5_0": Q5_0Linear, "q5_1": Q5_1Linear,
+          "q4_k": Q4_KLinear, "q5_k": Q5_KLinear, "q6_k": Q6_KLinear}

@@ -1,4 +1,4 @@
-"""``quantize q8_0``, ``q4_0``, ``q4_1``, ``q5_0``, ``q4_k``, ``q5_k`` and ``q6_k`` (implementation): the quantize family's planning, apply
+"""``quantize q8_0``, ``q4_0``, ``q4_1``, ``q5_0``, ``q5_1``, ``q4_k``, ``q5_k`` and ``q6_k`` (implementation): the quantize family's planning, apply
 and reload (:mod:`.quantization`) with the GGUF block layers of :mod:`.gguf_blocks`.
 
 A layer whose ``in_features`` is not a multiple of the block (32; Q4_K's super-block, 256) is a near miss.  In a
@@ -27,6 +27,7 @@ from . import Q4_0Quantization as Q4_0Declaration
 from . import Q4_1Quantization as Q4_1Declaration
 from . import Q4_KQuantization as Q4_KDeclaration
 from . import Q5_0Quantization as Q5_0Declaration
+from . import Q5_1Quantization as Q5_1Declaration
 from . import Q5_KQuantization as Q5_KDeclaration
 from . import Q6_KQuantization as Q6_KDeclaration
 from . import Q8_0Quantization as Q8_0Declaration
@@ -132,7 +133,7 @@ class GGUFBlockBehaviour(QuantizeBehaviour):
 
     @staticmethod
     def _activations(options) -> str:
-        return getattr(options, "activations", "float")  # (q5_0, q4_k, q5_k and q6_k have no option)
+        return getattr(options, "activations", "float")  # (q5_0, q5_1, q4_k, q5_k and q6_k have no option)
 
     @classmethod
     def rebuild(cls, root, record: dict, options) -> None:
@@ -203,6 +204,10 @@ class Q4_KQuantization(GGUFBlockBehaviour, Q4_KDeclaration):
 
 
 class Q5_0Quantization(GGUFBlockBehaviour, Q5_0Declaration):
+    pass
+
+
+class Q5_1Quantization(GGUFBlockBehaviour, Q5_1Declaration):
     pass
 
 

@@ -1,8 +1,9 @@
 """Decode kernels for quantized layers: ``rows.c``, compiled here for this CPU on first use.
 
 ``int8_rows``, ``q8_0_rows``, ``q4_0_rows``, ``q4_1_rows``, ``q5_0_rows``, ``q4_k_rows``, ``q6_k_rows`` and
-``int4_rows`` (and ``q5_k_rows``) multiply a few float32 rows (decoding: one token per sequence) by a weight stored as
-``quantize int8 weight_only=true``, ``q8_0``, ``q4_0``, ``q4_1``, ``q5_0``, ``q4_k``, ``q5_k``, ``q6_k`` or ``int4`` store it, reading the stored bytes directly: no dequantized copy, no packed second copy, and
+``int4_rows`` (and ``q5_1_rows``, ``q5_k_rows``) multiply a few float32 rows (decoding: one token per sequence) by a weight stored as
+``quantize int8 weight_only=true``, ``q8_0``, ``q4_0``, ``q4_1``, ``q5_0``, ``q5_1``, ``q4_k``, ``q5_k``, ``q6_k`` or
+``int4`` store it, reading the stored bytes directly: no dequantized copy, no packed second copy, and
 float32 activations (the exact product of the stored values, up to float32 summation order).  Measured
 against aten's packed kernels, which these replace for decode-sized inputs: benchmarks/results/decode_kernels.md.
 
@@ -31,7 +32,7 @@ import torch
 from .build import FUNCTIONS, SWITCH, build
 
 __all__ = ["SWITCH", "available", "status", "reset", "rows", "int4", "q4_k", "int8_rows", "q8_0_rows", "q4_0_rows",
-           "q4_1_rows", "int4_rows", "int4_q8x_rows", "q4_k_rows", "q5_k", "q5_k_rows", "q5_0", "q5_0_rows", "q6_k",
+           "q4_1_rows", "int4_rows", "int4_q8x_rows", "q4_k_rows", "q5_k", "q5_k_rows", "q5_0", "q5_0_rows", "q5_1", "q5_1_rows", "q6_k",
            "q6_k_rows"]
 
 _lock = threading.Lock()
@@ -150,6 +151,19 @@ def q4_k_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, sub: t
     return out
 
 
+def q5_1_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, high: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The product with GGUF Q5_1 blocks: weight and high as :func:`q5_0_rows` takes Q5_0's, scale float16 (out, in/32,
+    2): each block's d and m (values ``q * d + m``)."""
+    width = x.shape[-1]
+    rows = x.numel() // width if width else 0
+    out = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
+    scratch = torch.empty(rows * (width // 32), dtype=torch.float32)
+    _state["q5_1_rows"](x.data_ptr(), weight.data_ptr(), high.data_ptr(), scale.data_ptr(), scratch.data_ptr(),
+                        None if bias is None else bias.data_ptr(), out.data_ptr(), rows, weight.shape[0], width, 0)
+    return out
+
+
 def q5_k_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, sub: torch.Tensor, high: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
     """The product with GGUF Q5_K super-blocks: weight, scale and sub as :func:`q4_k_rows` takes Q4_K's (the low 4
@@ -235,9 +249,9 @@ def q4_1_q8_rows(q: torch.Tensor, d: torch.Tensor, s: torch.Tensor, weight: torc
 
 
 EAGER = {"int8": int8_rows, "q8_0": q8_0_rows, "q4_0": q4_0_rows, "q4_1": q4_1_rows}
-#: The GGUF block kinds a kernel here reads (Q4_K, Q5_K, Q5_0 and Q6_K through :func:`q4_k`, :func:`q5_k`,
-#: :func:`q5_0` and :func:`q6_k`, the others through :func:`rows`).
-BLOCK_KINDS = frozenset(("q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q5_k", "q6_k"))
+#: The GGUF block kinds a kernel here reads (Q4_K, Q5_K, Q5_0, Q5_1 and Q6_K through :func:`q4_k`, :func:`q5_k`,
+#: :func:`q5_0`, :func:`q5_1` and :func:`q6_k`, the others through :func:`rows`).
+BLOCK_KINDS = frozenset(("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"))
 
 
 #: ``activations=int8`` (:func:`rows`): ``x`` rounded to Q8_0 blocks (Q4_1: with Q8_1's sums), then the integer
@@ -298,6 +312,18 @@ def _q4_k_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, sub: to
 
 @_q4_k_op.register_fake
 def _(x, weight, scale, sub, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("transformdsl::q5_1_rows", mutates_args=())
+def _q5_1_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, high: torch.Tensor,
+             bias: torch.Tensor | None) -> torch.Tensor:
+    _library()
+    return q5_1_rows(x, weight, scale, high, bias)
+
+
+@_q5_1_op.register_fake
+def _(x, weight, scale, high, bias):
     return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
 
 
@@ -382,6 +408,12 @@ def q4_k(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, sub: torch.
          bias: torch.Tensor | None) -> torch.Tensor:
     """As :func:`rows`, for ``quantize q4_k`` layers (:func:`q4_k_rows`)."""
     return _run(q4_k_rows, _q4_k_op, x, weight, bias, scale, sub)
+
+
+def q5_1(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, high: torch.Tensor,
+         bias: torch.Tensor | None) -> torch.Tensor:
+    """As :func:`rows`, for ``quantize q5_1`` layers (:func:`q5_1_rows`)."""
+    return _run(q5_1_rows, _q5_1_op, x, weight, bias, scale, high)
 
 
 def q5_k(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, sub: torch.Tensor, high: torch.Tensor,

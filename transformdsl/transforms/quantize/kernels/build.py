@@ -36,6 +36,7 @@ SIGNATURES = {
     "q4_k_rows": [_P] * 7 + [_N] * 3 + [_I],
     "q5_0_rows": [_P] * 6 + [_N] * 3 + [_I],
     "q5_k_rows": [_P] * 8 + [_N] * 3 + [_I],
+    "q5_1_rows": [_P] * 7 + [_N] * 3 + [_I],
     "q6_k_rows": [_P] * 7 + [_N] * 3 + [_I],
     # int8 activations (llama.cpp's arithmetic; ``activations=int8`` layers): x as Q8_0 blocks
     "quantize_q8_rows": [_P] * 4 + [_N] * 2,
@@ -190,6 +191,8 @@ def _self_check(library: ctypes.CDLL) -> str | None:
         return "the compiled q4_k_rows failed its self-check"
     if _q5_0_wrong(library, generator):
         return "the compiled q5_0_rows failed its self-check"
+    if _q5_1_wrong(library, generator):
+        return "the compiled q5_1_rows failed its self-check"
     if _q5_k_wrong(library, generator):
         return "the compiled q5_k_rows failed its self-check"
     if _q6_k_wrong(library, generator):
@@ -280,6 +283,26 @@ def _q4_k_wrong(library: ctypes.CDLL, generator: torch.Generator) -> bool:
     weight = (dm[..., :1].double() * sc)[..., None] * q - (dm[..., 1:].double() * mins)[..., None]
     out, scratch = torch.empty(3, rows), torch.empty(3 * width // 32)
     library.q4_k_rows(x.data_ptr(), values.data_ptr(), dm.data_ptr(), sub.data_ptr(), scratch.data_ptr(), None,
+                      out.data_ptr(), 3, rows, width, 1)
+    return not torch.allclose(out.double(), x.double() @ weight.reshape(rows, width).T, rtol=1e-5, atol=1e-4)
+
+
+def _q5_1_wrong(library: ctypes.CDLL, generator: torch.Generator) -> bool:
+    """Whether q5_1_rows misses the float64 product with ggml's dequantization of random Q5_1 blocks (three blocks,
+    three input rows): Q5_0's values (no - 16) times d, plus m."""
+    rows, width = 21, 96
+    x = torch.randn(3, width, generator=generator)
+    nibbles = torch.randint(0, 256, (rows, width // 2), dtype=torch.uint8, generator=generator)
+    high = torch.randint(0, 256, (rows, width // 32, 4), dtype=torch.uint8, generator=generator)
+    dm = torch.stack(((torch.rand(rows, width // 32, generator=generator) + 0.5),
+                      torch.randn(rows, width // 32, generator=generator)), dim=-1).half()
+    blocks = nibbles.reshape(rows, -1, 16)
+    low = torch.cat((blocks & 15, blocks >> 4), dim=-1).long()
+    word = (high.long() << torch.tensor([0, 8, 16, 24])).sum(-1, keepdim=True)
+    q = (low | (((word >> torch.arange(32)) & 1) << 4)).double()
+    weight = q * dm[..., 0].double()[..., None] + dm[..., 1].double()[..., None]
+    out, scratch = torch.empty(3, rows), torch.empty(3 * width // 32)
+    library.q5_1_rows(x.data_ptr(), nibbles.data_ptr(), high.data_ptr(), dm.data_ptr(), scratch.data_ptr(), None,
                       out.data_ptr(), 3, rows, width, 1)
     return not torch.allclose(out.double(), x.double() @ weight.reshape(rows, width).T, rtol=1e-5, atol=1e-4)
 

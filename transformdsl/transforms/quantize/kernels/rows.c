@@ -12,7 +12,8 @@
  *              its high one, standing for (q - 8) * d; one float16 d per 32 inputs   (GGUF Q4_0)
  *   q4_1_rows  as q4_0, standing for q * d + m; a float16 (d, m) per 32 inputs       (GGUF Q4_1)
  *   q5_0_rows  as q4_0 plus each block's 32 fifth bits (4 bytes), standing for (q - 16) * d  (GGUF Q5_0)
- *   q4_k_rows, q6_k_rows: GGUF's K-quants, super-blocks of 256 inputs (see each)
+ *   q5_1_rows  as q5_0, standing for q * d + m; a float16 (d, m) per 32 inputs        (GGUF Q5_1)
+ *   q4_k_rows, q5_k_rows, q6_k_rows: GGUF's K-quants, super-blocks of 256 inputs (see each)
  *   int4_rows  uint8 W (N x K/2), input 2j in byte j's low nibble and 2j + 1 in its high one, standing
  *              for (q - 8) * s + z with one (s, z) per group of G inputs, bfloat16 or float32
  *                                                                               (quantize int4)
@@ -478,25 +479,31 @@ void q5_k_rows(const float *x, const uint8_t *w, const uint16_t *dm, const uint8
 /* GGUF Q5_0: Q4_0's nibbles plus a fifth bit each (the block's 4 ``qh`` bytes, a little-endian word whose bit
  * j belongs to input j), standing for (q - 16) * d.  Per block, as gguf_block's Q4_0: the vector sum of
  * x * (q - 16) times d (vq5 widens the values). */
-INLINE void q5_0_block(const float *x, const uint8_t *w, const uint8_t *qh, const uint16_t *d, int64_t n,
-                       int64_t rows, int64_t K, const int mt, int fetch, float out[MT_MAX][ROWS])
+/* ``xs`` NULL: Q5_0.  GGUF Q5_1 (``d`` holding (d, m) pairs, ``xs`` each 32 inputs' sum): q * d + m =
+ * (q - 16) * d + (16 d + m), the second term the block's offset times its sum of x, a vector product per chunk
+ * as Q4_K's offsets are. */
+INLINE void q5_0_block(const float *x, const float *xs, const uint8_t *w, const uint8_t *qh, const uint16_t *d,
+                       int64_t n, int64_t rows, int64_t K, const int mt, int fetch, float out[MT_MAX][ROWS])
 {
-    const int64_t blocks = K / 32, row_bytes = K / 2;
+    const int64_t blocks = K / 32, row_bytes = K / 2, pairs = xs ? 2 : 1;
     const uint8_t *wr[ROWS], *hr[ROWS];
     const uint16_t *dr[ROWS];
     vf acc[MT_MAX][ROWS];
-    float scale[ROWS][CHUNK];
+    float scale[ROWS][CHUNK], offset[ROWS][CHUNK], rest[MT_MAX][ROWS];
     for (int i = 0; i < ROWS; i++) {
         int64_t r = n + (i < rows ? i : 0);
         wr[i] = w + r * row_bytes;
         hr[i] = qh + r * blocks * 4;
-        dr[i] = d + r * blocks;
-        for (int j = 0; j < mt; j++) acc[j][i] = vzero();
+        dr[i] = d + r * blocks * pairs;
+        for (int j = 0; j < mt; j++) { acc[j][i] = vzero(); rest[j][i] = 0.0f; }
     }
     for (int64_t b0 = 0; b0 < blocks; b0 += CHUNK) {
         const int64_t count = blocks - b0 < CHUNK ? blocks - b0 : CHUNK;
         for (int i = 0; i < ROWS; i++)
-            for (int64_t c = 0; c < count; c++) scale[i][c] = half(dr[i][b0 + c]);
+            for (int64_t c = 0; c < count; c++) {
+                scale[i][c] = half(dr[i][(b0 + c) * pairs]);
+                if (xs) offset[i][c] = 16.0f * scale[i][c] + half(dr[i][(b0 + c) * 2 + 1]);
+            }
         for (int64_t c = 0; c < count; c++) {
             const int64_t b = b0 + c, at = b * 16;
             if (fetch && (at % LINE) == 0)
@@ -522,16 +529,39 @@ INLINE void q5_0_block(const float *x, const uint8_t *w, const uint8_t *qh, cons
                 for (int j = 0; j < mt; j++) acc[j][i] = vfma(t[j], vset(scale[i][c]), acc[j][i]);
             }
         }
+        if (xs)
+            for (int i = 0; i < ROWS; i++) {  /* the offsets times the blocks' sums of x, LANES blocks a step */
+                int64_t c = 0;
+                for (; c + LANES <= count; c += LANES)
+                    for (int j = 0; j < mt; j++)
+                        acc[j][i] = vfma(vload(xs + j * blocks + b0 + c), vload(&offset[i][c]), acc[j][i]);
+                for (; c < count; c++)
+                    for (int j = 0; j < mt; j++) rest[j][i] += xs[j * blocks + b0 + c] * offset[i][c];
+            }
     }
     for (int j = 0; j < mt; j++)
-        for (int i = 0; i < ROWS; i++) out[j][i] = vsum(acc[j][i]);
+        for (int i = 0; i < ROWS; i++) out[j][i] = vsum(acc[j][i]) + rest[j][i];
 }
 
 void q5_0_rows(const float *x, const uint8_t *w, const uint8_t *qh, const uint16_t *d, const float *bias, float *y,
                int64_t M, int64_t N, int64_t K, int threads)
 {
-#define Q5_0_CALL(MT) q5_0_block(x + m * K, w, qh, d, n, rows, K, MT, m == 0, out)
+#define Q5_0_CALL(MT) q5_0_block(x + m * K, NULL, w, qh, d, n, rows, K, MT, m == 0, out)
     ROW_LOOP(Q5_0_CALL)
+}
+
+/* GGUF Q5_1: Q5_0's nibbles and fifth bits standing for q * d + m, ``dm`` a float16 (d, m) per block.  ``scratch``:
+ * M * K / 32 floats (the caller's): each 32 inputs' sum. */
+void q5_1_rows(const float *x, const uint8_t *w, const uint8_t *qh, const uint16_t *dm, float *scratch,
+               const float *bias, float *y, int64_t M, int64_t N, int64_t K, int threads)
+{
+    for (int64_t b = 0; b < M * K / 32; b++) {
+        float sum = 0.0f;
+        for (int e = 0; e < 32; e++) sum += x[b * 32 + e];
+        scratch[b] = sum;
+    }
+#define Q5_1_CALL(MT) q5_0_block(x + m * K, scratch + m * (K / 32), w, qh, dm, n, rows, K, MT, m == 0, out)
+    ROW_LOOP(Q5_1_CALL)
 }
 
 /* GGUF Q6_K: super-blocks of 256 inputs in 16 groups of 16, each group's values (q - 32) * (d * sc) with q 6 bits
