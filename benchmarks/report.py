@@ -590,6 +590,10 @@ def serving_section() -> str:
                         "float32 activations")
     # bench_gguf_kquant.py: llama.cpp's own Q4_K_M file read by our import
     text += _subsection("serving_kquant.md", "A GGUF file a user already has: llama.cpp's Q4_K_M, read by our import")
+    # bench_gguf_kquant.py --ftype Q5_K_M: the same for llama.cpp's Q5_K_M (Q5_K, Q5_1, Q6_K)
+    text += _subsection("serving_kquant_q5_k_m.md", "And llama.cpp's Q5_K_M, read by our import")
+    # bench_decode_kernels.py --layers q4_k q5_k q6_k q8_0: the K-quant kernels side by side
+    text += _subsection("decode_kernels_kquant.md", "The K-quant decode kernels: q5_k beside q4_k, q6_k and q8_0")
     return text
 
 
