@@ -855,31 +855,23 @@ def test_quantize_q4_k_on_a_float_model_exports_what_stock_transformers_reads(tm
     assert not narrow.targets and "not a multiple of GGUF's block of 256" in str(narrow.skipped)
 
 
-def test_q6_k_bytes_are_llama_cpps_reference_quantizers():
-    """tests/golden/q6_k_reference.npz: the bytes ggml's ``quantize_row_q6_K_ref`` (llama-cpp-python 0.3.36's
-    libggml-base) wrote for q4_k_reference.npz's 48 hard rows; the gguf package has no Q6_K quantizer."""
+@pytest.mark.parametrize("kind", ["q5_k", "q6_k"])
+def test_k_quant_bytes_are_llama_cpps_reference_quantizers(kind):
+    """tests/golden/q5_k_reference.npz and q6_k_reference.npz: the bytes ggml's ``quantize_row_q5_K_ref`` and
+    ``quantize_row_q6_K_ref`` (llama-cpp-python 0.3.36's libggml-base) wrote for q4_k_reference.npz's 48 hard rows
+    (the gguf package has no K-quant quantizer); dequantized as the gguf package dequantizes them, and read back
+    from those bytes as the same tensors."""
     golden = Path(__file__).parent / "golden"
     weight = np.load(golden / "q4_k_reference.npz")["weight"]
-    blocks = np.load(golden / "q6_k_reference.npz")["blocks"]
-    layer = gguf_blocks.Q6_KLinear.build(torch.from_numpy(weight), None)
+    blocks = np.load(golden / f"{kind}_reference.npz")["blocks"]
+    layer = LAYERS[kind].build(torch.from_numpy(weight), None)
     assert np.array_equal(layer.gguf_bytes(), blocks)
-    reference = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q6_K)
+    reference = gguf.quants.dequantize(blocks, getattr(gguf.GGMLQuantizationType, kind.upper()))
     assert np.array_equal(layer.dequantize().numpy(), reference.reshape(48, 512))
-
-
-def test_q5_k_bytes_are_llama_cpps_reference_quantizers():
-    """tests/golden/q5_k_reference.npz: the bytes ggml's ``quantize_row_q5_K_ref`` (llama-cpp-python 0.3.36's
-    libggml-base) wrote for q4_k_reference.npz's 48 hard rows; dequantized as the gguf package dequantizes them."""
-    golden = Path(__file__).parent / "golden"
-    weight = np.load(golden / "q4_k_reference.npz")["weight"]
-    blocks = np.load(golden / "q5_k_reference.npz")["blocks"]
-    layer = gguf_blocks.Q5_KLinear.build(torch.from_numpy(weight), None)
-    assert np.array_equal(layer.gguf_bytes(), blocks)
-    reference = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q5_K)
-    assert np.array_equal(layer.dequantize().numpy(), reference.reshape(48, 512))
-    values, scale, sub, high = gguf_blocks.from_block_bytes(blocks, "q5_k", 48, 512)
-    assert all(torch.equal(a, b) for a, b in zip((values, scale, sub, high), (
-        layer.stored_weight, layer.weight_scale, layer.weight_sub, layer.weight_high)))
+    stored = [t for name, t in layer.state_dict().items() if name != "bias"]
+    read = gguf_blocks.from_block_bytes(blocks, kind, 48, 512)
+    assert sorted(t.numel() for t in stored) == sorted(t.numel() for t in read)
+    assert LAYERS[kind](*read, None).gguf_bytes().tobytes() == blocks.tobytes()
 
 
 @pytest.mark.parametrize("kind", ["q5_0", "q5_1", "q5_k", "q6_k"])

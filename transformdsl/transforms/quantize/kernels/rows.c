@@ -449,15 +449,21 @@ INLINE void q4_k_block(const float *x, const float *xs, const uint8_t *w, const 
         for (int i = 0; i < ROWS; i++) out[j][i] = vsum(acc[j][i]) + rest[j][i];
 }
 
+/* each 32 inputs' sum, in order: what the kernels with an offset per block or sub-block multiply it by */
+static void block_sums(const float *x, float *sums, int64_t blocks)
+{
+    for (int64_t b = 0; b < blocks; b++) {
+        float sum = 0.0f;
+        for (int e = 0; e < 32; e++) sum += x[b * 32 + e];
+        sums[b] = sum;
+    }
+}
+
 /* ``scratch``: M * K / 32 floats (the caller's): each 32 inputs' sum */
 void q4_k_rows(const float *x, const uint8_t *w, const uint16_t *dm, const uint8_t *sub, float *scratch,
                const float *bias, float *y, int64_t M, int64_t N, int64_t K, int threads)
 {
-    for (int64_t b = 0; b < M * K / 32; b++) {
-        float sum = 0.0f;
-        for (int e = 0; e < 32; e++) sum += x[b * 32 + e];
-        scratch[b] = sum;
-    }
+    block_sums(x, scratch, M * K / 32);
 #define Q4_K_CALL(MT) q4_k_block(x + m * K, scratch + m * (K / 32), w, dm, sub, NULL, n, rows, K, MT, m == 0, out)
     ROW_LOOP(Q4_K_CALL)
 }
@@ -467,11 +473,7 @@ void q4_k_rows(const float *x, const uint8_t *w, const uint16_t *dm, const uint8
 void q5_k_rows(const float *x, const uint8_t *w, const uint16_t *dm, const uint8_t *sub, const uint8_t *qh,
                float *scratch, const float *bias, float *y, int64_t M, int64_t N, int64_t K, int threads)
 {
-    for (int64_t b = 0; b < M * K / 32; b++) {
-        float sum = 0.0f;
-        for (int e = 0; e < 32; e++) sum += x[b * 32 + e];
-        scratch[b] = sum;
-    }
+    block_sums(x, scratch, M * K / 32);
 #define Q5_K_CALL(MT) q4_k_block(x + m * K, scratch + m * (K / 32), w, dm, sub, qh, n, rows, K, MT, m == 0, out)
     ROW_LOOP(Q5_K_CALL)
 }
@@ -555,11 +557,7 @@ void q5_0_rows(const float *x, const uint8_t *w, const uint8_t *qh, const uint16
 void q5_1_rows(const float *x, const uint8_t *w, const uint8_t *qh, const uint16_t *dm, float *scratch,
                const float *bias, float *y, int64_t M, int64_t N, int64_t K, int threads)
 {
-    for (int64_t b = 0; b < M * K / 32; b++) {
-        float sum = 0.0f;
-        for (int e = 0; e < 32; e++) sum += x[b * 32 + e];
-        scratch[b] = sum;
-    }
+    block_sums(x, scratch, M * K / 32);
 #define Q5_1_CALL(MT) q5_0_block(x + m * K, scratch + m * (K / 32), w, qh, dm, n, rows, K, MT, m == 0, out)
     ROW_LOOP(Q5_1_CALL)
 }
