@@ -108,6 +108,7 @@ LAYERS = {"int8 weight-only": Int8WeightOnlyLinear.build, "q8_0": Q8_0Linear.bui
           # llama.cpp's arithmetic (no aten counterpart: its "aten" columns stay empty)
           "q8_0 activations=int8": _int8_activations(Q8_0Linear.build),
           "q4_0 activations=int8": _int8_activations(Q4_0Linear.build),
+          "q5_0 activations=int8": _int8_activations(Q5_0Linear.build),
           "int4 group_size=64 activations=int8":
               lambda weight, bias: Int4WeightOnlyLinear.build(weight, bias, 64, activations="int8")}
 SETS = {

@@ -1170,12 +1170,12 @@ def test_convert_quantizes_a_tied_head_with_its_embedding_as_transform_does(tmp_
 
 
 def test_the_idle_warning_offers_activations_only_to_grids_that_take_it(tmp_path):
-    """On an import whose layers are Q5_0 (no ``activations=`` option), an idle ``quantize int8`` says the layers
-    are quantized already and offers no statement the Q5_0 layers would refuse."""
+    """On an import whose layers are Q6_K (no ``activations=`` option), an idle ``quantize int8`` says the layers
+    are quantized already and offers no statement the Q6_K layers would refuse."""
     from transformdsl.executor import NothingToDoWarning
 
-    transformdsl.save(transformdsl.transform(wide_llama(), "quantize q5_0"), tmp_path / "file", format="gguf")
+    transformdsl.save(transformdsl.transform(wide_llama(), "quantize q6_k"), tmp_path / "file", format="gguf")
     with pytest.warns(NothingToDoWarning) as caught:
         transformdsl.transform(transformdsl.load(tmp_path / "file" / "model.gguf"), "quantize int8")
     text = " ".join(str(w.message) for w in caught)
-    assert "quantized already (Q5_0Linear x14)" in text and "activations=int8" not in text
+    assert "quantized already (Q6_KLinear x14)" in text and "activations=int8" not in text

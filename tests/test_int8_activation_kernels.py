@@ -165,7 +165,7 @@ def test_narrower_builds_compute_the_same(variant, tmp_path):
 
 # --------------------------------------------------------------------------- quantize q8_0|q4_0|q4_1 activations=int8
 
-MODES = ("q8_0", "q4_0", "q4_1")
+MODES = ("q8_0", "q4_0", "q4_1", "q5_0")
 
 
 def int8_layer(kind: str, shape=(48, 96), bias: bool = True, seed: int = 0):

@@ -299,6 +299,7 @@ class Q5_0Quantization(GGUFBlockQuantization):
     summary = "GGUF Q5_0: 5-bit symmetric weights in blocks of 32 with a float16 scale (llama.cpp's grid)"
     #: As q4_0's, a bound (one bit finer: the rounding error is half q4_0's).
     error_bound = {"kl": 1.2, "top1": 0.5, "rms": 0.4, "max": 0.4}
+    Options = GGUFOptions
     implementation = ".gguf_modes:Q5_0Quantization"
 
 
@@ -337,6 +338,6 @@ class Q6_KQuantization(GGUFBlockQuantization):
     implementation = ".gguf_modes:Q6_KQuantization"
 
 
-#: The GGUF grids whose layers take ``activations=`` (their options are :class:`GGUFOptions`; ``q5_0``, ``q4_k`` and
-#: ``q6_k`` have none).
+#: The GGUF grids whose layers take ``activations=`` (their options are :class:`GGUFOptions`; ``q5_1``, ``q4_k``,
+#: ``q5_k`` and ``q6_k`` have none).
 ACTIVATION_GRIDS = frozenset(cls.mode for cls in GGUFBlockQuantization.__subclasses__() if cls.Options is GGUFOptions)

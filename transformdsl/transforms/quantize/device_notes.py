@@ -119,7 +119,7 @@ def _row_kernel_note(stored: str, exact: str = "") -> str | None:
 
 
 def gguf_int8_note(device_type: str) -> str:
-    """How ``quantize q8_0|q4_0|q4_1 activations=int8`` layers multiply on ``device_type``."""
+    """How ``quantize q8_0|q4_0|q4_1|q5_0 activations=int8`` layers multiply on ``device_type``."""
     from . import kernels  # imports torch: only when a plan asks
 
     rounding = ("activations rounded per 32 inputs to int8 with a float16 scale, as llama.cpp's CPU backend rounds "

@@ -298,7 +298,7 @@ class BlockQuantizedLinear(StoredWeight):
     #: ``"q8_0"``, ``"q4_0"``, ``"q4_1"`` or ``"q4_k"``.
     kind: str = ""
     #: ``"float"``: inputs multiply the stored blocks as they are (the exact product); ``"int8"``
-    #: (``quantize q4_0 activations=int8``; q8_0, q4_0, q4_1): rounded first per 32 inputs, as llama.cpp
+    #: (``quantize q4_0 activations=int8``; q8_0, q4_0, q4_1, q5_0): rounded first per 32 inputs, as llama.cpp
     #: rounds them (:func:`round_activations`), then multiplied as integers where our kernel runs.
     activations: str = "float"
     #: Inputs per entry along ``weight_scale``'s second dimension: a block (Q4_K: a super-block).
@@ -860,7 +860,8 @@ class Q5_0Linear(BlockQuantizedLinear):
 
     def _row_product(self, x: torch.Tensor) -> torch.Tensor:
         buffers = self._buffers
-        return kernels.q5_0(x, buffers["weight"], buffers["weight_scale"], buffers["weight_high"], self.bias)
+        return kernels.q5_0(x, buffers["weight"], buffers["weight_scale"], buffers["weight_high"], self.bias,
+                            self.activations)
 
     def pack(self):
         # q = 16 * h + low (h: the fifth bit): (h + 8 - 8) * 16d - 8d, plus (low - 8) * d; each part centred on 0

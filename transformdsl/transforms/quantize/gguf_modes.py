@@ -133,7 +133,7 @@ class GGUFBlockBehaviour(QuantizeBehaviour):
 
     @staticmethod
     def _activations(options) -> str:
-        return getattr(options, "activations", "float")  # (q5_0, q5_1, q4_k, q5_k and q6_k have no option)
+        return getattr(options, "activations", "float")  # (q5_1, q4_k, q5_k and q6_k have no option)
 
     @classmethod
     def rebuild(cls, root, record: dict, options) -> None:

@@ -32,7 +32,7 @@ import torch
 from .build import FUNCTIONS, SWITCH, build
 
 __all__ = ["SWITCH", "available", "status", "reset", "rows", "int4", "q4_k", "int8_rows", "q8_0_rows", "q4_0_rows",
-           "q4_1_rows", "int4_rows", "int4_q8x_rows", "q4_k_rows", "q5_k", "q5_k_rows", "q5_0", "q5_0_rows", "q5_1", "q5_1_rows", "q6_k",
+           "q4_1_rows", "int4_rows", "int4_q8x_rows", "q4_k_rows", "q5_k", "q5_k_rows", "q5_0", "q5_0_rows", "q5_0_q8x_rows", "q5_1", "q5_1_rows", "q6_k",
            "q6_k_rows"]
 
 _lock = threading.Lock()
@@ -148,6 +148,19 @@ def q4_k_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, sub: t
     scratch = torch.empty(rows * (width // 32), dtype=torch.float32)
     _state["q4_k_rows"](x.data_ptr(), weight.data_ptr(), scale.data_ptr(), sub.data_ptr(), scratch.data_ptr(),
                         None if bias is None else bias.data_ptr(), out.data_ptr(), rows, weight.shape[0], width, 0)
+    return out
+
+
+def q5_0_q8x_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, high: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """As :func:`q5_0_rows` with ``x`` first rounded to Q8_0 blocks (as :func:`quantize_q8_rows` rounds it), then
+    integer dot products per block: ``quantize q5_0 activations=int8``, llama.cpp's Q5_0 x Q8_0 arithmetic."""
+    width = x.shape[-1]
+    out = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
+    if _state["q5_0_q8x_rows"](x.data_ptr(), weight.data_ptr(), high.data_ptr(), scale.data_ptr(),
+                               None if bias is None else bias.data_ptr(), out.data_ptr(),
+                               x.numel() // width if width else 0, weight.shape[0], width, 0):
+        raise MemoryError(f"q5_0_q8x_rows: no memory for the rounded activations of a {tuple(x.shape)} input")
     return out
 
 
@@ -315,6 +328,18 @@ def _(x, weight, scale, sub, bias):
     return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
 
 
+@torch.library.custom_op("transformdsl::q5_0_q8_rows", mutates_args=())
+def _q5_0_q8_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, high: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    _library()
+    return q5_0_q8x_rows(x, weight, scale, high, bias)
+
+
+@_q5_0_q8_op.register_fake
+def _(x, weight, scale, high, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
+
+
 @torch.library.custom_op("transformdsl::q5_1_rows", mutates_args=())
 def _q5_1_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, high: torch.Tensor,
              bias: torch.Tensor | None) -> torch.Tensor:
@@ -423,8 +448,11 @@ def q5_k(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, sub: torch.
 
 
 def q5_0(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, high: torch.Tensor,
-         bias: torch.Tensor | None) -> torch.Tensor:
-    """As :func:`rows`, for ``quantize q5_0`` layers (:func:`q5_0_rows`)."""
+         bias: torch.Tensor | None, activations: str = "float") -> torch.Tensor:
+    """As :func:`rows`, for ``quantize q5_0`` layers (:func:`q5_0_rows`; ``activations="int8"``:
+    :func:`q5_0_q8x_rows`)."""
+    if activations == "int8":
+        return _run(q5_0_q8x_rows, _q5_0_q8_op, x, weight, bias, scale, high)
     return _run(q5_0_rows, _q5_0_op, x, weight, bias, scale, high)
 
 

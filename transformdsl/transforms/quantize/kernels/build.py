@@ -48,6 +48,7 @@ SIGNATURES = {
     "q4_0_q8x_rows": [_P] * 5 + [_N] * 3 + [_I],
     "q4_1_q8x_rows": [_P] * 5 + [_N] * 3 + [_I],
     "int4_q8x_rows": [_P] * 4 + [_I, _N] + [_P] * 2 + [_N] * 3 + [_I],
+    "q5_0_q8x_rows": [_P] * 6 + [_N] * 3 + [_I],
 }
 FUNCTIONS = tuple(SIGNATURES)
 
@@ -244,7 +245,35 @@ def _self_check(library: ctypes.CDLL) -> str | None:
             return f"the compiled {name} failed its self-check (largest error {(out - reference).abs().max():.3g})"
     if _int4_q8x_wrong(library, generator):
         return "the compiled int4_q8x_rows failed its self-check"
+    if _q5_0_q8x_wrong(library, generator):
+        return "the compiled q5_0_q8x_rows failed its self-check"
     return None
+
+
+def _rounded(x: torch.Tensor) -> torch.Tensor:
+    """x (rows, K) rounded to Q8_0 blocks as quantize_q8_rows rounds it, in float64: q from d as computed, times d
+    rounded to float16 (a tie may round either way: within the callers' tolerance)."""
+    blocks = x.double().reshape(x.shape[0], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(blocks / d) * d.float().half().double()).reshape(x.shape)
+
+
+def _q5_0_q8x_wrong(library: ctypes.CDLL, generator: torch.Generator) -> bool:
+    """Whether q5_0_q8x_rows misses the float64 product of random Q5_0 blocks (five: a step of four and one more)
+    with x rounded to Q8_0 blocks (three input rows)."""
+    rows, width = 21, 160
+    x = torch.randn(3, width, generator=generator)
+    nibbles = torch.randint(0, 256, (rows, width // 2), dtype=torch.uint8, generator=generator)
+    high = torch.randint(0, 256, (rows, width // 32, 4), dtype=torch.uint8, generator=generator)
+    d = (torch.rand(rows, width // 32, generator=generator) + 0.5).half()
+    blocks = nibbles.reshape(rows, -1, 16)
+    low = torch.cat((blocks & 15, blocks >> 4), dim=-1).long()
+    word = (high.long() << torch.tensor([0, 8, 16, 24])).sum(-1, keepdim=True)
+    weight = ((low | (((word >> torch.arange(32)) & 1) << 4)) - 16).double() * d.double()[..., None]
+    out = torch.empty(3, rows)
+    library.q5_0_q8x_rows(x.data_ptr(), nibbles.data_ptr(), high.data_ptr(), d.data_ptr(), None, out.data_ptr(),
+                          3, rows, width, 1)
+    return not torch.allclose(out.double(), _rounded(x) @ weight.reshape(rows, width).T, rtol=1e-4, atol=1e-3)
 
 
 def _int4_q8x_wrong(library: ctypes.CDLL, generator: torch.Generator) -> bool:

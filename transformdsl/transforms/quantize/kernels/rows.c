@@ -853,14 +853,15 @@ static inline float int4_zero_term(const int4_groups *grp, int64_t r, int64_t gr
  * (``grp``; x's blocks reordered to (even inputs, odd inputs) as int4_rows reads them, so that the nibbles pair
  * with them as Q4_0's do; ``sx``: per group, the sum of its rounded x, which the zeros multiply) */
 INLINE void q8x_block(const int8_t *x, const float *dx, const float *sx, const uint8_t *w, const uint16_t *d,
-                      const int4_groups *grp, int64_t n, int64_t rows, int64_t K, const int mt, int fetch,
-                      const int kind, float out[MT_MAX][ROWS])
+                      const int4_groups *grp, const uint8_t *qh, int64_t n, int64_t rows, int64_t K, const int mt,
+                      int fetch, const int kind, float out[MT_MAX][ROWS])
 {
-    const int q4 = kind != 0, pairs = kind == 2 ? 2 : 1, centred = kind == 1 || kind == 3;
+    /* centre: what the stored unsigned values stand above zero (Q4_0 and int4: 8, Q5_0 with its fifth bits: 16) */
+    const int q4 = kind != 0, pairs = kind == 2 ? 2 : 1, centre = kind == 4 ? 16 : (kind == 1 || kind == 3) ? 8 : 0;
     const int64_t blocks = K / 32, row_bytes = q4 ? K / 2 : K, block_bytes = q4 ? 16 : 32;
     const int64_t groups = kind == 3 ? K / grp->G : 0, per_group = kind == 3 ? grp->G / 32 : 1;
     const int group_shift = __builtin_ctzll((unsigned long long)per_group);  /* (G / 32 is a power of 2: no division) */
-    const uint8_t *wr[ROWS];
+    const uint8_t *wr[ROWS], *hr[ROWS];
     const uint16_t *dr[ROWS];
     qf acc[MT_MAX][ROWS];
     float macc[MT_MAX][ROWS];  /* Q4_1: sum of m_w * s_x */
@@ -872,6 +873,7 @@ INLINE void q8x_block(const int8_t *x, const float *dx, const float *sx, const u
     for (int i = 0; i < ROWS; i++) {
         int64_t r = n + (i < rows ? i : 0);
         wr[i] = w + r * row_bytes;
+        hr[i] = kind == 4 ? qh + r * blocks * 4 : NULL;  /* Q5_0: each block's fifth bits, a 32-bit word */
         dr[i] = kind == 3 ? NULL : d + r * blocks * pairs;
         if (kind == 3 && fetch) {  /* the next rows' scales and zeros (q4's d are prefetched in the loop) */
             const int64_t size = grp->bf ? 2 : 4, next = (r + ROWS) * groups * size;
@@ -980,8 +982,8 @@ INLINE void q8x_block(const int8_t *x, const float *dx, const float *sx, const u
                 XL[j] = _mm512_shuffle_i64x2(X0, X1, _MM_SHUFFLE(2, 0, 2, 0));
                 XH[j] = _mm512_shuffle_i64x2(X0, X1, _MM_SHUFFLE(3, 1, 3, 1));
                 negc[j] = _mm512_setzero_si512();
-                if (centred) {  /* minus 8 times the lane's sum of q_x */
-                    __m512i eights = _mm512_set1_epi8(8);
+                if (centre) {  /* minus 8 (16) times the lane's sum of q_x */
+                    __m512i eights = _mm512_set1_epi8((char)centre);
                     negc[j] = _mm512_sub_epi32(negc[j], _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(
                         _mm512_setzero_si512(), eights, XL[j]), eights, XH[j]));
                 }
@@ -991,6 +993,18 @@ INLINE void q8x_block(const int8_t *x, const float *dx, const float *sx, const u
             for (int i = 0; i < ROWS; i++) {
                 __m512i W = load_first(wr[i] + at, left * 16);
                 __m512i L = _mm512_and_si512(W, low), H = _mm512_and_si512(_mm512_srli_epi16(W, 4), low);
+                if (kind == 4) {  /* Q5_0: 16 added where the fifth bit is set (bits 0-15: L's lanes, 16-31: H's) */
+                    uint32_t word[4] = {0, 0, 0, 0};
+                    memcpy(word, hr[i] + b * 4, (size_t)(left < 4 ? left : 4) * 4);
+                    uint64_t lo_bits = 0, hi_bits = 0;
+                    for (int k = 0; k < 4; k++) {
+                        lo_bits |= (uint64_t)(word[k] & 0xFFFFu) << (16 * k);
+                        hi_bits |= (uint64_t)(word[k] >> 16) << (16 * k);
+                    }
+                    const __m512i sixteen = _mm512_set1_epi8(16);
+                    L = _mm512_mask_add_epi8(L, (__mmask64)lo_bits, L, sixteen);
+                    H = _mm512_mask_add_epi8(H, (__mmask64)hi_bits, H, sixteen);
+                }
                 for (int j = 0; j < mt; j++) {
                     __m512i t = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(negc[j], L, XL[j]), H, XH[j]);
                     __m512 scale = _mm512_permutexvar_ps(lane, _mm512_castps128_ps512(_mm_loadu_ps(&ds[j][i][c])));
@@ -1023,15 +1037,24 @@ INLINE void q8x_block(const int8_t *x, const float *dx, const float *sx, const u
             for (int j = 0; j < mt; j++) {
                 X[j] = _mm256_loadu_si256((const __m256i *)(xb + j * K));
                 negc[j] = _mm256_setzero_si256();
-                if (centred)  /* minus 8 times the block's sum of q_x */
-                    negc[j] = _mm256_sub_epi32(negc[j],
-                                               _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(8), X[j]), ones));
+                if (centre)  /* minus 8 (16) times the block's sum of q_x */
+                    negc[j] = _mm256_sub_epi32(negc[j], _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(_mm256_set1_epi8((char)centre), X[j]), ones));
             }
             for (int i = 0; i < ROWS; i++) {
                 const uint8_t *q = wr[i] + at;
                 if (q4) {
                     __m128i raw = _mm_loadu_si128((const __m128i *)q);
                     __m256i W = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(15));
+                    if (kind == 4) {  /* Q5_0: lane k is input k; its fifth bit is bit k of the block's word */
+                        uint32_t word;
+                        memcpy(&word, hr[i] + b * 4, 4);
+                        const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)word), _mm256_setr_epi8(
+                            0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+                        const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+                        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
+                        W = _mm256_or_si256(W, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+                    }
                     for (int j = 0; j < mt; j++) {
                         __m256i t = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(W, X[j]), ones), negc[j]);
                         acc[j][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(ds[j][i][c]), acc[j][i]);
@@ -1050,9 +1073,12 @@ INLINE void q8x_block(const int8_t *x, const float *dx, const float *sx, const u
                 for (int j = 0; j < mt; j++) {
                     const int8_t *xj = xb + j * K;
                     int32_t t = 0;
+                    uint32_t word = 0;
+                    if (kind == 4) memcpy(&word, hr[i] + b * 4, 4);
                     if (q4)
                         for (int e = 0; e < 16; e++)
-                            t += ((q[e] & 15) - (centred ? 8 : 0)) * xj[e] + ((q[e] >> 4) - (centred ? 8 : 0)) * xj[e + 16];
+                            t += ((int)((q[e] & 15) | (((word >> e) & 1) << 4)) - centre) * xj[e]
+                                 + ((int)((q[e] >> 4) | (((word >> (16 + e)) & 1) << 4)) - centre) * xj[e + 16];
                     else
                         for (int e = 0; e < 32; e++) t += (int8_t)q[e] * xj[e];
                     acc[j][i] += (float)t * ds[j][i][c];
@@ -1075,9 +1101,9 @@ INLINE void q8x_block(const int8_t *x, const float *dx, const float *sx, const u
 #define Q8X_LOOP(KIND)                                                                        \
     const int64_t nb = K / 32;                                                              \
     ROW_LOOP(Q8X_CALL_##KIND)
-#define Q8X_CALL_0(MT) q8x_block(x + m * K, dx + m * nb, NULL, w, d, NULL, n, rows, K, MT, m == 0, 0, out)
-#define Q8X_CALL_1(MT) q8x_block(x + m * K, dx + m * nb, NULL, w, d, NULL, n, rows, K, MT, m == 0, 1, out)
-#define Q8X_CALL_2(MT) q8x_block(x + m * K, dx + m * nb, sx + m * nb, w, d, NULL, n, rows, K, MT, m == 0, 2, out)
+#define Q8X_CALL_0(MT) q8x_block(x + m * K, dx + m * nb, NULL, w, d, NULL, NULL, n, rows, K, MT, m == 0, 0, out)
+#define Q8X_CALL_1(MT) q8x_block(x + m * K, dx + m * nb, NULL, w, d, NULL, NULL, n, rows, K, MT, m == 0, 1, out)
+#define Q8X_CALL_2(MT) q8x_block(x + m * K, dx + m * nb, sx + m * nb, w, d, NULL, NULL, n, rows, K, MT, m == 0, 2, out)
 
 void q8_0_q8_rows(const int8_t *x, const float *dx, const uint8_t *w, const uint16_t *d, const float *bias,
                   float *y, int64_t M, int64_t N, int64_t K, int threads)
@@ -1181,8 +1207,27 @@ int int4_q8x_rows(const float *x, const uint8_t *w, const void *scale, const voi
             zx[m * groups + g] = sum;
         }
     const int4_groups grp = {scale, zero, bf, G};
-#define INT4X_CALL(MT) q8x_block(x8 + m * K, dx + m * nb, zx + m * groups, w, NULL, &grp, n, rows, K, MT, m == 0, 3, out)
+#define INT4X_CALL(MT) q8x_block(x8 + m * K, dx + m * nb, zx + m * groups, w, NULL, &grp, NULL, n, rows, K, MT, m == 0, 3, \
+                                 out)
     ROW_LOOP(INT4X_CALL)
     free(xp);
+    return 0;
+}
+
+/* ``quantize q5_0 activations=int8``: x rounded to Q8_0 blocks (quantize_q8_rows), then per block the integer dot
+ * product of the 5-bit values (0..31, the fifth bits from ``qh`` as q5_0_rows takes them) with q_x, minus 16 times
+ * the block's sum of q_x, times d_w * d_x: llama.cpp's ggml_vec_dot_q5_0_q8_0, up to float32 summation order.
+ * Returns 0, or -1 (nothing written) when the buffer for the rounded x cannot be allocated. */
+int q5_0_q8x_rows(const float *x, const uint8_t *w, const uint8_t *qh, const uint16_t *d, const float *bias,
+                  float *y, int64_t M, int64_t N, int64_t K, int threads)
+{
+    const int64_t nb = K / 32;
+    float *dx = malloc((size_t)(M * nb) * sizeof(float) + (size_t)(M * K) + 1);
+    if (!dx) return -1;
+    int8_t *q = (int8_t *)(dx + M * nb);
+    quantize_q8_rows(x, q, dx, NULL, M, K);
+#define Q5X_CALL(MT) q8x_block(q + m * K, dx + m * nb, NULL, w, d, NULL, qh, n, rows, K, MT, m == 0, 4, out)
+    ROW_LOOP(Q5X_CALL)
+    free(dx);
     return 0;
 }
