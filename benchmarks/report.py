@@ -585,6 +585,8 @@ def serving_section() -> str:
     # bench_decode_kernels.py --layers ... --out decode_kernels_int4.md: quantize int4 with activations=int8
     text += _subsection("decode_kernels_int4.md", "quantize int4 activations=int8: int4's groups multiplied as "
                         "integers, beside float activations and q4_0")
+    # bench_decode_kernels.py --layers q5_0 'q5_0 activations=int8' ...: Q5_0 with llama.cpp's arithmetic
+    text += _subsection("decode_kernels_q5_0.md", "quantize q5_0 activations=int8 beside float activations and q4_0's")
     # bench_int8_activations.py: why activations=int8 (llama.cpp's arithmetic) decodes faster
     text += _subsection("int8_activations.md", "activations=int8: llama.cpp's arithmetic in our kernels, against "
                         "float32 activations")

@@ -723,7 +723,8 @@ void int4_rows(const float *x, const uint8_t *w, const void *scale, const void *
  * Vector paths: AVX512-VNNI (vpdpbusd: Q8_0 two blocks a step, Q4_0/Q4_1 four), AVX2 (vpmaddubsw +
  * vpmaddwd, one block a step), plain C.
  *   Q8_0 x Q8_0 (VNNI): the weight made unsigned (w ^ 0x80 = w + 128), minus 128 * sum(q_x) per lane;
- *   Q4_0 (VNNI): nibbles 0..15 times q_x, minus 8 * sum(q_x);  Q4_1: nibbles times q_x, no correction.
+ *   Q4_0 (VNNI): nibbles 0..15 times q_x, minus 8 * sum(q_x);  Q4_1: nibbles times q_x, no correction;
+ *   Q5_0: the nibbles plus 16 where the fifth bit is set (a masked byte add), minus 16 * sum(q_x).
  *   AVX2 Q8_0: llama.cpp's sign trick (|w| times sign(w) * q_x, |q_x| <= 127 so nothing saturates).
  * Measured against the float32-activation kernels above: benchmarks/bench_int8_activations.py. */
 #include <math.h>
@@ -994,13 +995,14 @@ INLINE void q8x_block(const int8_t *x, const float *dx, const float *sx, const u
                 __m512i W = load_first(wr[i] + at, left * 16);
                 __m512i L = _mm512_and_si512(W, low), H = _mm512_and_si512(_mm512_srli_epi16(W, 4), low);
                 if (kind == 4) {  /* Q5_0: 16 added where the fifth bit is set (bits 0-15: L's lanes, 16-31: H's) */
-                    uint32_t word[4] = {0, 0, 0, 0};
-                    memcpy(word, hr[i] + b * 4, (size_t)(left < 4 ? left : 4) * 4);
-                    uint64_t lo_bits = 0, hi_bits = 0;
-                    for (int k = 0; k < 4; k++) {
-                        lo_bits |= (uint64_t)(word[k] & 0xFFFFu) << (16 * k);
-                        hi_bits |= (uint64_t)(word[k] >> 16) << (16 * k);
-                    }
+                    /* the 4 blocks' words (zeros past the chunk), their low halves gathered into one 64-bit mask
+                     * and their high halves into another (a byte shuffle: no scalar loop per step) */
+                    const __m128i words = _mm_maskz_loadu_epi32((__mmask8)((1u << (left < 4 ? left : 4)) - 1),
+                                                                hr[i] + b * 4);
+                    const __m128i halves = _mm_shuffle_epi8(words, _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13,
+                                                                                 2, 3, 6, 7, 10, 11, 14, 15));
+                    const uint64_t lo_bits = (uint64_t)_mm_cvtsi128_si64(halves);
+                    const uint64_t hi_bits = (uint64_t)_mm_extract_epi64(halves, 1);
                     const __m512i sixteen = _mm512_set1_epi8(16);
                     L = _mm512_mask_add_epi8(L, (__mmask64)lo_bits, L, sixteen);
                     H = _mm512_mask_add_epi8(H, (__mmask64)hi_bits, H, sixteen);
