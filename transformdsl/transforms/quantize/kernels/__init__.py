@@ -292,100 +292,57 @@ COMPILED = {kind: _custom_op(kind) for kind in EAGER}
 COMPILED_INT8 = {kind: _custom_op(kind, eager, f"{kind}_q8_rows") for kind, eager in EAGER_INT8.items()}
 
 
-@torch.library.custom_op("transformdsl::int4_rows", mutates_args=())
-def _int4_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
-             bias: torch.Tensor | None) -> torch.Tensor:
-    _library()
-    return int4_rows(x, weight, scale, zero, group_size, bias)
+# The kernels with more operands than (x, weight, scale, bias), one factory per signature (custom_op reads the
+# operands' types from the signature, so each arity is written once).
+def _op_extra(name: str, eager):
+    """``torch.ops.transformdsl.<name>`` for a kernel taking ``(x, weight, scale, extra, bias)``."""
+    @torch.library.custom_op(f"transformdsl::{name}", mutates_args=())
+    def op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, extra: torch.Tensor,
+           bias: torch.Tensor | None) -> torch.Tensor:
+        _library()
+        return eager(x, weight, scale, extra, bias)
+
+    @op.register_fake
+    def _(x, weight, scale, extra, bias):
+        return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
+
+    return op
 
 
-@_int4_op.register_fake
-def _(x, weight, scale, zero, group_size, bias):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
+def _op_two_extra(name: str, eager):
+    """``torch.ops.transformdsl.<name>`` for a kernel taking ``(x, weight, scale, first, second, bias)``."""
+    @torch.library.custom_op(f"transformdsl::{name}", mutates_args=())
+    def op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, first: torch.Tensor, second: torch.Tensor,
+           bias: torch.Tensor | None) -> torch.Tensor:
+        _library()
+        return eager(x, weight, scale, first, second, bias)
+
+    @op.register_fake
+    def _(x, weight, scale, first, second, bias):
+        return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
+
+    return op
 
 
-@torch.library.custom_op("transformdsl::int4_q8_rows", mutates_args=())
-def _int4_q8_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
-                bias: torch.Tensor | None) -> torch.Tensor:
-    _library()
-    return int4_q8x_rows(x, weight, scale, zero, group_size, bias)
+def _op_groups(name: str, eager):
+    """``torch.ops.transformdsl.<name>`` for a ``quantize int4`` kernel: ``(x, weight, scale, zero, group_size, bias)``."""
+    @torch.library.custom_op(f"transformdsl::{name}", mutates_args=())
+    def op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+           bias: torch.Tensor | None) -> torch.Tensor:
+        _library()
+        return eager(x, weight, scale, zero, group_size, bias)
+
+    @op.register_fake
+    def _(x, weight, scale, zero, group_size, bias):
+        return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
+
+    return op
 
 
-@_int4_q8_op.register_fake
-def _(x, weight, scale, zero, group_size, bias):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
-
-
-@torch.library.custom_op("transformdsl::q4_k_rows", mutates_args=())
-def _q4_k_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, sub: torch.Tensor,
-             bias: torch.Tensor | None) -> torch.Tensor:
-    _library()
-    return q4_k_rows(x, weight, scale, sub, bias)
-
-
-@_q4_k_op.register_fake
-def _(x, weight, scale, sub, bias):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
-
-
-@torch.library.custom_op("transformdsl::q5_0_q8_rows", mutates_args=())
-def _q5_0_q8_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, high: torch.Tensor,
-                bias: torch.Tensor | None) -> torch.Tensor:
-    _library()
-    return q5_0_q8x_rows(x, weight, scale, high, bias)
-
-
-@_q5_0_q8_op.register_fake
-def _(x, weight, scale, high, bias):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
-
-
-@torch.library.custom_op("transformdsl::q5_1_rows", mutates_args=())
-def _q5_1_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, high: torch.Tensor,
-             bias: torch.Tensor | None) -> torch.Tensor:
-    _library()
-    return q5_1_rows(x, weight, scale, high, bias)
-
-
-@_q5_1_op.register_fake
-def _(x, weight, scale, high, bias):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
-
-
-@torch.library.custom_op("transformdsl::q5_k_rows", mutates_args=())
-def _q5_k_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, sub: torch.Tensor, high: torch.Tensor,
-             bias: torch.Tensor | None) -> torch.Tensor:
-    _library()
-    return q5_k_rows(x, weight, scale, sub, high, bias)
-
-
-@_q5_k_op.register_fake
-def _(x, weight, scale, sub, high, bias):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
-
-
-@torch.library.custom_op("transformdsl::q5_0_rows", mutates_args=())
-def _q5_0_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, high: torch.Tensor,
-             bias: torch.Tensor | None) -> torch.Tensor:
-    _library()
-    return q5_0_rows(x, weight, scale, high, bias)
-
-
-@_q5_0_op.register_fake
-def _(x, weight, scale, high, bias):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
-
-
-@torch.library.custom_op("transformdsl::q6_k_rows", mutates_args=())
-def _q6_k_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, high: torch.Tensor, sub: torch.Tensor,
-             bias: torch.Tensor | None) -> torch.Tensor:
-    _library()
-    return q6_k_rows(x, weight, scale, high, sub, bias)
-
-
-@_q6_k_op.register_fake
-def _(x, weight, scale, high, sub, bias):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
+_int4_op, _int4_q8_op = _op_groups("int4_rows", int4_rows), _op_groups("int4_q8_rows", int4_q8x_rows)
+_q4_k_op, _q5_0_op = _op_extra("q4_k_rows", q4_k_rows), _op_extra("q5_0_rows", q5_0_rows)
+_q5_0_q8_op, _q5_1_op = _op_extra("q5_0_q8_rows", q5_0_q8x_rows), _op_extra("q5_1_rows", q5_1_rows)
+_q5_k_op, _q6_k_op = _op_two_extra("q5_k_rows", q5_k_rows), _op_two_extra("q6_k_rows", q6_k_rows)
 
 
 def _run(eager, compiled, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *args) -> torch.Tensor:

@@ -245,9 +245,19 @@ def _self_check(library: ctypes.CDLL) -> str | None:
             return f"the compiled {name} failed its self-check (largest error {(out - reference).abs().max():.3g})"
     if _int4_q8x_wrong(library, generator):
         return "the compiled int4_q8x_rows failed its self-check"
-    if _q5_0_q8x_wrong(library, generator):
+    if _q5_0_wrong(library, generator, int8=True):
         return "the compiled q5_0_q8x_rows failed its self-check"
     return None
+
+
+def _q5_values(nibbles: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """ggml's Q5_0/Q5_1 values 0..31, (rows, blocks, 32) int64, from the nibbles (rows, in/2: byte j of a block holding
+    input j low and j + 16 high) and the fifth bits (rows, in/32, 4: a little-endian word, bit j for input j).
+    (gguf_blocks.unpack_q5_0 is this; it imports the kernels, so the check cannot import it.)"""
+    blocks = nibbles.reshape(nibbles.shape[0], -1, 16)
+    low = torch.cat((blocks & 15, blocks >> 4), dim=-1).long()
+    word = (high.long() << torch.tensor([0, 8, 16, 24])).sum(-1, keepdim=True)
+    return low | (((word >> torch.arange(32)) & 1) << 4)
 
 
 def _rounded(x: torch.Tensor) -> torch.Tensor:
@@ -256,24 +266,6 @@ def _rounded(x: torch.Tensor) -> torch.Tensor:
     blocks = x.double().reshape(x.shape[0], -1, 32)
     d = blocks.abs().amax(-1, keepdim=True) / 127
     return (torch.round(blocks / d) * d.float().half().double()).reshape(x.shape)
-
-
-def _q5_0_q8x_wrong(library: ctypes.CDLL, generator: torch.Generator) -> bool:
-    """Whether q5_0_q8x_rows misses the float64 product of random Q5_0 blocks (five: a step of four and one more)
-    with x rounded to Q8_0 blocks (three input rows)."""
-    rows, width = 21, 160
-    x = torch.randn(3, width, generator=generator)
-    nibbles = torch.randint(0, 256, (rows, width // 2), dtype=torch.uint8, generator=generator)
-    high = torch.randint(0, 256, (rows, width // 32, 4), dtype=torch.uint8, generator=generator)
-    d = (torch.rand(rows, width // 32, generator=generator) + 0.5).half()
-    blocks = nibbles.reshape(rows, -1, 16)
-    low = torch.cat((blocks & 15, blocks >> 4), dim=-1).long()
-    word = (high.long() << torch.tensor([0, 8, 16, 24])).sum(-1, keepdim=True)
-    weight = ((low | (((word >> torch.arange(32)) & 1) << 4)) - 16).double() * d.double()[..., None]
-    out = torch.empty(3, rows)
-    library.q5_0_q8x_rows(x.data_ptr(), nibbles.data_ptr(), high.data_ptr(), d.data_ptr(), None, out.data_ptr(),
-                          3, rows, width, 1)
-    return not torch.allclose(out.double(), _rounded(x) @ weight.reshape(rows, width).T, rtol=1e-4, atol=1e-3)
 
 
 def _int4_q8x_wrong(library: ctypes.CDLL, generator: torch.Generator) -> bool:
@@ -287,9 +279,7 @@ def _int4_q8x_wrong(library: ctypes.CDLL, generator: torch.Generator) -> bool:
     zero = (torch.randn(rows, width // group, generator=generator) * 0.1).bfloat16()
     values = torch.stack((nibbles & 15, nibbles >> 4), dim=-1).reshape(rows, -1, group).double()
     weight = ((values - 8) * scale.double()[..., None] + zero.double()[..., None]).reshape(rows, width)
-    blocks = x.double().reshape(3, -1, 32)
-    d = blocks.abs().amax(-1, keepdim=True) / 127  # q from d as computed, times d rounded to float16
-    rounded = (torch.round(blocks / d) * d.float().half().double()).reshape(3, width)  # (a tie: within tolerance)
+    rounded = _rounded(x)
     out = torch.empty(3, rows)
     library.int4_q8x_rows(x.data_ptr(), nibbles.data_ptr(), scale.data_ptr(), zero.data_ptr(), 1, group, None,
                           out.data_ptr(), 3, rows, width, 1)
@@ -325,11 +315,7 @@ def _q5_1_wrong(library: ctypes.CDLL, generator: torch.Generator) -> bool:
     high = torch.randint(0, 256, (rows, width // 32, 4), dtype=torch.uint8, generator=generator)
     dm = torch.stack(((torch.rand(rows, width // 32, generator=generator) + 0.5),
                       torch.randn(rows, width // 32, generator=generator)), dim=-1).half()
-    blocks = nibbles.reshape(rows, -1, 16)
-    low = torch.cat((blocks & 15, blocks >> 4), dim=-1).long()
-    word = (high.long() << torch.tensor([0, 8, 16, 24])).sum(-1, keepdim=True)
-    q = (low | (((word >> torch.arange(32)) & 1) << 4)).double()
-    weight = q * dm[..., 0].double()[..., None] + dm[..., 1].double()[..., None]
+    weight = _q5_values(nibbles, high).double() * dm[..., 0].double()[..., None] + dm[..., 1].double()[..., None]
     out, scratch = torch.empty(3, rows), torch.empty(3 * width // 32)
     library.q5_1_rows(x.data_ptr(), nibbles.data_ptr(), high.data_ptr(), dm.data_ptr(), scratch.data_ptr(), None,
                       out.data_ptr(), 3, rows, width, 1)
@@ -358,22 +344,21 @@ def _q5_k_wrong(library: ctypes.CDLL, generator: torch.Generator) -> bool:
     return not torch.allclose(out.double(), x.double() @ weight.reshape(rows, width).T, rtol=1e-5, atol=1e-4)
 
 
-def _q5_0_wrong(library: ctypes.CDLL, generator: torch.Generator) -> bool:
+def _q5_0_wrong(library: ctypes.CDLL, generator: torch.Generator, int8: bool = False) -> bool:
     """Whether q5_0_rows misses the float64 product with ggml's dequantization of random Q5_0 blocks (three
-    blocks, three input rows: the fifth bit of input j is bit j of the block's little-endian word)."""
-    rows, width = 21, 96
+    blocks, three input rows: the fifth bit of input j is bit j of the block's little-endian word); with ``int8``,
+    whether q5_0_q8x_rows misses it with x rounded to Q8_0 blocks (five blocks: a step of four and one more)."""
+    rows, width = 21, 160 if int8 else 96
     x = torch.randn(3, width, generator=generator)
     nibbles = torch.randint(0, 256, (rows, width // 2), dtype=torch.uint8, generator=generator)
     high = torch.randint(0, 256, (rows, width // 32, 4), dtype=torch.uint8, generator=generator)
     d = (torch.rand(rows, width // 32, generator=generator) + 0.5).half()
-    blocks = nibbles.reshape(rows, -1, 16)
-    low = torch.cat((blocks & 15, blocks >> 4), dim=-1).long()
-    word = (high.long() << torch.tensor([0, 8, 16, 24])).sum(-1, keepdim=True)
-    bits = (word >> torch.arange(32)) & 1
-    weight = ((low | (bits << 4)) - 16).double() * d.double()[..., None]
+    weight = (_q5_values(nibbles, high) - 16).double() * d.double()[..., None]
     out = torch.empty(3, rows)
-    library.q5_0_rows(x.data_ptr(), nibbles.data_ptr(), high.data_ptr(), d.data_ptr(), None, out.data_ptr(),
-                      3, rows, width, 1)
+    getattr(library, "q5_0_q8x_rows" if int8 else "q5_0_rows")(x.data_ptr(), nibbles.data_ptr(), high.data_ptr(),
+                                                              d.data_ptr(), None, out.data_ptr(), 3, rows, width, 1)
+    if int8:
+        return not torch.allclose(out.double(), _rounded(x) @ weight.reshape(rows, width).T, rtol=1e-4, atol=1e-3)
     return not torch.allclose(out.double(), x.double() @ weight.reshape(rows, width).T, rtol=1e-5, atol=1e-4)
 
 
