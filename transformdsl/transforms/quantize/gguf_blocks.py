@@ -172,18 +172,23 @@ def quantize_q5_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     high = torch.empty(rows, cols // BLOCK, 4, dtype=torch.uint8, device=weight.device)
     if weight.is_meta:
         return packed, scale, high
-    bit = torch.arange(BLOCK, device=weight.device)
     for start, blocks in _chunks(weight):
         index = blocks.abs().argmax(dim=-1, keepdim=True)  # the first of equal magnitudes, as ggml's strict <
         d = torch.gather(blocks, -1, index) / -16
         q = torch.trunc(blocks * _inverse(d) + 16.5).clamp_(0, 31).to(torch.int64)
-        nibbles = (q[..., :BLOCK // 2] & 0xF) | ((q[..., BLOCK // 2:] & 0xF) << 4)
-        word = ((q >> 4) << bit).sum(-1, keepdim=True)
         count = len(blocks)
-        packed[start:start + count] = nibbles.to(torch.uint8).reshape(count, cols // 2)
+        packed[start:start + count], high[start:start + count] = _pack_q5(q, cols)
         scale[start:start + count] = d.squeeze(-1).to(torch.float16)
-        high[start:start + count] = ((word >> torch.tensor([0, 8, 16, 24], device=word.device)) & 0xFF).to(torch.uint8)
     return packed, scale, high
+
+
+def _pack_q5(q: torch.Tensor, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """5-bit values (rows, in/32, 32) int64 -> (the low 4 bits as Q4_0's nibbles (rows, in/2), each block's fifth bits
+    as GGUF's little-endian ``qh`` word (rows, in/32, 4)), uint8: Q5_0's and Q5_1's layout."""
+    nibbles = (q[..., :BLOCK // 2] & 0xF) | ((q[..., BLOCK // 2:] & 0xF) << 4)
+    word = ((q >> 4) << torch.arange(BLOCK, device=q.device)).sum(-1, keepdim=True)
+    high = (word >> torch.tensor([0, 8, 16, 24], device=q.device)) & 0xFF
+    return nibbles.to(torch.uint8).reshape(len(q), cols // 2), high.to(torch.uint8)
 
 
 def quantize_q5_1(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -196,17 +201,13 @@ def quantize_q5_1(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     high = torch.empty(rows, cols // BLOCK, 4, dtype=torch.uint8, device=weight.device)
     if weight.is_meta:
         return packed, scale, high
-    bit = torch.arange(BLOCK, device=weight.device)
     for start, blocks in _chunks(weight):
         low = blocks.amin(dim=-1, keepdim=True)
         d = (blocks.amax(dim=-1, keepdim=True) - low) / 31
         q = torch.trunc((blocks - low) * _inverse(d) + 0.5).clamp_(0, 31).to(torch.int64)
-        nibbles = (q[..., :BLOCK // 2] & 0xF) | ((q[..., BLOCK // 2:] & 0xF) << 4)
-        word = ((q >> 4) << bit).sum(-1, keepdim=True)
         count = len(blocks)
-        packed[start:start + count] = nibbles.to(torch.uint8).reshape(count, cols // 2)
+        packed[start:start + count], high[start:start + count] = _pack_q5(q, cols)
         scale[start:start + count] = torch.cat((d, low), dim=-1).to(torch.float16)
-        high[start:start + count] = ((word >> torch.tensor([0, 8, 16, 24], device=word.device)) & 0xFF).to(torch.uint8)
     return packed, scale, high
 
 
